@@ -1,0 +1,169 @@
+//! The crate's one error type.
+
+use std::fmt;
+
+/// A boxed error, as kept in [`Error::source`](std::error::Error::source).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What went wrong, for matching. New kinds may be added.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// An envelope attribute is invalid (event type, source, subject, id, spec version),
+    /// or a message is not a CloudEvents 1.0 structured-mode JSON envelope.
+    InvalidEnvelope,
+    /// No schema is registered for the event type.
+    UnknownEventType,
+    /// The payload does not satisfy its event type's JSON Schema.
+    SchemaViolation,
+    /// A schema file could not be read or compiled.
+    InvalidSchema,
+    /// A payload could not be encoded to or decoded from JSON.
+    Serialization,
+    /// The database reported an error.
+    Database,
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::InvalidEnvelope => "invalid envelope",
+            Self::UnknownEventType => "unknown event type",
+            Self::SchemaViolation => "schema violation",
+            Self::InvalidSchema => "invalid schema",
+            Self::Serialization => "serialization error",
+            Self::Database => "database error",
+        })
+    }
+}
+
+/// One way a payload fails its schema.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    /// JSON pointer into the payload (`""` is the payload itself).
+    pub instance_path: String,
+    /// JSON pointer into the schema, to the keyword that failed.
+    pub schema_path: String,
+    /// Why it failed.
+    pub message: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let path = if self.instance_path.is_empty() {
+            "/"
+        } else {
+            &self.instance_path
+        };
+        write!(f, "at {path}: {}", self.message)
+    }
+}
+
+/// The error of every fallible call in this crate.
+///
+/// Match on [`Error::kind`]; the underlying cause, where there is one, is the
+/// [`source`](std::error::Error::source).
+#[derive(Debug)]
+pub struct Error {
+    inner: Box<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    kind: ErrorKind,
+    message: String,
+    event_type: Option<String>,
+    violations: Vec<Violation>,
+    source: Option<BoxError>,
+}
+
+impl Error {
+    pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            inner: Box::new(Inner {
+                kind,
+                message: message.into(),
+                event_type: None,
+                violations: Vec::new(),
+                source: None,
+            }),
+        }
+    }
+
+    pub(crate) fn with_source(mut self, source: impl Into<BoxError>) -> Self {
+        self.inner.source = Some(source.into());
+        self
+    }
+
+    pub(crate) fn with_event_type(mut self, event_type: impl Into<String>) -> Self {
+        self.inner.event_type = Some(event_type.into());
+        self
+    }
+
+    pub(crate) fn schema_violation(event_type: &str, violations: Vec<Violation>) -> Self {
+        let details = violations
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ");
+        let mut err = Self::new(
+            ErrorKind::SchemaViolation,
+            format!("payload of event type `{event_type}` violates its schema: {details}"),
+        )
+        .with_event_type(event_type);
+        err.inner.violations = violations;
+        err
+    }
+
+    pub(crate) fn database(context: &str, source: sqlx::Error) -> Self {
+        Self::new(ErrorKind::Database, format!("{context}: {source}")).with_source(source)
+    }
+
+    /// What kind of error this is.
+    pub fn kind(&self) -> ErrorKind {
+        self.inner.kind
+    }
+
+    /// The event type the error is about, where there is one.
+    pub fn event_type(&self) -> Option<&str> {
+        self.inner.event_type.as_deref()
+    }
+
+    /// For [`ErrorKind::SchemaViolation`]: every way the payload failed its schema.
+    pub fn violations(&self) -> &[Violation] {
+        &self.inner.violations
+    }
+
+    /// Whether retrying the same call may succeed: a serialization failure or
+    /// deadlock (SQLSTATE `40001`, `40P01`) or a lost connection.
+    pub fn is_transient(&self) -> bool {
+        let Some(source) = &self.inner.source else {
+            return false;
+        };
+        match source.downcast_ref::<sqlx::Error>() {
+            Some(sqlx::Error::Database(db)) => {
+                matches!(db.code().as_deref(), Some("40001" | "40P01"))
+            }
+            Some(sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed) => true,
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.inner.message)
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.inner
+            .source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}

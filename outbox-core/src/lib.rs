@@ -1,0 +1,74 @@
+//! The write side of a transactional outbox: a CloudEvents envelope, an API that
+//! appends events to `outbox_events` inside the caller's Postgres transaction, and
+//! JSON Schema validation of payloads.
+//!
+//! A service writes its domain row and its event in **one** transaction. If the
+//! transaction rolls back, the event never existed; if it commits, the event is
+//! durable and a relay (`outbox-publisher`) delivers it to NATS JetStream, at
+//! least once, with the same id on every retry.
+//!
+//! This crate depends on neither NATS nor tower: applications link it alone.
+//!
+//! # Getting started
+//!
+//! ```no_run
+//! use outbox_core::{Envelope, Outbox, SchemaRegistry};
+//! use serde::Serialize;
+//!
+//! #[derive(Serialize)]
+//! struct SubscriptionCreated { subscription_id: String, plan: String, amount_cents: i64 }
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://localhost/app").await?;
+//! outbox_core::migrate(&pool).await?;
+//! let outbox = Outbox::new(SchemaRegistry::from_dir("schemas/events")?);
+//!
+//! let mut tx = pool.begin().await?;
+//! sqlx::query("insert into subscriptions (id, plan) values ($1, $2)")
+//!     .bind("sub_1").bind("pro")
+//!     .execute(&mut *tx).await?;
+//! let event = Envelope::new(
+//!     "subscription.created",      // type, and the NATS subject
+//!     "subscriptions",             // source: this service
+//!     "sub_1",                     // subject: the entity
+//!     SubscriptionCreated { subscription_id: "sub_1".into(), plan: "pro".into(), amount_cents: 1234 },
+//! )?;
+//! let id = outbox.enqueue(&mut tx, &event).await?; // validated against its schema
+//! tx.commit().await?;                              // row and event, or neither
+//! # let _ = id; Ok(()) }
+//! ```
+//!
+//! # Guarantees
+//!
+//! - The event row commits or rolls back with the caller's transaction: every
+//!   write takes `&mut PgTransaction`.
+//! - The id (UUID v7) is generated before the insert and returned; the relay
+//!   publishes it as the CloudEvents `id` and the `Nats-Msg-Id` header.
+//! - A payload that fails its schema, or an event type without one, is refused
+//!   with an error naming the type, the JSON pointer and the reason; nothing is
+//!   written.
+//! - [`Outbox::enqueue_all`] writes any number of events in one statement.
+//!
+//! # Features
+//!
+//! - `migrate` (default): [`MIGRATOR`] and [`migrate`], the embedded schema.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![doc(test(attr(deny(warnings))))]
+
+mod envelope;
+mod error;
+#[cfg(feature = "migrate")]
+mod migrate;
+mod outbox;
+mod schema;
+
+pub use envelope::{
+    DATA_CONTENT_TYPE, Envelope, EventId, EventType, MAX_ATTRIBUTE_LEN, MAX_EVENT_TYPE_LEN,
+    PLATFORM_SUBJECT, SPEC_VERSION, validate_event_type,
+};
+pub use error::{BoxError, Error, ErrorKind, Result, Violation};
+#[cfg(feature = "migrate")]
+pub use migrate::{MIGRATOR, migrate};
+pub use outbox::Outbox;
+pub use schema::{SCHEMA_SUFFIX, SchemaRegistry};

@@ -1,0 +1,27 @@
+//! Real PostgreSQL and nats-server processes for tests, benchmarks and demos.
+//!
+//! Nothing here is a fake: [`PgServer`] runs `initdb` and `postgres`,
+//! [`NatsServer`] runs `nats-server -js`, each on a free loopback port with its
+//! data in a temporary directory, and both can be stopped, killed and restarted
+//! to inject faults.
+//!
+//! - [`TestDb::new`] gives a test its own freshly migrated database, on the server
+//!   named by `DATABASE_URL` when that is set, otherwise on a PostgreSQL server
+//!   shared by the test binary and started on first use.
+//! - [`nats`] gives a test its own nats-server, or the one at `NATS_URL`.
+//!
+//! PostgreSQL refuses to run as root. Run as root, the harness starts it as the
+//! `postgres` user (override with `OUTBOX_TEST_PG_USER`) through `setpriv`.
+//! Binaries are found on `PATH`, in `/usr/lib/postgresql/<version>/bin`, or
+//! through `PG_BIN_DIR` and `NATS_SERVER_BIN`; a missing one is an error that says
+//! how to install it.
+
+mod error;
+mod nats;
+mod pg;
+mod process;
+
+pub use error::{Error, Result};
+pub use nats::{NatsHandle, NatsServer, nats};
+pub use pg::{PgServer, TestDb};
+pub use process::wait_until;

@@ -1,0 +1,150 @@
+//! Child-process plumbing shared by both servers.
+
+use std::future::Future;
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// Waits until `check` returns true, polling every 20 ms, for at most `timeout`.
+///
+/// # Errors
+/// An error naming `what` if the deadline passes first.
+pub async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut check: F) -> Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if check().await {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::new(format!(
+                "timed out after {timeout:?} waiting for {what}"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A free TCP port on 127.0.0.1 (bound, then released for the server to take).
+pub(crate) fn free_port() -> Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    Ok(listener.local_addr()?.port())
+}
+
+pub(crate) fn port_open(port: u16) -> bool {
+    TcpStream::connect_timeout(
+        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_millis(200),
+    )
+    .is_ok()
+}
+
+/// Blocks until `ready()` or `timeout`, failing early if the child exits.
+pub(crate) fn wait_ready(
+    what: &str,
+    child: &mut Child,
+    timeout: Duration,
+    log: &Path,
+    mut ready: impl FnMut() -> bool,
+) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if ready() {
+            return Ok(());
+        }
+        if let Some(status) = child.try_wait()? {
+            return Err(Error::new(format!(
+                "{what} exited during start-up ({status}); its log ({}):\n{}",
+                log.display(),
+                tail(log)
+            )));
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::new(format!(
+                "{what} was not ready after {timeout:?}; its log ({}):\n{}",
+                log.display(),
+                tail(log)
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+pub(crate) fn tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(30)..].join("\n")
+}
+
+/// Sends `signal` (a name such as `TERM`) to `pid`.
+pub(crate) fn signal(pid: u32, signal: &str) -> Result<()> {
+    let status = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(Error::new(format!("kill -{signal} {pid} failed: {status}")))
+    }
+}
+
+/// Waits for `child` to exit, killing it after `timeout`.
+pub(crate) fn wait_exit(child: &mut Child, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    while child.try_wait()?.is_none() {
+        if Instant::now() >= deadline {
+            child.kill()?;
+            child.wait()?;
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(())
+}
+
+/// Finds `name` on `PATH`, then in `extra` directories.
+pub(crate) fn find_binary(name: &str, extra: &[PathBuf]) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(extra.iter().cloned())
+        .map(|dir| dir.join(name))
+        .find(|candidate| candidate.is_file())
+}
+
+/// The effective user id, read from `/proc` (no `unsafe`).
+pub(crate) fn current_uid() -> Option<u32> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("Uid:"))?;
+    line.split_whitespace().nth(2)?.parse().ok()
+}
+
+/// Whether `setpriv` (util-linux) is available, to tie a server's life to ours.
+pub(crate) fn have_setpriv() -> bool {
+    find_binary("setpriv", &[]).is_some()
+}
+
+/// Removes temp dirs left by harness processes that no longer exist.
+pub(crate) fn remove_stale_dirs(prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
