@@ -14,7 +14,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use chrono::{DateTime, SecondsFormat, Utc};
+use chrono::{DateTime, SecondsFormat, SubsecRound, Utc};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -231,7 +231,7 @@ impl<T> Envelope<T> {
             event_type,
             source,
             subject,
-            time: Utc::now(),
+            time: Utc::now().trunc_subsecs(6),
             data,
             traceparent: None,
             tracestate: None,
@@ -239,9 +239,10 @@ impl<T> Envelope<T> {
     }
 
     /// Sets when the state change happened (default: when the envelope was built).
+    /// Kept to microseconds, the precision of a Postgres `timestamptz`.
     #[must_use]
     pub fn with_time(mut self, time: DateTime<Utc>) -> Self {
-        self.time = time;
+        self.time = time.trunc_subsecs(6);
         self
     }
 

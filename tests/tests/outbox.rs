@@ -1,0 +1,338 @@
+//! outbox-core against a real PostgreSQL: the transactional write, validation,
+//! batch inserts and the migrated schema.
+
+use outbox_core::{Envelope, ErrorKind, Outbox, SchemaRegistry};
+use outbox_testkit::TestDb;
+use serde_json::{Value, json};
+use sqlx::Row;
+
+fn schemas_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../schemas/events")
+}
+
+fn outbox() -> Outbox {
+    Outbox::new(SchemaRegistry::from_dir(schemas_dir()).unwrap())
+}
+
+fn created(sub: &str) -> Envelope<Value> {
+    Envelope::new(
+        "subscription.created",
+        "subscriptions",
+        sub,
+        json!({"subscription_id": sub, "customer_id": "c1", "plan": "pro", "amount_cents": 1234}),
+    )
+    .unwrap()
+}
+
+async fn business_table(db: &TestDb) {
+    sqlx::query("create table subscriptions (id text primary key, plan text not null)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
+async fn count(db: &TestDb, sql: &str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(&db.pool).await.unwrap()
+}
+
+#[tokio::test]
+async fn commit_writes_row_and_event_together() {
+    let db = TestDb::new().await.unwrap();
+    business_table(&db).await;
+    let outbox = outbox();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("insert into subscriptions values ('sub_1', 'pro')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let event = created("sub_1");
+    let id = outbox.enqueue(&mut tx, &event).await.unwrap();
+    assert_eq!(id, event.id());
+    tx.commit().await.unwrap();
+
+    assert_eq!(count(&db, "select count(*) from subscriptions").await, 1);
+    let row = sqlx::query(
+        "select id, event_type, source, subject, time, data, created_at, published_at, attempts
+           from outbox_events",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(row.get::<uuid::Uuid, _>("id"), *id.as_uuid());
+    assert_eq!(row.get::<String, _>("event_type"), "subscription.created");
+    assert_eq!(row.get::<String, _>("source"), "subscriptions");
+    assert_eq!(row.get::<String, _>("subject"), "sub_1");
+    assert_eq!(
+        row.get::<chrono::DateTime<chrono::Utc>, _>("time"),
+        event.time()
+    );
+    assert_eq!(row.get::<Value, _>("data"), *event.data());
+    assert!(
+        row.get::<Option<chrono::DateTime<chrono::Utc>>, _>("published_at")
+            .is_none()
+    );
+    assert_eq!(row.get::<i32, _>("attempts"), 0);
+}
+
+#[tokio::test]
+async fn rollback_leaves_neither_row_nor_event() {
+    let db = TestDb::new().await.unwrap();
+    business_table(&db).await;
+    let outbox = outbox();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("insert into subscriptions values ('sub_1', 'pro')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    outbox.enqueue(&mut tx, &created("sub_1")).await.unwrap();
+    tx.rollback().await.unwrap();
+
+    assert_eq!(count(&db, "select count(*) from subscriptions").await, 0);
+    assert_eq!(count(&db, "select count(*) from outbox_events").await, 0);
+
+    // Dropping the transaction without commit is a rollback too.
+    {
+        let mut tx = db.pool.begin().await.unwrap();
+        outbox.enqueue(&mut tx, &created("sub_2")).await.unwrap();
+    }
+    assert_eq!(count(&db, "select count(*) from outbox_events").await, 0);
+}
+
+#[tokio::test]
+async fn schema_violation_is_named_and_writes_nothing() {
+    let db = TestDb::new().await.unwrap();
+    let outbox = outbox();
+    let bad = Envelope::new(
+        "subscription.created",
+        "subscriptions",
+        "sub_1",
+        json!({"subscription_id": "sub_1", "customer_id": "c1", "plan": "pro", "amount_cents": "12"}),
+    )
+    .unwrap();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let err = outbox.enqueue(&mut tx, &bad).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::SchemaViolation);
+    assert_eq!(err.event_type(), Some("subscription.created"));
+    assert_eq!(err.violations()[0].instance_path, "/amount_cents");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("subscription.created") && msg.contains("/amount_cents") && msg.contains("integer"),
+        "{msg}"
+    );
+    // The transaction is still usable: validation happens before any statement.
+    sqlx::query("select 1").execute(&mut *tx).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(count(&db, "select count(*) from outbox_events").await, 0);
+}
+
+#[tokio::test]
+async fn unknown_event_type_is_named() {
+    let db = TestDb::new().await.unwrap();
+    let outbox = outbox();
+    let unknown = Envelope::new("subscription.exploded", "subscriptions", "s", json!({})).unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    let err = outbox.enqueue(&mut tx, &unknown).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::UnknownEventType);
+    assert!(err.to_string().contains("subscription.exploded"), "{err}");
+    tx.commit().await.unwrap();
+    assert_eq!(count(&db, "select count(*) from outbox_events").await, 0);
+}
+
+#[tokio::test]
+async fn a_batch_with_one_invalid_event_writes_none() {
+    let db = TestDb::new().await.unwrap();
+    let outbox = outbox();
+    let mut events: Vec<_> = (0..10).map(|i| created(&format!("sub_{i}"))).collect();
+    events.push(Envelope::new("subscription.created", "s", "x", json!({"plan": ""})).unwrap());
+    let mut tx = db.pool.begin().await.unwrap();
+    let err = outbox.enqueue_all(&mut tx, &events).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::SchemaViolation);
+    tx.commit().await.unwrap();
+    assert_eq!(count(&db, "select count(*) from outbox_events").await, 0);
+}
+
+#[tokio::test]
+async fn thousand_events_in_one_statement() {
+    let db = TestDb::new().await.unwrap();
+    // Count INSERT statements on outbox_events with a statement-level trigger.
+    sqlx::raw_sql(
+        "create table insert_statements (n int not null);
+         insert into insert_statements values (0);
+         create function count_insert_statement() returns trigger language plpgsql as $$
+           begin update insert_statements set n = n + 1; return null; end $$;
+         create trigger count_insert_statement after insert on outbox_events
+           for each statement execute function count_insert_statement();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let outbox = outbox();
+    let events: Vec<_> = (0..1000).map(|i| created(&format!("sub_{i}"))).collect();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let ids = outbox.enqueue_all(&mut tx, &events).await.unwrap();
+    tx.commit().await.unwrap();
+
+    assert_eq!(
+        ids,
+        events.iter().map(Envelope::id).collect::<Vec<_>>(),
+        "ids returned in input order"
+    );
+    assert_eq!(
+        count(&db, "select n::bigint from insert_statements").await,
+        1,
+        "INSERT statements issued for 1,000 events"
+    );
+    assert_eq!(count(&db, "select count(*) from outbox_events").await, 1000);
+    let stored: Vec<uuid::Uuid> = sqlx::query_scalar("select id from outbox_events order by id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    let mut expected: Vec<uuid::Uuid> = ids.iter().map(|i| *i.as_uuid()).collect();
+    expected.sort();
+    assert_eq!(stored, expected);
+}
+
+#[tokio::test]
+async fn migrated_table_matches_the_contract() {
+    let db = TestDb::new().await.unwrap();
+    let columns: Vec<(String, String, String, Option<String>)> = sqlx::query_as(
+        "select column_name::text, data_type::text, is_nullable::text, column_default::text
+           from information_schema.columns
+          where table_schema = current_schema() and table_name = 'outbox_events'
+          order by ordinal_position",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let contract = [
+        ("id", "uuid", "NO"),
+        ("event_type", "text", "NO"),
+        ("source", "text", "NO"),
+        ("subject", "text", "NO"),
+        ("time", "timestamp with time zone", "NO"),
+        ("data", "jsonb", "NO"),
+        ("created_at", "timestamp with time zone", "NO"),
+        ("published_at", "timestamp with time zone", "YES"),
+        ("attempts", "integer", "NO"),
+    ];
+    // Documented extensions: nullable, so writers in any language may ignore them.
+    let extensions = [
+        ("next_attempt_at", "timestamp with time zone", "YES"),
+        ("locked_until", "timestamp with time zone", "YES"),
+        ("last_error", "text", "YES"),
+        ("traceparent", "text", "YES"),
+        ("tracestate", "text", "YES"),
+    ];
+    let expected: Vec<(&str, &str, &str)> = contract.iter().chain(&extensions).copied().collect();
+    let actual: Vec<(&str, &str, &str)> = columns
+        .iter()
+        .map(|(n, t, nl, _)| (n.as_str(), t.as_str(), nl.as_str()))
+        .collect();
+    assert_eq!(actual, expected);
+    let default_of = |name: &str| {
+        columns
+            .iter()
+            .find(|c| c.0 == name)
+            .and_then(|c| c.3.clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(default_of("created_at"), "now()");
+    assert_eq!(default_of("attempts"), "0");
+
+    let pk: String = sqlx::query_scalar(
+        "select a.attname::text from pg_index i
+           join pg_attribute a on a.attrelid = i.indrelid and a.attnum = any(i.indkey)
+          where i.indrelid = 'outbox_events'::regclass and i.indisprimary",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(pk, "id");
+
+    let index: String = sqlx::query_scalar(
+        "select indexdef from pg_indexes where indexname = 'outbox_events_unpublished_idx'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        index.contains("(created_at)") && index.contains("WHERE (published_at IS NULL)"),
+        "{index}"
+    );
+}
+
+#[tokio::test]
+async fn inbox_table_has_its_unique_key_and_indexes() {
+    let db = TestDb::new().await.unwrap();
+    let columns: Vec<String> = sqlx::query_scalar(
+        "select column_name::text from information_schema.columns
+          where table_schema = current_schema() and table_name = 'inbox_events'
+          order by ordinal_position",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        columns,
+        ["consumer", "event_id", "event_type", "subject", "event_time", "handled_at"]
+    );
+    let insert = "insert into inbox_events (consumer, event_id, event_type, subject, event_time)
+                  values ($1, $2, 'a.b', 's', now()) on conflict do nothing";
+    let id = uuid::Uuid::now_v7();
+    let first = sqlx::query(insert).bind("billing").bind(id).execute(&db.pool).await.unwrap();
+    let again = sqlx::query(insert).bind("billing").bind(id).execute(&db.pool).await.unwrap();
+    let other = sqlx::query(insert).bind("audit").bind(id).execute(&db.pool).await.unwrap();
+    assert_eq!(
+        (first.rows_affected(), again.rows_affected(), other.rows_affected()),
+        (1, 0, 1)
+    );
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "select indexname::text from pg_indexes where tablename = 'inbox_events' order by 1",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert!(indexes.contains(&"inbox_events_handled_at_idx".to_string()));
+    assert!(indexes.contains(&"inbox_events_subject_time_idx".to_string()));
+}
+
+#[tokio::test]
+async fn events_written_by_another_client_round_trip_through_the_envelope() {
+    // A writer in another language inserts with plain SQL; the row decodes into
+    // the same envelope the relay will publish.
+    let db = TestDb::new().await.unwrap();
+    let id = uuid::Uuid::now_v7();
+    sqlx::query(
+        "insert into outbox_events (id, event_type, source, subject, time, data)
+         values ($1, 'subscription.created', 'php-service', 'sub_9', now(), '{\"plan\":\"pro\"}')",
+    )
+    .bind(id)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let (event_type, source, subject, time, data): (
+        String,
+        String,
+        String,
+        chrono::DateTime<chrono::Utc>,
+        Value,
+    ) = sqlx::query_as("select event_type, source, subject, time, data from outbox_events")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let env = Envelope::from_parts(
+        outbox_core::EventId::from_uuid(id),
+        event_type,
+        source,
+        subject,
+        time,
+        data,
+    )
+    .unwrap();
+    let back = Envelope::<Value>::from_json(&env.to_json().unwrap()).unwrap();
+    assert_eq!(back, env);
+}
