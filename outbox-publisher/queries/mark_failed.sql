@@ -1,0 +1,13 @@
+-- One statement for every failed row of a batch.
+--   $1 ids, $2 errors, $3 retry delays (ms), $4 permanent?, $5 max attempts
+-- A permanent failure (a row that can never be published as it is) goes
+-- straight to the cap. Returns the rows now at or past the cap.
+update outbox_events o
+   set attempts = case when f.permanent then greatest(o.attempts + 1, $5) else o.attempts + 1 end,
+       last_error = f.error,
+       next_attempt_at = now() + f.delay_ms * interval '1 millisecond',
+       locked_until = null
+  from unnest($1::uuid[], $2::text[], $3::bigint[], $4::bool[]) as f(id, error, delay_ms, permanent)
+ where o.id = f.id
+   and o.published_at is null
+returning o.id, o.subject, o.event_type, o.attempts, o.last_error

@@ -1,0 +1,297 @@
+//! `outbox-relay`: publishes committed rows of `outbox_events` to NATS JetStream.
+//!
+//! ```text
+//! DATABASE_URL=postgres://… NATS_URL=nats://127.0.0.1:4222 \
+//!   outbox-relay --stream OUTBOX --subjects 'subscription.>,invoice.>' --metrics-addr 127.0.0.1:9187
+//! ```
+//!
+//! Run as many replicas as you like against one table. SIGTERM or ctrl-c
+//! finishes the current batch and exits 0. `--once` drains the table and exits
+//! (0 when every claimed row was published, 1 when some failed and wait in
+//! backoff).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use outbox_publisher::{Relay, RelayConfig, StorageType, StreamSpec};
+use sqlx::postgres::PgPoolOptions;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info};
+
+#[derive(Debug, Parser)]
+#[command(name = "outbox-relay", version, about = "Relay outbox_events rows to NATS JetStream")]
+struct Args {
+    /// Postgres URL of the database holding outbox_events.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: String,
+
+    /// NATS server URL(s), comma-separated.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    nats_url: String,
+
+    /// JetStream stream to publish into (created if missing and --subjects is given).
+    #[arg(long, env = "OUTBOX_STREAM", default_value = "OUTBOX")]
+    stream: String,
+
+    /// Subjects the stream captures, comma-separated (e.g. 'subscription.>,invoice.>').
+    #[arg(long, env = "OUTBOX_SUBJECTS", value_delimiter = ',')]
+    subjects: Vec<String>,
+
+    /// Required stream storage (file or memory); new streams use file.
+    #[arg(long, value_enum)]
+    stream_storage: Option<Storage>,
+
+    /// Required stream replicas; new streams use 1.
+    #[arg(long)]
+    stream_replicas: Option<usize>,
+
+    /// Required stream duplicate window (e.g. 2m); new streams use 2m.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    duplicate_window: Option<Duration>,
+
+    /// Rows claimed per batch (1–5000).
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 200)]
+    batch_size: usize,
+
+    /// Poll interval when no notification arrives (e.g. 500ms).
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "500ms", value_parser = humantime::parse_duration)]
+    poll_interval: Duration,
+
+    /// Failed publishes after which a row is left alone.
+    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = 20)]
+    max_attempts: i32,
+
+    /// First retry delay after a failure; doubles per attempt.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    backoff_base: Duration,
+
+    /// Cap on the retry delay.
+    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    max_backoff: Duration,
+
+    /// Bound on one publish and its PubAck.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    publish_timeout: Duration,
+
+    /// How long claimed rows are held before another replica may take them.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    lease: Duration,
+
+    /// Delete published rows older than this (e.g. 7d); 0 disables retention.
+    #[arg(long, env = "OUTBOX_RETENTION", default_value = "7d", value_parser = humantime::parse_duration)]
+    retention: Duration,
+
+    /// Drain the table, then exit.
+    #[arg(long)]
+    once: bool,
+
+    /// Serve Prometheus metrics on http://ADDR/metrics.
+    #[arg(long, env = "OUTBOX_METRICS_ADDR")]
+    metrics_addr: Option<SocketAddr>,
+
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Human)]
+    log_format: LogFormat,
+
+    /// NATS user (with --nats-password).
+    #[arg(long, env = "NATS_USER")]
+    nats_user: Option<String>,
+
+    /// NATS password.
+    #[arg(long, env = "NATS_PASSWORD", hide_env_values = true)]
+    nats_password: Option<String>,
+
+    /// NATS token.
+    #[arg(long, env = "NATS_TOKEN", hide_env_values = true)]
+    nats_token: Option<String>,
+
+    /// NATS nkey seed.
+    #[arg(long, env = "NATS_NKEY", hide_env_values = true)]
+    nats_nkey: Option<String>,
+
+    /// NATS credentials file (JWT + nkey).
+    #[arg(long, env = "NATS_CREDS")]
+    nats_creds: Option<PathBuf>,
+
+    /// CA certificate (PEM) to verify the NATS server's TLS certificate; requires TLS.
+    #[arg(long, env = "NATS_TLS_CA")]
+    nats_tls_ca: Option<PathBuf>,
+
+    /// Client certificate (PEM) for TLS client authentication, with --nats-tls-key.
+    #[arg(long, env = "NATS_TLS_CERT")]
+    nats_tls_cert: Option<PathBuf>,
+
+    /// Client key (PEM) for TLS client authentication.
+    #[arg(long, env = "NATS_TLS_KEY")]
+    nats_tls_key: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Human,
+    Json,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Storage {
+    File,
+    Memory,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    init_logging(args.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            error!(error = %e, "cannot start the async runtime");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(code) => code,
+        Err(e) => {
+            error!(error = %e, "outbox-relay failed");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Human => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    if let Some(addr) = args.metrics_addr {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .map_err(|e| format!("serving metrics on {addr}: {e}"))?;
+        outbox_publisher::metrics::describe();
+        info!(%addr, "serving Prometheus metrics on /metrics");
+    }
+
+    let config = RelayConfig::default()
+        .batch_size(args.batch_size)
+        .poll_interval(args.poll_interval)
+        .max_attempts(args.max_attempts)
+        .backoff_base(args.backoff_base)
+        .backoff_max(args.max_backoff)
+        .publish_timeout(args.publish_timeout)
+        .lease(args.lease)
+        .retention((!args.retention.is_zero()).then_some(args.retention));
+    config.validate()?;
+
+    let pool = PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(&args.database_url)
+        .await
+        .map_err(|e| format!("connecting to the database: {e}"))?;
+    let nats = nats_options(&args)
+        .await?
+        .connect(args.nats_url.as_str())
+        .await
+        .map_err(|e| format!("connecting to NATS at {}: {e}", args.nats_url))?;
+
+    let mut stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());
+    if let Some(storage) = args.stream_storage {
+        stream = stream.storage(match storage {
+            Storage::File => StorageType::File,
+            Storage::Memory => StorageType::Memory,
+        });
+    }
+    if let Some(n) = args.stream_replicas {
+        stream = stream.replicas(n);
+    }
+    if let Some(d) = args.duplicate_window {
+        stream = stream.duplicate_window(d);
+    }
+    let relay = Relay::jetstream(pool, nats, &stream, config).await?;
+
+    if args.once {
+        let report = relay.drain().await?;
+        info!(
+            published = report.published,
+            duplicates = report.duplicates,
+            failed = report.failed,
+            "drained outbox"
+        );
+        return Ok(if report.failed == 0 {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        });
+    }
+
+    let shutdown = CancellationToken::new();
+    tokio::spawn(wait_for_signal(shutdown.clone()));
+    relay.run(shutdown).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn nats_options(args: &Args) -> Result<async_nats::ConnectOptions, Box<dyn std::error::Error>> {
+    let mut options = async_nats::ConnectOptions::new()
+        .name("outbox-relay")
+        .retry_on_initial_connect()
+        .max_reconnects(None);
+    if let (Some(user), Some(password)) = (&args.nats_user, &args.nats_password) {
+        options = options.user_and_password(user.clone(), password.clone());
+    }
+    if let Some(token) = &args.nats_token {
+        options = options.token(token.clone());
+    }
+    if let Some(seed) = &args.nats_nkey {
+        options = options.nkey(seed.clone());
+    }
+    if let Some(path) = &args.nats_creds {
+        options = options
+            .credentials_file(path)
+            .await
+            .map_err(|e| format!("reading NATS credentials {}: {e}", path.display()))?;
+    }
+    if let Some(ca) = &args.nats_tls_ca {
+        options = options.add_root_certificates(ca.clone()).require_tls(true);
+    }
+    if let (Some(cert), Some(key)) = (&args.nats_tls_cert, &args.nats_tls_key) {
+        options = options.add_client_certificate(cert.clone(), key.clone());
+    }
+    Ok(options)
+}
+
+async fn wait_for_signal(shutdown: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(e) => {
+                error!(error = %e, "cannot listen for SIGTERM");
+                let _ = ctrl_c.await;
+                shutdown.cancel();
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+    info!("shutting down: finishing the current batch");
+    shutdown.cancel();
+}

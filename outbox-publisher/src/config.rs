@@ -1,0 +1,206 @@
+//! Relay settings: a builder with documented defaults.
+
+use std::time::Duration;
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// Smallest and largest accepted batch.
+pub const BATCH_SIZE_RANGE: std::ops::RangeInclusive<usize> = 1..=5_000;
+
+/// How the relay runs. Build with [`RelayConfig::default`] and the by-value
+/// setters; [`RelayConfig::validate`] is called by the relay at start-up.
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    pub(crate) batch_size: usize,
+    pub(crate) poll_interval: Duration,
+    pub(crate) max_attempts: i32,
+    pub(crate) backoff_base: Duration,
+    pub(crate) backoff_max: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) publish_timeout: Duration,
+    pub(crate) max_in_flight: usize,
+    pub(crate) listen: bool,
+    pub(crate) stats_interval: Duration,
+    pub(crate) retention: Option<Duration>,
+    pub(crate) prune_interval: Duration,
+    pub(crate) prune_batch: i64,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        Self {
+            batch_size: 200,
+            poll_interval: Duration::from_millis(500),
+            max_attempts: 20,
+            backoff_base: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(300),
+            lease: Duration::from_secs(30),
+            publish_timeout: Duration::from_secs(5),
+            max_in_flight: 1_024,
+            listen: true,
+            stats_interval: Duration::from_secs(5),
+            retention: Some(Duration::from_secs(7 * 24 * 3600)),
+            prune_interval: Duration::from_secs(60),
+            prune_batch: 1_000,
+        }
+    }
+}
+
+impl RelayConfig {
+    /// Rows claimed per batch. Default 200; 1 to 5,000.
+    #[must_use]
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+
+    /// How often the table is polled when no notification arrives. Default 500 ms.
+    #[must_use]
+    pub fn poll_interval(mut self, d: Duration) -> Self {
+        self.poll_interval = d;
+        self
+    }
+
+    /// Failed publishes after which a row is left alone (and alerted on).
+    /// Default 20.
+    #[must_use]
+    pub fn max_attempts(mut self, n: i32) -> Self {
+        self.max_attempts = n;
+        self
+    }
+
+    /// First retry delay after a failure; it doubles per attempt. Default 1 s.
+    #[must_use]
+    pub fn backoff_base(mut self, d: Duration) -> Self {
+        self.backoff_base = d;
+        self
+    }
+
+    /// Cap on the retry delay. Default 5 min.
+    #[must_use]
+    pub fn backoff_max(mut self, d: Duration) -> Self {
+        self.backoff_max = d;
+        self
+    }
+
+    /// How long a claimed row is held by this relay before another may take it
+    /// (if this one died). Must exceed the publish timeout. Default 30 s.
+    #[must_use]
+    pub fn lease(mut self, d: Duration) -> Self {
+        self.lease = d;
+        self
+    }
+
+    /// Bound on one publish and its JetStream ack. Default 5 s.
+    #[must_use]
+    pub fn publish_timeout(mut self, d: Duration) -> Self {
+        self.publish_timeout = d;
+        self
+    }
+
+    /// Publishes awaiting their ack at once (one per subject). Default 1,024.
+    #[must_use]
+    pub fn max_in_flight(mut self, n: usize) -> Self {
+        self.max_in_flight = n;
+        self
+    }
+
+    /// Wake on `LISTEN outbox_events` notifications, not only by polling.
+    /// Default on.
+    #[must_use]
+    pub fn listen(mut self, on: bool) -> Self {
+        self.listen = on;
+        self
+    }
+
+    /// How often backlog gauges are refreshed. Default 5 s.
+    #[must_use]
+    pub fn stats_interval(mut self, d: Duration) -> Self {
+        self.stats_interval = d;
+        self
+    }
+
+    /// Published rows older than this are deleted; `None` keeps them forever.
+    /// Default 7 days.
+    #[must_use]
+    pub fn retention(mut self, window: Option<Duration>) -> Self {
+        self.retention = window;
+        self
+    }
+
+    /// How often the pruner runs. Default 60 s.
+    #[must_use]
+    pub fn prune_interval(mut self, d: Duration) -> Self {
+        self.prune_interval = d;
+        self
+    }
+
+    /// Checks ranges and relations between settings.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] naming the setting that is out of range.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(Error::new(ErrorKind::Config, msg));
+        if !BATCH_SIZE_RANGE.contains(&self.batch_size) {
+            return bad(format!(
+                "batch size {} is outside {}..={}",
+                self.batch_size,
+                BATCH_SIZE_RANGE.start(),
+                BATCH_SIZE_RANGE.end()
+            ));
+        }
+        if self.max_attempts < 1 {
+            return bad(format!("max attempts {} must be at least 1", self.max_attempts));
+        }
+        if self.poll_interval.is_zero() {
+            return bad("poll interval must be positive".into());
+        }
+        if self.backoff_base.is_zero() || self.backoff_max < self.backoff_base {
+            return bad(format!(
+                "backoff base {:?} must be positive and at most the cap {:?}",
+                self.backoff_base, self.backoff_max
+            ));
+        }
+        if self.publish_timeout.is_zero() {
+            return bad("publish timeout must be positive".into());
+        }
+        if self.lease < self.publish_timeout * 2 {
+            return bad(format!(
+                "lease {:?} must be at least twice the publish timeout {:?}",
+                self.lease, self.publish_timeout
+            ));
+        }
+        if self.max_in_flight == 0 {
+            return bad("max in flight must be at least 1".into());
+        }
+        if self.retention.is_some_and(|r| r.is_zero()) {
+            return bad("retention window must be positive (or disabled)".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        RelayConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn out_of_range_values_are_named() {
+        let err = RelayConfig::default().batch_size(0).validate().unwrap_err();
+        assert!(err.to_string().contains("batch size"));
+        let err = RelayConfig::default().batch_size(5_001).validate().unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config);
+        let err = RelayConfig::default().max_attempts(0).validate().unwrap_err();
+        assert!(err.to_string().contains("max attempts"));
+        let err = RelayConfig::default()
+            .lease(Duration::from_secs(1))
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().contains("lease"));
+    }
+}

@@ -1,0 +1,120 @@
+//! The crate's one error type.
+
+use std::fmt;
+
+/// A boxed error, as kept in [`Error::source`](std::error::Error::source).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What went wrong, for matching. New kinds may be added.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The configuration is invalid (a value out of range, a missing setting).
+    Config,
+    /// The database reported an error.
+    Database,
+    /// The broker could not be reached or refused the connection.
+    Broker,
+    /// The JetStream stream is missing, could not be created, or differs from
+    /// the configuration.
+    Stream,
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Config => "configuration error",
+            Self::Database => "database error",
+            Self::Broker => "broker error",
+            Self::Stream => "stream error",
+        })
+    }
+}
+
+/// The error of every fallible call in this crate.
+///
+/// Per-row publish failures are not errors of the relay: they are recorded on
+/// the row (`attempts`, `last_error`) and the relay goes on.
+#[derive(Debug)]
+pub struct Error {
+    kind: ErrorKind,
+    message: String,
+    source: Option<BoxError>,
+}
+
+impl Error {
+    pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    pub(crate) fn with_source(mut self, source: impl Into<BoxError>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    pub(crate) fn database(context: &str, source: sqlx::Error) -> Self {
+        Self::new(ErrorKind::Database, format!("{context}: {source}")).with_source(source)
+    }
+
+    /// What kind of error this is.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// Whether the same call may succeed later (a lost connection, a timeout,
+    /// a serialization failure), as opposed to a configuration problem.
+    pub fn is_transient(&self) -> bool {
+        match self.kind {
+            ErrorKind::Broker => true,
+            ErrorKind::Database => match self
+                .source
+                .as_ref()
+                .and_then(|s| s.downcast_ref::<sqlx::Error>())
+            {
+                Some(sqlx::Error::Database(db)) => {
+                    matches!(db.code().as_deref(), Some("40001" | "40P01" | "57P01" | "57P03"))
+                }
+                Some(
+                    sqlx::Error::Io(_)
+                    | sqlx::Error::PoolTimedOut
+                    | sqlx::Error::PoolClosed
+                    | sqlx::Error::Protocol(_)
+                    | sqlx::Error::WorkerCrashed,
+                ) => true,
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+impl From<outbox_core::Error> for Error {
+    fn from(e: outbox_core::Error) -> Self {
+        let kind = match e.kind() {
+            outbox_core::ErrorKind::Database => ErrorKind::Database,
+            _ => ErrorKind::Config,
+        };
+        Self::new(kind, e.to_string()).with_source(e)
+    }
+}

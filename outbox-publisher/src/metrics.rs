@@ -1,0 +1,82 @@
+//! The relay's metrics, recorded through the `metrics` facade (install any
+//! recorder; the `outbox-relay` binary serves them in Prometheus text format).
+//!
+//! | name | kind | labels |
+//! |---|---|---|
+//! | `outbox_published_total` | counter | `event_type` |
+//! | `outbox_duplicates_acked_total` | counter | `event_type` |
+//! | `outbox_publish_failures_total` | counter | `reason` |
+//! | `outbox_rows_capped_total` | counter | |
+//! | `outbox_pruned_total` | counter | |
+//! | `outbox_batch_size` | histogram | |
+//! | `outbox_publish_latency_seconds` | histogram | (publish → PubAck) |
+//! | `outbox_commit_to_ack_seconds` | histogram | (row `created_at` → PubAck) |
+//! | `outbox_backlog` | gauge | (unpublished rows under the cap) |
+//! | `outbox_rows_past_cap` | gauge | |
+//! | `outbox_oldest_unpublished_age_seconds` | gauge | |
+
+use std::time::Duration;
+
+use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+
+use crate::sink::FailureKind;
+use crate::store::Stats;
+
+pub(crate) const PUBLISHED: &str = "outbox_published_total";
+pub(crate) const DUPLICATES: &str = "outbox_duplicates_acked_total";
+pub(crate) const FAILURES: &str = "outbox_publish_failures_total";
+pub(crate) const CAPPED: &str = "outbox_rows_capped_total";
+pub(crate) const PRUNED: &str = "outbox_pruned_total";
+pub(crate) const BATCH_SIZE: &str = "outbox_batch_size";
+pub(crate) const PUBLISH_LATENCY: &str = "outbox_publish_latency_seconds";
+pub(crate) const COMMIT_TO_ACK: &str = "outbox_commit_to_ack_seconds";
+pub(crate) const BACKLOG: &str = "outbox_backlog";
+pub(crate) const PAST_CAP: &str = "outbox_rows_past_cap";
+pub(crate) const OLDEST_AGE: &str = "outbox_oldest_unpublished_age_seconds";
+
+/// Registers descriptions and units with the installed recorder. Call once
+/// after installing it; recording works without this.
+pub fn describe() {
+    describe_counter!(PUBLISHED, "Events acknowledged by JetStream and marked published");
+    describe_counter!(DUPLICATES, "PubAcks flagged duplicate (a republish the stream dropped)");
+    describe_counter!(FAILURES, "Failed publishes, by reason");
+    describe_counter!(CAPPED, "Rows that reached the attempt cap and are left alone");
+    describe_counter!(PRUNED, "Published rows deleted by retention");
+    describe_histogram!(BATCH_SIZE, Unit::Count, "Rows claimed per batch");
+    describe_histogram!(PUBLISH_LATENCY, Unit::Seconds, "Publish to PubAck");
+    describe_histogram!(COMMIT_TO_ACK, Unit::Seconds, "Row created_at to PubAck");
+    describe_gauge!(BACKLOG, Unit::Count, "Unpublished rows under the attempt cap");
+    describe_gauge!(PAST_CAP, Unit::Count, "Unpublished rows at or past the attempt cap");
+    describe_gauge!(OLDEST_AGE, Unit::Seconds, "Age of the oldest unpublished row");
+}
+
+pub(crate) fn published(event_type: &str, duplicate: bool, latency: Duration, since_commit: Duration) {
+    counter!(PUBLISHED, "event_type" => event_type.to_owned()).increment(1);
+    if duplicate {
+        counter!(DUPLICATES, "event_type" => event_type.to_owned()).increment(1);
+    }
+    histogram!(PUBLISH_LATENCY).record(latency);
+    histogram!(COMMIT_TO_ACK).record(since_commit);
+}
+
+pub(crate) fn failed(kind: FailureKind) {
+    counter!(FAILURES, "reason" => kind.as_str()).increment(1);
+}
+
+pub(crate) fn capped(n: usize) {
+    counter!(CAPPED).increment(n as u64);
+}
+
+pub(crate) fn pruned(n: u64) {
+    counter!(PRUNED).increment(n);
+}
+
+pub(crate) fn batch(size: usize) {
+    histogram!(BATCH_SIZE).record(size as f64);
+}
+
+pub(crate) fn stats(stats: &Stats) {
+    gauge!(BACKLOG).set(stats.backlog as f64);
+    gauge!(PAST_CAP).set(stats.past_cap as f64);
+    gauge!(OLDEST_AGE).set(stats.oldest_age_secs);
+}

@@ -1,0 +1,226 @@
+//! Where events go: the [`Sink`] trait and its JetStream implementation.
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, context::PublishErrorKind};
+use async_nats::{HeaderMap, connection::State};
+use bytes::Bytes;
+use outbox_core::EventId;
+
+/// One message to publish: the envelope's JSON on the subject `event_type`.
+#[derive(Debug, Clone)]
+pub struct OutgoingMessage {
+    /// The event id; sent as `Nats-Msg-Id` so the stream drops a republish.
+    pub id: EventId,
+    /// The NATS subject (the event type).
+    pub subject: String,
+    /// CloudEvents structured-mode JSON.
+    pub payload: Bytes,
+    /// W3C `traceparent`, sent as a header of that name.
+    pub traceparent: Option<String>,
+    /// W3C `tracestate`, sent as a header of that name.
+    pub tracestate: Option<String>,
+}
+
+/// The broker's acknowledgement of a stored message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublishAck {
+    /// The stream that stored it.
+    pub stream: String,
+    /// Its sequence in the stream.
+    pub sequence: u64,
+    /// The stream already held a message with this id (a republish): it was
+    /// not stored again, and the event counts as published.
+    pub duplicate: bool,
+}
+
+/// Why a publish failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FailureKind {
+    /// Not connected to the broker; nothing was sent.
+    Unavailable,
+    /// No ack within the publish timeout.
+    Timeout,
+    /// No stream captures the subject.
+    NoStream,
+    /// The stream refused the message (limits, wrong stream, …).
+    Rejected,
+    /// Larger than the broker's max payload: it can never be published as is.
+    TooLarge,
+    /// The row cannot be turned into a message (invalid subject or envelope):
+    /// it can never be published as is.
+    Invalid,
+}
+
+impl FailureKind {
+    /// A label for metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Unavailable => "unavailable",
+            Self::Timeout => "timeout",
+            Self::NoStream => "no_stream",
+            Self::Rejected => "rejected",
+            Self::TooLarge => "too_large",
+            Self::Invalid => "invalid",
+        }
+    }
+
+    /// Whether retrying the same row can never succeed.
+    pub fn is_permanent(self) -> bool {
+        matches!(self, Self::TooLarge | Self::Invalid)
+    }
+}
+
+/// A failed publish of one message.
+#[derive(Debug, Clone)]
+pub struct PublishFailure {
+    kind: FailureKind,
+    message: String,
+}
+
+impl PublishFailure {
+    /// A failure of `kind`, described by `message`.
+    pub fn new(kind: FailureKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// What went wrong.
+    pub fn kind(&self) -> FailureKind {
+        self.kind
+    }
+}
+
+impl fmt::Display for PublishFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind.as_str(), self.message)
+    }
+}
+
+impl std::error::Error for PublishFailure {}
+
+/// A broker the relay publishes to. Implementations must only return `Ok` once
+/// the broker has durably accepted the message.
+pub trait Sink: Send + Sync + 'static {
+    /// Publishes one message and waits (bounded) for the broker's ack.
+    fn publish(
+        &self,
+        message: OutgoingMessage,
+    ) -> impl Future<Output = Result<PublishAck, PublishFailure>> + Send;
+
+    /// Whether the broker connection is up; when it is not, the relay does not
+    /// claim rows it could not publish.
+    fn is_available(&self) -> bool {
+        true
+    }
+}
+
+/// Publishes to NATS JetStream and awaits every PubAck.
+#[derive(Clone)]
+pub struct JetStreamSink {
+    client: async_nats::Client,
+    context: jetstream::Context,
+    timeout: Duration,
+    expected_stream: Option<String>,
+}
+
+impl fmt::Debug for JetStreamSink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("JetStreamSink")
+            .field("timeout", &self.timeout)
+            .field("expected_stream", &self.expected_stream)
+            .finish_non_exhaustive()
+    }
+}
+
+impl JetStreamSink {
+    /// A sink on `client`, bounding each publish + ack by `timeout`.
+    pub fn new(client: async_nats::Client, timeout: Duration) -> Self {
+        let context = jetstream::ContextBuilder::new()
+            .timeout(timeout)
+            .build(client.clone());
+        Self {
+            client,
+            context,
+            timeout,
+            expected_stream: None,
+        }
+    }
+
+    /// Sends `Nats-Expected-Stream: stream`, so a subject captured by another
+    /// stream is refused instead of stored in the wrong place.
+    #[must_use]
+    pub fn expect_stream(mut self, stream: impl Into<String>) -> Self {
+        self.expected_stream = Some(stream.into());
+        self
+    }
+
+    /// The JetStream context.
+    pub fn context(&self) -> &jetstream::Context {
+        &self.context
+    }
+}
+
+impl Sink for JetStreamSink {
+    async fn publish(&self, message: OutgoingMessage) -> Result<PublishAck, PublishFailure> {
+        if self.client.connection_state() != State::Connected {
+            return Err(PublishFailure::new(
+                FailureKind::Unavailable,
+                "not connected to NATS",
+            ));
+        }
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", message.id.to_string().as_str());
+        if let Some(stream) = &self.expected_stream {
+            headers.insert("Nats-Expected-Stream", stream.as_str());
+        }
+        if let Some(tp) = &message.traceparent {
+            headers.insert("traceparent", tp.as_str());
+        }
+        if let Some(ts) = &message.tracestate {
+            headers.insert("tracestate", ts.as_str());
+        }
+        let send = async {
+            let ack = self
+                .context
+                .publish_with_headers(message.subject, headers, message.payload)
+                .await
+                .map_err(classify)?;
+            ack.await.map_err(classify)
+        };
+        match tokio::time::timeout(self.timeout, send).await {
+            Ok(Ok(ack)) => Ok(PublishAck {
+                stream: ack.stream,
+                sequence: ack.sequence,
+                duplicate: ack.duplicate,
+            }),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(PublishFailure::new(
+                FailureKind::Timeout,
+                format!("no ack within {:?}", self.timeout),
+            )),
+        }
+    }
+
+    fn is_available(&self) -> bool {
+        self.client.connection_state() == State::Connected
+    }
+}
+
+fn classify(e: jetstream::context::PublishError) -> PublishFailure {
+    let kind = match e.kind() {
+        PublishErrorKind::TimedOut => FailureKind::Timeout,
+        PublishErrorKind::BrokenPipe => FailureKind::Unavailable,
+        // The server answers "no responders" when no stream captures the subject.
+        PublishErrorKind::StreamNotFound => FailureKind::NoStream,
+        PublishErrorKind::MaxPayloadExceeded => FailureKind::TooLarge,
+        // Stream errors (wrong expected stream, limits) and anything new.
+        _ => FailureKind::Rejected,
+    };
+    PublishFailure::new(kind, e.to_string())
+}
