@@ -1,0 +1,584 @@
+//! The relay against real PostgreSQL and nats-server: delivery, ordering across
+//! replicas and broker restarts, backoff, poison rows, retention, wake-ups.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, stream::StorageType};
+use futures::StreamExt;
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use outbox_core::{Envelope, Outbox};
+use outbox_publisher::{ErrorKind, JetStreamSink, Relay, RelayConfig, Sink, StreamSpec};
+use outbox_testkit::{NatsServer, TestDb, nats, wait_until};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+const SUBJECTS: &[&str] = &["orders.>", "billing.>"];
+
+fn snapshotter() -> &'static Snapshotter {
+    static SNAP: OnceLock<Snapshotter> = OnceLock::new();
+    SNAP.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::set_global_recorder(recorder).unwrap();
+        snapshotter
+    })
+}
+
+fn counter(name: &str) -> u64 {
+    snapshotter()
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(key, _, _, _)| key.key().name() == name)
+        .map(|(_, _, _, value)| match value {
+            DebugValue::Counter(n) => n,
+            _ => 0,
+        })
+        .sum()
+}
+
+fn stream_spec(name: &str) -> StreamSpec {
+    StreamSpec::new(name, SUBJECTS.iter().map(|s| s.to_string()).collect())
+}
+
+/// Fast retries so fault tests finish in seconds.
+fn fast_config() -> RelayConfig {
+    RelayConfig::default()
+        .poll_interval(Duration::from_millis(50))
+        .backoff_base(Duration::from_millis(100))
+        .backoff_max(Duration::from_millis(800))
+        .publish_timeout(Duration::from_millis(500))
+        .lease(Duration::from_secs(3))
+}
+
+async fn connect(url: &str) -> async_nats::Client {
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .max_reconnects(None)
+        .connect(url)
+        .await
+        .unwrap();
+    wait_until("NATS connection", Duration::from_secs(10), || async {
+        client.connection_state() == async_nats::connection::State::Connected
+    })
+    .await
+    .unwrap();
+    client
+}
+
+async fn relay(db: &TestDb, url: &str, stream: &str, config: RelayConfig) -> Relay {
+    Relay::jetstream(db.pool.clone(), connect(url).await, &stream_spec(stream), config)
+        .await
+        .unwrap()
+}
+
+fn event(event_type: &str, subject: &str, data: Value) -> Envelope<Value> {
+    Envelope::new(event_type, "relay-tests", subject, data).unwrap()
+}
+
+async fn commit(db: &TestDb, events: &[Envelope<Value>]) {
+    let mut tx = db.pool.begin().await.unwrap();
+    Outbox::unvalidated().enqueue_all(&mut tx, events).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+async fn scalar(db: &TestDb, sql: &str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(&db.pool).await.unwrap()
+}
+
+async fn unpublished(db: &TestDb) -> i64 {
+    scalar(db, "select count(*) from outbox_events where published_at is null").await
+}
+
+/// Every message of `stream`, in stream order.
+async fn stream_messages(url: &str, stream: &str) -> Vec<jetstream::Message> {
+    let js = jetstream::new(connect(url).await);
+    let mut stream = js.get_stream(stream).await.unwrap();
+    let total = stream.info().await.unwrap().state.messages as usize;
+    if total == 0 {
+        return Vec::new();
+    }
+    let consumer = stream
+        .create_consumer(consumer::pull::OrderedConfig::default())
+        .await
+        .unwrap();
+    let mut messages = consumer.messages().await.unwrap();
+    let mut out = Vec::with_capacity(total);
+    while out.len() < total {
+        let next = tokio::time::timeout(Duration::from_secs(10), messages.next())
+            .await
+            .expect("stream read timed out")
+            .unwrap()
+            .unwrap();
+        out.push(next);
+    }
+    out
+}
+
+fn msg_id(message: &jetstream::Message) -> String {
+    message
+        .headers
+        .as_ref()
+        .and_then(|h| h.get("Nats-Msg-Id"))
+        .map(|v| v.as_str().to_owned())
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn committed_events_arrive_once_with_envelope_and_msg_id() {
+    let db = TestDb::new().await.unwrap();
+    let broker = nats().unwrap();
+    let committed: Vec<_> = (0..3)
+        .map(|i| {
+            event("orders.created", &format!("order_{i}"), json!({"n": i}))
+                .with_trace_context("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(), None)
+        })
+        .collect();
+    commit(&db, &committed).await;
+    let mut tx = db.pool.begin().await.unwrap();
+    Outbox::unvalidated()
+        .enqueue(&mut tx, &event("orders.created", "order_rolled_back", json!({})))
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+
+    let relay = relay(&db, broker.url(), "DELIVERY", fast_config()).await;
+    let report = relay.drain().await.unwrap();
+    assert_eq!((report.published, report.failed), (3, 0));
+
+    let messages = stream_messages(broker.url(), "DELIVERY").await;
+    assert_eq!(messages.len(), 3);
+    for (message, sent) in messages.iter().zip(&committed) {
+        assert_eq!(message.subject.as_str(), "orders.created");
+        assert_eq!(msg_id(message), sent.id().to_string());
+        let headers = message.headers.as_ref().unwrap();
+        assert_eq!(headers.get("traceparent").map(|v| v.as_str()), sent.traceparent());
+        let received = Envelope::<Value>::from_json(&message.payload).unwrap();
+        assert_eq!(&received, sent);
+    }
+    assert_eq!(unpublished(&db).await, 0);
+    assert_eq!(
+        scalar(&db, "select count(*) from outbox_events where attempts = 0 and last_error is null").await,
+        3
+    );
+    // Nothing leaked from the rolled-back transaction.
+    assert!(messages.iter().all(|m| !String::from_utf8_lossy(&m.payload).contains("rolled_back")));
+}
+
+#[tokio::test]
+async fn a_relay_killed_between_publish_and_mark_republishes_and_the_stream_stores_once() {
+    let db = TestDb::new().await.unwrap();
+    let broker = nats().unwrap();
+    let events: Vec<_> = (0..20)
+        .map(|i| event("orders.created", &format!("o{}", i % 4), json!({"n": i})))
+        .collect();
+    commit(&db, &events).await;
+    let relay = relay(&db, broker.url(), "CRASH", fast_config()).await;
+
+    // The first relay claims and publishes, then dies before marking: its
+    // rows stay unpublished with a lease that then runs out.
+    sqlx::query("update outbox_events set locked_until = now() + interval '1 hour'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let sink = JetStreamSink::new(connect(broker.url()).await, Duration::from_secs(5));
+    for e in &events {
+        let ack = sink
+            .publish(outbox_publisher::OutgoingMessage {
+                id: e.id(),
+                subject: e.event_type().to_string(),
+                payload: e.to_json().unwrap().into(),
+                traceparent: None,
+                tracestate: None,
+            })
+            .await
+            .unwrap();
+        assert!(!ack.duplicate);
+    }
+    assert_eq!(relay.drain().await.unwrap().claimed, 0, "leased rows are not claimed");
+    sqlx::query("update outbox_events set locked_until = now() - interval '1 second'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+
+    let report = relay.drain().await.unwrap();
+    assert_eq!(report.published, 20);
+    assert_eq!(report.duplicates, 20, "every republish is acked as a duplicate");
+    assert_eq!(unpublished(&db).await, 0);
+    let messages = stream_messages(broker.url(), "CRASH").await;
+    assert_eq!(messages.len(), 20, "the stream stored each event once");
+    let ids: HashSet<String> = messages.iter().map(msg_id).collect();
+    assert_eq!(ids.len(), 20);
+}
+
+#[tokio::test]
+async fn broker_outage_backs_off_then_delivers_everything() {
+    let db = TestDb::new().await.unwrap();
+    let mut broker = NatsServer::start().unwrap();
+    let url = broker.url();
+    let relay = relay(&db, &url, "OUTAGE", fast_config()).await;
+    let shutdown = CancellationToken::new();
+    let running = {
+        let shutdown = shutdown.clone();
+        async move { relay.run(shutdown).await }
+    };
+    let handle = tokio::spawn(running);
+
+    broker.kill().unwrap();
+    let events: Vec<_> = (0..30)
+        .map(|i| event("billing.charged", &format!("acct_{}", i % 5), json!({"n": i})))
+        .collect();
+    commit(&db, &events).await;
+
+    // Attempts grow, with errors recorded, and the rows stay unpublished.
+    wait_until("attempts to grow", Duration::from_secs(20), || async {
+        scalar(&db, "select count(*) from outbox_events where attempts >= 3").await > 0
+    })
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let elapsed = started.elapsed();
+    let max_attempts = scalar(&db, "select max(attempts)::bigint from outbox_events").await;
+    // 100 ms doubling to an 800 ms cap: within ~5 s a row can fail at most
+    // ~10 times. A hot loop would fail thousands of times.
+    assert!(max_attempts <= 12, "attempts {max_attempts} after {elapsed:?}: no hot loop");
+    assert_eq!(unpublished(&db).await, 30);
+    assert_eq!(
+        scalar(&db, "select count(*) from outbox_events where attempts > 0 and last_error is null").await,
+        0,
+        "every failure records its error"
+    );
+    // Only the head of each subject is ever tried while it fails.
+    assert_eq!(
+        scalar(&db, "select count(distinct subject) from outbox_events where attempts > 0").await,
+        scalar(&db, "select count(*) from outbox_events where attempts > 0").await,
+    );
+
+    broker.start_again().unwrap();
+    wait_until("all delivered after the broker is back", Duration::from_secs(30), || async {
+        unpublished(&db).await == 0
+    })
+    .await
+    .unwrap();
+    shutdown.cancel();
+    handle.await.unwrap().unwrap();
+    let messages = stream_messages(&url, "OUTAGE").await;
+    let ids: HashSet<String> = messages.iter().map(msg_id).collect();
+    assert_eq!(ids.len(), 30);
+    assert_eq!(messages.len(), 30);
+}
+
+/// 3 replicas, 10,000 events over 200 subjects, the broker restarted mid-run:
+/// every event stored once, and per subject the stream order is created_at order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_keep_subject_order_through_a_broker_restart() {
+    const EVENTS: usize = 10_000;
+    const SUBJECT_COUNT: usize = 200;
+    let db = TestDb::new().await.unwrap();
+    let mut broker = NatsServer::start().unwrap();
+    let url = broker.url();
+
+    let shutdown = CancellationToken::new();
+    let mut handles = Vec::new();
+    for _ in 0..3 {
+        let relay = relay(&db, &url, "ORDERED", fast_config().batch_size(100)).await;
+        let shutdown = shutdown.clone();
+        handles.push(tokio::spawn(async move { relay.run(shutdown).await }));
+    }
+
+    // Writers commit in many small transactions while the relays run.
+    let mut seq_per_subject = vec![0u32; SUBJECT_COUNT];
+    let mut restarted = false;
+    for chunk in 0..(EVENTS / 100) {
+        let events: Vec<_> = (0..100)
+            .map(|i| {
+                let s = (chunk * 100 + i * 7) % SUBJECT_COUNT;
+                seq_per_subject[s] += 1;
+                event(
+                    "orders.updated",
+                    &format!("order_{s}"),
+                    json!({"seq": seq_per_subject[s]}),
+                )
+            })
+            .collect();
+        commit(&db, &events).await;
+        if chunk == EVENTS / 200 && !restarted {
+            broker.restart().unwrap();
+            restarted = true;
+        }
+    }
+    wait_until("all 10,000 published", Duration::from_secs(120), || async {
+        unpublished(&db).await == 0
+    })
+    .await
+    .unwrap();
+    shutdown.cancel();
+    for h in handles {
+        h.await.unwrap().unwrap();
+    }
+
+    let messages = stream_messages(&url, "ORDERED").await;
+    assert_eq!(messages.len(), EVENTS, "each event stored exactly once");
+    let ids: HashSet<String> = messages.iter().map(msg_id).collect();
+    assert_eq!(ids.len(), EVENTS);
+
+    // Per subject, stream order must equal created_at order (then id).
+    let rows: Vec<(Uuid, String)> =
+        sqlx::query_as("select id, subject from outbox_events order by created_at, id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let mut expected: HashMap<String, Vec<String>> = HashMap::new();
+    for (id, subject) in rows {
+        expected.entry(subject).or_default().push(id.to_string());
+    }
+    let mut actual: HashMap<String, Vec<String>> = HashMap::new();
+    for m in &messages {
+        let env = Envelope::<Value>::from_json(&m.payload).unwrap();
+        actual
+            .entry(env.subject().to_owned())
+            .or_default()
+            .push(env.id().to_string());
+    }
+    assert_eq!(actual.len(), SUBJECT_COUNT);
+    let violations = expected
+        .iter()
+        .filter(|(subject, ids)| actual.get(*subject) != Some(ids))
+        .count();
+    assert_eq!(violations, 0, "subjects published out of created_at order");
+}
+
+#[tokio::test]
+async fn the_watermark_trap_a_late_commit_with_an_earlier_created_at_is_still_published() {
+    let db = TestDb::new().await.unwrap();
+    let broker = nats().unwrap();
+    let relay = relay(&db, broker.url(), "WATERMARK", fast_config()).await;
+
+    // A starts first (so gets the earlier created_at = now()) but commits last.
+    let mut slow = db.pool.begin().await.unwrap();
+    let early = event("orders.created", "order_1", json!({"who": "slow"}));
+    Outbox::unvalidated().enqueue(&mut slow, &early).await.unwrap();
+    let late = event("orders.created", "order_2", json!({"who": "fast"}));
+    commit(&db, std::slice::from_ref(&late)).await;
+
+    assert_eq!(relay.drain().await.unwrap().published, 1);
+    slow.commit().await.unwrap();
+    let (early_created, late_created): (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) =
+        sqlx::query_as(
+            "select (select created_at from outbox_events where id = $1),
+                    (select created_at from outbox_events where id = $2)",
+        )
+        .bind(early.id().as_uuid())
+        .bind(late.id().as_uuid())
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(early_created < late_created, "the trap is set");
+
+    assert_eq!(relay.drain().await.unwrap().published, 1);
+    assert_eq!(unpublished(&db).await, 0);
+    let ids: Vec<String> = stream_messages(broker.url(), "WATERMARK").await.iter().map(msg_id).collect();
+    assert_eq!(ids, [late.id().to_string(), early.id().to_string()]);
+}
+
+#[tokio::test]
+async fn poison_rows_block_only_their_own_subject() {
+    let _ = snapshotter();
+    let capped_before = counter("outbox_rows_capped_total");
+    let db = TestDb::new().await.unwrap();
+    let broker = nats().unwrap();
+    let config = fast_config()
+        .max_attempts(3)
+        .backoff_base(Duration::from_millis(20))
+        .backoff_max(Duration::from_millis(50));
+    let relay = relay(&db, broker.url(), "POISON", config).await;
+
+    // 1. a type that is not a valid subject (written by another client)
+    sqlx::query(
+        "insert into outbox_events (id, event_type, source, subject, time, data)
+         values ($1, 'orders created', 'php', 'bad_type', now(), '{}')",
+    )
+    .bind(Uuid::now_v7())
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // 2. a body over the broker's max payload (1 MiB)
+    let huge = event("orders.created", "too_big", json!({"blob": "x".repeat(1_200_000)}));
+    // 3. a subject no stream captures
+    let nostream = event("inventory.moved", "no_stream", json!({}));
+    commit(&db, &[huge, nostream]).await;
+    // Followers of each poisoned subject, and healthy traffic.
+    let mut followers = Vec::new();
+    for subject in ["bad_type", "too_big", "no_stream"] {
+        followers.push(event("orders.created", subject, json!({"after": "poison"})));
+    }
+    commit(&db, &followers).await;
+    let healthy: Vec<_> = (0..50)
+        .map(|i| event("billing.paid", &format!("acct_{}", i % 10), json!({"n": i})))
+        .collect();
+    commit(&db, &healthy).await;
+
+    let shutdown = CancellationToken::new();
+    let run = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { relay.run(shutdown).await })
+    };
+    wait_until("healthy subjects flow and poison rows hit the cap", Duration::from_secs(30), || async {
+        scalar(&db, "select count(*) from outbox_events where attempts >= 3").await == 3
+            && unpublished(&db).await == 6
+    })
+    .await
+    .unwrap();
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+
+    let errors: Vec<(String, String)> = sqlx::query_as(
+        "select subject, last_error from outbox_events where attempts >= 3 order by subject",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(errors[0].0, "bad_type");
+    assert!(errors[0].1.contains("invalid"), "{errors:?}");
+    assert_eq!(errors[1].0, "no_stream");
+    assert!(errors[1].1.contains("no_stream"), "{errors:?}");
+    assert_eq!(errors[2].0, "too_big");
+    assert!(errors[2].1.contains("too_large"), "{errors:?}");
+    // The followers wait behind their poisoned heads, never published.
+    for f in &followers {
+        let published: Option<chrono::DateTime<chrono::Utc>> =
+            sqlx::query_scalar("select published_at from outbox_events where id = $1")
+                .bind(f.id().as_uuid())
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        assert!(published.is_none(), "{} overtook its poisoned head", f.subject());
+    }
+    assert_eq!(stream_messages(broker.url(), "POISON").await.len(), 50);
+    assert!(counter("outbox_rows_capped_total") >= capped_before + 3);
+}
+
+#[tokio::test]
+async fn retention_deletes_only_published_rows_older_than_the_window() {
+    let db = TestDb::new().await.unwrap();
+    let broker = nats().unwrap();
+    let events: Vec<_> = (0..4)
+        .map(|i| event("orders.created", &format!("o{i}"), json!({"n": i})))
+        .collect();
+    commit(&db, &events).await;
+    let set = |id: Uuid, sql: &'static str| {
+        let pool = db.pool.clone();
+        async move { sqlx::query(sql).bind(id).execute(&pool).await.unwrap() }
+    };
+    let id = |i: usize| *events[i].id().as_uuid();
+    set(id(0), "update outbox_events set published_at = now() - interval '8 days' where id = $1").await;
+    set(id(1), "update outbox_events set published_at = now() - interval '1 hour' where id = $1").await;
+    set(id(2), "update outbox_events set created_at = now() - interval '30 days', attempts = 50 where id = $1").await;
+    // events[3]: unpublished and fresh.
+
+    let relay = relay(
+        &db,
+        broker.url(),
+        "RETENTION",
+        fast_config().retention(Some(Duration::from_secs(7 * 24 * 3600))),
+    )
+    .await;
+    assert_eq!(relay.prune().await.unwrap(), 1);
+    let left: Vec<Uuid> = sqlx::query_scalar("select id from outbox_events order by id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, [id(1), id(2), id(3)]);
+}
+
+#[tokio::test]
+async fn a_commit_wakes_the_relay_without_waiting_for_the_poll() {
+    let db = TestDb::new().await.unwrap();
+    let broker = nats().unwrap();
+    let relay = relay(
+        &db,
+        broker.url(),
+        "WAKE",
+        fast_config().poll_interval(Duration::from_secs(30)),
+    )
+    .await;
+    let shutdown = CancellationToken::new();
+    let run = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { relay.run(shutdown).await })
+    };
+    // Let the first (empty) poll pass and the listener attach.
+    wait_until("relay listening", Duration::from_secs(10), || async {
+        scalar(&db, "select count(*) from pg_stat_activity where query ilike 'listen%'").await > 0
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let started = std::time::Instant::now();
+    commit(&db, &[event("orders.created", "o1", json!({}))]).await;
+    wait_until("published after NOTIFY", Duration::from_secs(5), || async {
+        unpublished(&db).await == 0
+    })
+    .await
+    .unwrap();
+    let latency = started.elapsed();
+    assert!(latency < Duration::from_secs(5), "took {latency:?} with a 30 s poll");
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn a_stream_that_differs_from_the_config_is_a_startup_error() {
+    let db = TestDb::new().await.unwrap();
+    let broker = nats().unwrap();
+    let js = jetstream::new(connect(broker.url()).await);
+    js.create_stream(jetstream::stream::Config {
+        name: "MISMATCH".into(),
+        subjects: vec!["orders.>".into()],
+        storage: StorageType::Memory,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let spec = stream_spec("MISMATCH").storage(StorageType::File);
+    let err = Relay::jetstream(db.pool.clone(), connect(broker.url()).await, &spec, fast_config())
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Stream);
+    let msg = err.to_string();
+    assert!(msg.contains("billing.>") && msg.contains("storage"), "{msg}");
+
+    let missing = StreamSpec::new("NOPE", vec![]);
+    let err = Relay::jetstream(db.pool.clone(), connect(broker.url()).await, &missing, fast_config())
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Stream);
+    assert!(err.to_string().contains("does not exist"), "{err}");
+}
+
+#[tokio::test]
+async fn shutdown_finishes_promptly() {
+    let db = TestDb::new().await.unwrap();
+    let broker = nats().unwrap();
+    let relay = relay(&db, broker.url(), "SHUTDOWN", RelayConfig::default()).await;
+    let shutdown = CancellationToken::new();
+    let run = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { relay.run(shutdown).await })
+    };
+    commit(&db, &[event("orders.created", "o1", json!({}))]).await;
+    wait_until("published", Duration::from_secs(10), || async { unpublished(&db).await == 0 })
+        .await
+        .unwrap();
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(5), run)
+        .await
+        .expect("relay stops within 5 s of shutdown")
+        .unwrap()
+        .unwrap();
+}
