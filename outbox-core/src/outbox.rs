@@ -103,7 +103,10 @@ struct Rows {
 }
 
 impl Rows {
-    fn build<T: Serialize>(schemas: Option<&SchemaRegistry>, events: &[Envelope<T>]) -> Result<Self> {
+    fn build<T: Serialize>(
+        schemas: Option<&SchemaRegistry>,
+        events: &[Envelope<T>],
+    ) -> Result<Self> {
         let mut rows = Rows::default();
         for event in events {
             let event_type = event.event_type().as_str();
@@ -124,7 +127,8 @@ impl Rows {
             rows.subjects.push(event.subject().to_owned());
             rows.times.push(event.time());
             rows.data.push(data);
-            rows.traceparents.push(event.traceparent().map(str::to_owned));
+            rows.traceparents
+                .push(event.traceparent().map(str::to_owned));
             rows.tracestates.push(event.tracestate().map(str::to_owned));
         }
         Ok(rows)

@@ -64,7 +64,10 @@ mod tests {
             let nominal = b().nominal(attempt);
             for _ in 0..50 {
                 let d = b().delay(attempt);
-                assert!(d >= nominal.mul_f64(0.8) && d <= nominal.mul_f64(1.2), "{d:?}");
+                assert!(
+                    d >= nominal.mul_f64(0.8) && d <= nominal.mul_f64(1.2),
+                    "{d:?}"
+                );
             }
         }
         assert_eq!(

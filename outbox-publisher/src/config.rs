@@ -150,7 +150,10 @@ impl RelayConfig {
             ));
         }
         if self.max_attempts < 1 {
-            return bad(format!("max attempts {} must be at least 1", self.max_attempts));
+            return bad(format!(
+                "max attempts {} must be at least 1",
+                self.max_attempts
+            ));
         }
         if self.poll_interval.is_zero() {
             return bad("poll interval must be positive".into());
@@ -193,9 +196,15 @@ mod tests {
     fn out_of_range_values_are_named() {
         let err = RelayConfig::default().batch_size(0).validate().unwrap_err();
         assert!(err.to_string().contains("batch size"));
-        let err = RelayConfig::default().batch_size(5_001).validate().unwrap_err();
+        let err = RelayConfig::default()
+            .batch_size(5_001)
+            .validate()
+            .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Config);
-        let err = RelayConfig::default().max_attempts(0).validate().unwrap_err();
+        let err = RelayConfig::default()
+            .max_attempts(0)
+            .validate()
+            .unwrap_err();
         assert!(err.to_string().contains("max attempts"));
         let err = RelayConfig::default()
             .lease(Duration::from_secs(1))

@@ -79,7 +79,10 @@ impl Error {
                 .and_then(|s| s.downcast_ref::<sqlx::Error>())
             {
                 Some(sqlx::Error::Database(db)) => {
-                    matches!(db.code().as_deref(), Some("40001" | "40P01" | "57P01" | "57P03"))
+                    matches!(
+                        db.code().as_deref(),
+                        Some("40001" | "40P01" | "57P01" | "57P03")
+                    )
                 }
                 Some(
                     sqlx::Error::Io(_)

@@ -17,7 +17,9 @@
 
 use std::time::Duration;
 
-use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use metrics::{
+    Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
+};
 
 use crate::sink::FailureKind;
 use crate::store::Stats;
@@ -37,20 +39,46 @@ pub(crate) const OLDEST_AGE: &str = "outbox_oldest_unpublished_age_seconds";
 /// Registers descriptions and units with the installed recorder. Call once
 /// after installing it; recording works without this.
 pub fn describe() {
-    describe_counter!(PUBLISHED, "Events acknowledged by JetStream and marked published");
-    describe_counter!(DUPLICATES, "PubAcks flagged duplicate (a republish the stream dropped)");
+    describe_counter!(
+        PUBLISHED,
+        "Events acknowledged by JetStream and marked published"
+    );
+    describe_counter!(
+        DUPLICATES,
+        "PubAcks flagged duplicate (a republish the stream dropped)"
+    );
     describe_counter!(FAILURES, "Failed publishes, by reason");
-    describe_counter!(CAPPED, "Rows that reached the attempt cap and are left alone");
+    describe_counter!(
+        CAPPED,
+        "Rows that reached the attempt cap and are left alone"
+    );
     describe_counter!(PRUNED, "Published rows deleted by retention");
     describe_histogram!(BATCH_SIZE, Unit::Count, "Rows claimed per batch");
     describe_histogram!(PUBLISH_LATENCY, Unit::Seconds, "Publish to PubAck");
     describe_histogram!(COMMIT_TO_ACK, Unit::Seconds, "Row created_at to PubAck");
-    describe_gauge!(BACKLOG, Unit::Count, "Unpublished rows under the attempt cap");
-    describe_gauge!(PAST_CAP, Unit::Count, "Unpublished rows at or past the attempt cap");
-    describe_gauge!(OLDEST_AGE, Unit::Seconds, "Age of the oldest unpublished row");
+    describe_gauge!(
+        BACKLOG,
+        Unit::Count,
+        "Unpublished rows under the attempt cap"
+    );
+    describe_gauge!(
+        PAST_CAP,
+        Unit::Count,
+        "Unpublished rows at or past the attempt cap"
+    );
+    describe_gauge!(
+        OLDEST_AGE,
+        Unit::Seconds,
+        "Age of the oldest unpublished row"
+    );
 }
 
-pub(crate) fn published(event_type: &str, duplicate: bool, latency: Duration, since_commit: Duration) {
+pub(crate) fn published(
+    event_type: &str,
+    duplicate: bool,
+    latency: Duration,
+    since_commit: Duration,
+) {
     counter!(PUBLISHED, "event_type" => event_type.to_owned()).increment(1);
     if duplicate {
         counter!(DUPLICATES, "event_type" => event_type.to_owned()).increment(1);

@@ -216,7 +216,12 @@ impl<S: Sink> Relay<S> {
         if rows.is_empty() {
             return Ok(BatchReport::default());
         }
-        let span = info_span!("outbox.batch", size = rows.len(), published = tracing::field::Empty, failed = tracing::field::Empty);
+        let span = info_span!(
+            "outbox.batch",
+            size = rows.len(),
+            published = tracing::field::Empty,
+            failed = tracing::field::Empty
+        );
         let report = self.publish_rows(rows).instrument(span.clone()).await?;
         span.record("published", report.published);
         span.record("failed", report.failed);
@@ -227,7 +232,11 @@ impl<S: Sink> Relay<S> {
         let claimed = rows.len();
         metrics::batch(claimed);
         // Keep time to mark the outcome before the lease runs out.
-        let deadline = Instant::now() + self.config.lease.saturating_sub(self.config.publish_timeout);
+        let deadline = Instant::now()
+            + self
+                .config
+                .lease
+                .saturating_sub(self.config.publish_timeout);
         let outcomes: Vec<SubjectOutcome> = futures::stream::iter(group_by_subject(rows))
             .map(|group| self.publish_subject(group, deadline))
             .buffer_unordered(self.config.max_in_flight)
@@ -253,7 +262,10 @@ impl<S: Sink> Relay<S> {
         self.note_broker_health(&report, &failures);
 
         self.store.mark_published(&published).await?;
-        let capped = self.store.mark_failed(&failures, self.config.max_attempts).await?;
+        let capped = self
+            .store
+            .mark_failed(&failures, self.config.max_attempts)
+            .await?;
         for row in &capped {
             error!(
                 event_id = %row.id,
@@ -317,8 +329,15 @@ impl<S: Sink> Relay<S> {
     fn note_broker_health(&self, report: &BatchReport, failures: &[Failure]) {
         let all_failed = report.published == 0 && report.failed > 0;
         if all_failed && self.broker_up.swap(false, Ordering::Relaxed) {
-            let first = failures.first().map(|f| f.error.as_str()).unwrap_or_default();
-            warn!(failed = report.failed, error = first, "publishing failed; rows back off and are retried");
+            let first = failures
+                .first()
+                .map(|f| f.error.as_str())
+                .unwrap_or_default();
+            warn!(
+                failed = report.failed,
+                error = first,
+                "publishing failed; rows back off and are retried"
+            );
         } else if report.published > 0 && !self.broker_up.swap(true, Ordering::Relaxed) {
             info!("publishing recovered");
         }
@@ -337,7 +356,8 @@ impl<S: Sink> Relay<S> {
     }
 
     async fn publish_loop(&self, wake: &Notify, shutdown: &CancellationToken) {
-        let mut idle_backoff = LoopBackoff::new(Duration::from_millis(100), Duration::from_secs(10));
+        let mut idle_backoff =
+            LoopBackoff::new(Duration::from_millis(100), Duration::from_secs(10));
         while !shutdown.is_cancelled() {
             let result = self.publish_batch().await;
             self.note_db_health(&result);
@@ -532,9 +552,7 @@ impl LoopBackoff {
     }
 
     fn next(&mut self) -> Duration {
-        let next = self
-            .current
-            .map_or(self.base, |d| (d * 2).min(self.max));
+        let next = self.current.map_or(self.base, |d| (d * 2).min(self.max));
         self.current = Some(next);
         next
     }

@@ -115,7 +115,9 @@ impl StreamSpec {
             ));
         }
         if existing.duplicate_window.is_zero() {
-            out.push("the stream has no duplicate window, so republishes would be stored twice".into());
+            out.push(
+                "the stream has no duplicate window, so republishes would be stored twice".into(),
+            );
         }
         out
     }
@@ -206,7 +208,15 @@ mod tests {
         let problems = spec.mismatches(&existing);
         assert_eq!(problems.len(), 4, "{problems:?}");
         assert!(problems[0].contains("b.>"));
-        assert!(StreamSpec::new("S", vec!["a.>".into()]).mismatches(&existing).is_empty());
-        assert!(StreamSpec::new("S", vec![]).mismatches(&existing).is_empty());
+        assert!(
+            StreamSpec::new("S", vec!["a.>".into()])
+                .mismatches(&existing)
+                .is_empty()
+        );
+        assert!(
+            StreamSpec::new("S", vec![])
+                .mismatches(&existing)
+                .is_empty()
+        );
     }
 }

@@ -1,6 +1,8 @@
 //! The `outbox-relay` binary, driven as an operator (or another program) would:
 //! environment and flags in, exit codes, metrics and the stream out.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
+
 use std::io::{Read, Write};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -14,12 +16,20 @@ const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 async fn seed(db: &TestDb, n: usize) {
     let events: Vec<_> = (0..n)
         .map(|i| {
-            Envelope::new("orders.created", "cli-tests", format!("order_{}", i % 25), json!({"n": i}))
-                .unwrap()
+            Envelope::new(
+                "orders.created",
+                "cli-tests",
+                format!("order_{}", i % 25),
+                json!({"n": i}),
+            )
+            .unwrap()
         })
         .collect();
     let mut tx = db.pool.begin().await.unwrap();
-    Outbox::unvalidated().enqueue_all(&mut tx, &events).await.unwrap();
+    Outbox::unvalidated()
+        .enqueue_all(&mut tx, &events)
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
 }
 
@@ -32,7 +42,14 @@ async fn unpublished(db: &TestDb) -> i64 {
 
 async fn stream_count(url: &str, stream: &str) -> u64 {
     let js = async_nats::jetstream::new(async_nats::connect(url).await.unwrap());
-    js.get_stream(stream).await.unwrap().info().await.unwrap().state.messages
+    js.get_stream(stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .messages
 }
 
 fn relay(db: &TestDb, nats_url: &str, stream: &str, extra: &[&str]) -> Command {
@@ -51,10 +68,19 @@ async fn once_drains_the_table_and_exits_zero() {
     let db = TestDb::new().await.unwrap();
     let broker = nats().unwrap();
     seed(&db, 500).await;
-    let out = relay(&db, broker.url(), "CLI_ONCE", &["--once", "--batch-size", "64"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = relay(
+        &db,
+        broker.url(),
+        "CLI_ONCE",
+        &["--once", "--batch-size", "64"],
+    )
+    .output()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(unpublished(&db).await, 0);
     assert_eq!(stream_count(broker.url(), "CLI_ONCE").await, 500);
 }
@@ -74,22 +100,32 @@ async fn metrics_addr_serves_prometheus_text_and_sigterm_exits_zero() {
         .spawn()
         .unwrap();
     let mut body = String::new();
-    wait_until("metrics with published events", Duration::from_secs(20), || {
-        let fetched = http_get(&addr, "/metrics");
-        let done = fetched
-            .as_deref()
-            .is_some_and(|b| b.contains("outbox_published_total") && b.contains("outbox_backlog"));
-        if done {
-            body = fetched.unwrap_or_default();
-        }
-        async move { done }
-    })
+    wait_until(
+        "metrics with published events",
+        Duration::from_secs(20),
+        || {
+            let fetched = http_get(&addr, "/metrics");
+            let done = fetched.as_deref().is_some_and(|b| {
+                b.contains("outbox_published_total") && b.contains("outbox_backlog")
+            });
+            if done {
+                body = fetched.unwrap_or_default();
+            }
+            async move { done }
+        },
+    )
     .await
     .unwrap();
-    assert!(body.contains("outbox_published_total{event_type=\"orders.created\"} 10"), "{body}");
+    assert!(
+        body.contains("outbox_published_total{event_type=\"orders.created\"} 10"),
+        "{body}"
+    );
     assert!(body.contains("outbox_publish_latency_seconds"), "{body}");
 
-    Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
     let status = wait_exit(&mut child, Duration::from_secs(10)).await;
     assert_eq!(status.code(), Some(0));
 }
@@ -99,11 +135,22 @@ async fn kill_9_mid_drain_loses_nothing_and_the_stream_stores_each_event_once() 
     let db = TestDb::new().await.unwrap();
     let broker = nats().unwrap();
     seed(&db, 3_000).await;
-    let fast = ["--batch-size", "50", "--lease", "2s", "--publish-timeout", "500ms", "--poll-interval", "50ms"];
+    let fast = [
+        "--batch-size",
+        "50",
+        "--lease",
+        "2s",
+        "--publish-timeout",
+        "500ms",
+        "--poll-interval",
+        "50ms",
+    ];
     let mut first = relay(&db, broker.url(), "CLI_KILL", &fast).spawn().unwrap();
-    wait_until("the first relay publishes some", Duration::from_secs(20), || async {
-        unpublished(&db).await < 2_900
-    })
+    wait_until(
+        "the first relay publishes some",
+        Duration::from_secs(20),
+        || async { unpublished(&db).await < 2_900 },
+    )
     .await
     .unwrap();
     first.kill().unwrap(); // SIGKILL: no chance to mark or release
@@ -111,13 +158,21 @@ async fn kill_9_mid_drain_loses_nothing_and_the_stream_stores_each_event_once() 
     assert!(unpublished(&db).await > 0, "killed before the end");
 
     let mut second = relay(&db, broker.url(), "CLI_KILL", &fast).spawn().unwrap();
-    wait_until("the second relay finishes", Duration::from_secs(60), || async {
-        unpublished(&db).await == 0
-    })
+    wait_until(
+        "the second relay finishes",
+        Duration::from_secs(60),
+        || async { unpublished(&db).await == 0 },
+    )
     .await
     .unwrap();
-    Command::new("kill").args(["-TERM", &second.id().to_string()]).status().unwrap();
-    assert_eq!(wait_exit(&mut second, Duration::from_secs(10)).await.code(), Some(0));
+    Command::new("kill")
+        .args(["-TERM", &second.id().to_string()])
+        .status()
+        .unwrap();
+    assert_eq!(
+        wait_exit(&mut second, Duration::from_secs(10)).await.code(),
+        Some(0)
+    );
     assert_eq!(stream_count(broker.url(), "CLI_KILL").await, 3_000);
 }
 
@@ -147,7 +202,10 @@ async fn wait_exit(child: &mut std::process::Child, timeout: Duration) -> std::p
         if let Some(status) = child.try_wait().unwrap() {
             return status;
         }
-        assert!(std::time::Instant::now() < deadline, "process did not exit within {timeout:?}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "process did not exit within {timeout:?}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

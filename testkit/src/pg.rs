@@ -115,7 +115,10 @@ impl PgServer {
             .stdin(Stdio::null())
             .output()
             .map_err(|e| Error::new(format!("cannot run initdb: {e}; {INSTALL_HINT}")))?;
-        std::fs::write(&log, [out.stdout.as_slice(), out.stderr.as_slice()].concat())?;
+        std::fs::write(
+            &log,
+            [out.stdout.as_slice(), out.stderr.as_slice()].concat(),
+        )?;
         if out.status.success() {
             Ok(())
         } else {
@@ -252,8 +255,11 @@ fn pg_bin_dir() -> Result<PathBuf> {
         .collect();
     versions.sort();
     let extra: Vec<PathBuf> = versions.into_iter().rev().map(|(_, p)| p).collect();
-    let postgres = find_binary("postgres", &extra)
-        .ok_or_else(|| Error::new(format!("PostgreSQL server binaries not found; {INSTALL_HINT}")))?;
+    let postgres = find_binary("postgres", &extra).ok_or_else(|| {
+        Error::new(format!(
+            "PostgreSQL server binaries not found; {INSTALL_HINT}"
+        ))
+    })?;
     let dir = postgres
         .parent()
         .map(Path::to_path_buf)
@@ -416,6 +422,9 @@ mod tests {
             "postgres://u:p@h:5/x?sslmode=disable"
         );
         assert_eq!(with_database("postgres://h", "x"), "postgres://h/x");
-        assert_eq!(with_database("postgresql://h:1/", "x"), "postgresql://h:1/x");
+        assert_eq!(
+            with_database("postgresql://h:1/", "x"),
+            "postgresql://h:1/x"
+        );
     }
 }

@@ -1,6 +1,8 @@
 //! The harness itself: real servers start, and the fault operations the other
 //! suites rely on (broker stop / kill -9 / restart, Postgres restart) work.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
+
 use std::time::Duration;
 
 use outbox_testkit::{NatsServer, PgServer, TestDb, wait_until};
@@ -21,13 +23,19 @@ async fn nats_survives_kill_and_restart_with_its_stream() {
     })
     .await
     .unwrap();
-    js.publish("harness.a", "one".into()).await.unwrap().await.unwrap();
+    js.publish("harness.a", "one".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
 
     server.kill().unwrap();
     assert!(!server.is_running());
     let publish = js.publish("harness.a", "lost".into()).await;
     let acked = match publish {
-        Ok(ack) => tokio::time::timeout(Duration::from_secs(2), ack).await.is_ok_and(|r| r.is_ok()),
+        Ok(ack) => tokio::time::timeout(Duration::from_secs(2), ack)
+            .await
+            .is_ok_and(|r| r.is_ok()),
         Err(_) => false,
     };
     assert!(!acked, "a killed broker must not ack");
@@ -39,9 +47,17 @@ async fn nats_survives_kill_and_restart_with_its_stream() {
     })
     .await
     .unwrap();
-    js.publish("harness.a", "two".into()).await.unwrap().await.unwrap();
+    js.publish("harness.a", "two".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
     let mut stream = js.get_stream("HARNESS").await.unwrap();
-    assert_eq!(stream.info().await.unwrap().state.messages, 2, "file store kept message one");
+    assert_eq!(
+        stream.info().await.unwrap().state.messages,
+        2,
+        "file store kept message one"
+    );
 
     server.restart().unwrap();
     assert!(server.is_running());
@@ -49,17 +65,24 @@ async fn nats_survives_kill_and_restart_with_its_stream() {
 
 #[tokio::test]
 async fn postgres_restart_keeps_committed_data() {
-    let mut server = tokio::task::spawn_blocking(PgServer::start).await.unwrap().unwrap();
+    let mut server = tokio::task::spawn_blocking(PgServer::start)
+        .await
+        .unwrap()
+        .unwrap();
     let db = TestDb::on(&server).await.unwrap();
-    sqlx::query("create table t (x int)").execute(&db.pool).await.unwrap();
-    sqlx::query("insert into t values (1)").execute(&db.pool).await.unwrap();
+    sqlx::query("create table t (x int)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("insert into t values (1)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
 
-    server = tokio::task::spawn_blocking(move || {
-        server.restart().map(|()| server)
-    })
-    .await
-    .unwrap()
-    .unwrap();
+    server = tokio::task::spawn_blocking(move || server.restart().map(|()| server))
+        .await
+        .unwrap()
+        .unwrap();
 
     // The pool's old connections are dead; a fresh one sees the committed row.
     wait_until("postgres back", Duration::from_secs(30), || {

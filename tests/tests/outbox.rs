@@ -1,6 +1,8 @@
 //! outbox-core against a real PostgreSQL: the transactional write, validation,
 //! batch inserts and the migrated schema.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
+
 use outbox_core::{Envelope, ErrorKind, Outbox, SchemaRegistry};
 use outbox_testkit::TestDb;
 use serde_json::{Value, json};
@@ -119,7 +121,9 @@ async fn schema_violation_is_named_and_writes_nothing() {
     assert_eq!(err.violations()[0].instance_path, "/amount_cents");
     let msg = err.to_string();
     assert!(
-        msg.contains("subscription.created") && msg.contains("/amount_cents") && msg.contains("integer"),
+        msg.contains("subscription.created")
+            && msg.contains("/amount_cents")
+            && msg.contains("integer"),
         "{msg}"
     );
     // The transaction is still usable: validation happens before any statement.
@@ -278,16 +282,42 @@ async fn inbox_table_has_its_unique_key_and_indexes() {
     .unwrap();
     assert_eq!(
         columns,
-        ["consumer", "event_id", "event_type", "subject", "event_time", "handled_at"]
+        [
+            "consumer",
+            "event_id",
+            "event_type",
+            "subject",
+            "event_time",
+            "handled_at"
+        ]
     );
     let insert = "insert into inbox_events (consumer, event_id, event_type, subject, event_time)
                   values ($1, $2, 'a.b', 's', now()) on conflict do nothing";
     let id = uuid::Uuid::now_v7();
-    let first = sqlx::query(insert).bind("billing").bind(id).execute(&db.pool).await.unwrap();
-    let again = sqlx::query(insert).bind("billing").bind(id).execute(&db.pool).await.unwrap();
-    let other = sqlx::query(insert).bind("audit").bind(id).execute(&db.pool).await.unwrap();
+    let first = sqlx::query(insert)
+        .bind("billing")
+        .bind(id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let again = sqlx::query(insert)
+        .bind("billing")
+        .bind(id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let other = sqlx::query(insert)
+        .bind("audit")
+        .bind(id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
     assert_eq!(
-        (first.rows_affected(), again.rows_affected(), other.rows_affected()),
+        (
+            first.rows_affected(),
+            again.rows_affected(),
+            other.rows_affected()
+        ),
         (1, 0, 1)
     );
     let indexes: Vec<String> = sqlx::query_scalar(

@@ -1,6 +1,8 @@
 //! The relay against real PostgreSQL and nats-server: delivery, ordering across
 //! replicas and broker restarts, backoff, poison rows, retention, wake-ups.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
+
 use std::collections::{HashMap, HashSet};
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -70,9 +72,14 @@ async fn connect(url: &str) -> async_nats::Client {
 }
 
 async fn relay(db: &TestDb, url: &str, stream: &str, config: RelayConfig) -> Relay {
-    Relay::jetstream(db.pool.clone(), connect(url).await, &stream_spec(stream), config)
-        .await
-        .unwrap()
+    Relay::jetstream(
+        db.pool.clone(),
+        connect(url).await,
+        &stream_spec(stream),
+        config,
+    )
+    .await
+    .unwrap()
 }
 
 fn event(event_type: &str, subject: &str, data: Value) -> Envelope<Value> {
@@ -81,7 +88,10 @@ fn event(event_type: &str, subject: &str, data: Value) -> Envelope<Value> {
 
 async fn commit(db: &TestDb, events: &[Envelope<Value>]) {
     let mut tx = db.pool.begin().await.unwrap();
-    Outbox::unvalidated().enqueue_all(&mut tx, events).await.unwrap();
+    Outbox::unvalidated()
+        .enqueue_all(&mut tx, events)
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
 }
 
@@ -90,7 +100,11 @@ async fn scalar(db: &TestDb, sql: &str) -> i64 {
 }
 
 async fn unpublished(db: &TestDb) -> i64 {
-    scalar(db, "select count(*) from outbox_events where published_at is null").await
+    scalar(
+        db,
+        "select count(*) from outbox_events where published_at is null",
+    )
+    .await
 }
 
 /// Every message of `stream`, in stream order.
@@ -133,14 +147,19 @@ async fn committed_events_arrive_once_with_envelope_and_msg_id() {
     let broker = nats().unwrap();
     let committed: Vec<_> = (0..3)
         .map(|i| {
-            event("orders.created", &format!("order_{i}"), json!({"n": i}))
-                .with_trace_context("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(), None)
+            event("orders.created", &format!("order_{i}"), json!({"n": i})).with_trace_context(
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+                None,
+            )
         })
         .collect();
     commit(&db, &committed).await;
     let mut tx = db.pool.begin().await.unwrap();
     Outbox::unvalidated()
-        .enqueue(&mut tx, &event("orders.created", "order_rolled_back", json!({})))
+        .enqueue(
+            &mut tx,
+            &event("orders.created", "order_rolled_back", json!({})),
+        )
         .await
         .unwrap();
     tx.rollback().await.unwrap();
@@ -155,17 +174,28 @@ async fn committed_events_arrive_once_with_envelope_and_msg_id() {
         assert_eq!(message.subject.as_str(), "orders.created");
         assert_eq!(msg_id(message), sent.id().to_string());
         let headers = message.headers.as_ref().unwrap();
-        assert_eq!(headers.get("traceparent").map(|v| v.as_str()), sent.traceparent());
+        assert_eq!(
+            headers.get("traceparent").map(|v| v.as_str()),
+            sent.traceparent()
+        );
         let received = Envelope::<Value>::from_json(&message.payload).unwrap();
         assert_eq!(&received, sent);
     }
     assert_eq!(unpublished(&db).await, 0);
     assert_eq!(
-        scalar(&db, "select count(*) from outbox_events where attempts = 0 and last_error is null").await,
+        scalar(
+            &db,
+            "select count(*) from outbox_events where attempts = 0 and last_error is null"
+        )
+        .await,
         3
     );
     // Nothing leaked from the rolled-back transaction.
-    assert!(messages.iter().all(|m| !String::from_utf8_lossy(&m.payload).contains("rolled_back")));
+    assert!(
+        messages
+            .iter()
+            .all(|m| !String::from_utf8_lossy(&m.payload).contains("rolled_back"))
+    );
 }
 
 #[tokio::test]
@@ -198,7 +228,11 @@ async fn a_relay_killed_between_publish_and_mark_republishes_and_the_stream_stor
             .unwrap();
         assert!(!ack.duplicate);
     }
-    assert_eq!(relay.drain().await.unwrap().claimed, 0, "leased rows are not claimed");
+    assert_eq!(
+        relay.drain().await.unwrap().claimed,
+        0,
+        "leased rows are not claimed"
+    );
     sqlx::query("update outbox_events set locked_until = now() - interval '1 second'")
         .execute(&db.pool)
         .await
@@ -206,7 +240,10 @@ async fn a_relay_killed_between_publish_and_mark_republishes_and_the_stream_stor
 
     let report = relay.drain().await.unwrap();
     assert_eq!(report.published, 20);
-    assert_eq!(report.duplicates, 20, "every republish is acked as a duplicate");
+    assert_eq!(
+        report.duplicates, 20,
+        "every republish is acked as a duplicate"
+    );
     assert_eq!(unpublished(&db).await, 0);
     let messages = stream_messages(broker.url(), "CRASH").await;
     assert_eq!(messages.len(), 20, "the stream stored each event once");
@@ -229,13 +266,24 @@ async fn broker_outage_backs_off_then_delivers_everything() {
 
     broker.kill().unwrap();
     let events: Vec<_> = (0..30)
-        .map(|i| event("billing.charged", &format!("acct_{}", i % 5), json!({"n": i})))
+        .map(|i| {
+            event(
+                "billing.charged",
+                &format!("acct_{}", i % 5),
+                json!({"n": i}),
+            )
+        })
         .collect();
     commit(&db, &events).await;
 
     // Attempts grow, with errors recorded, and the rows stay unpublished.
     wait_until("attempts to grow", Duration::from_secs(20), || async {
-        scalar(&db, "select count(*) from outbox_events where attempts >= 3").await > 0
+        scalar(
+            &db,
+            "select count(*) from outbox_events where attempts >= 3",
+        )
+        .await
+            > 0
     })
     .await
     .unwrap();
@@ -245,23 +293,36 @@ async fn broker_outage_backs_off_then_delivers_everything() {
     let max_attempts = scalar(&db, "select max(attempts)::bigint from outbox_events").await;
     // 100 ms doubling to an 800 ms cap: within ~5 s a row can fail at most
     // ~10 times. A hot loop would fail thousands of times.
-    assert!(max_attempts <= 12, "attempts {max_attempts} after {elapsed:?}: no hot loop");
+    assert!(
+        max_attempts <= 12,
+        "attempts {max_attempts} after {elapsed:?}: no hot loop"
+    );
     assert_eq!(unpublished(&db).await, 30);
     assert_eq!(
-        scalar(&db, "select count(*) from outbox_events where attempts > 0 and last_error is null").await,
+        scalar(
+            &db,
+            "select count(*) from outbox_events where attempts > 0 and last_error is null"
+        )
+        .await,
         0,
         "every failure records its error"
     );
     // Only the head of each subject is ever tried while it fails.
     assert_eq!(
-        scalar(&db, "select count(distinct subject) from outbox_events where attempts > 0").await,
+        scalar(
+            &db,
+            "select count(distinct subject) from outbox_events where attempts > 0"
+        )
+        .await,
         scalar(&db, "select count(*) from outbox_events where attempts > 0").await,
     );
 
     broker.start_again().unwrap();
-    wait_until("all delivered after the broker is back", Duration::from_secs(30), || async {
-        unpublished(&db).await == 0
-    })
+    wait_until(
+        "all delivered after the broker is back",
+        Duration::from_secs(30),
+        || async { unpublished(&db).await == 0 },
+    )
     .await
     .unwrap();
     shutdown.cancel();
@@ -361,27 +422,36 @@ async fn the_watermark_trap_a_late_commit_with_an_earlier_created_at_is_still_pu
     // A starts first (so gets the earlier created_at = now()) but commits last.
     let mut slow = db.pool.begin().await.unwrap();
     let early = event("orders.created", "order_1", json!({"who": "slow"}));
-    Outbox::unvalidated().enqueue(&mut slow, &early).await.unwrap();
+    Outbox::unvalidated()
+        .enqueue(&mut slow, &early)
+        .await
+        .unwrap();
     let late = event("orders.created", "order_2", json!({"who": "fast"}));
     commit(&db, std::slice::from_ref(&late)).await;
 
     assert_eq!(relay.drain().await.unwrap().published, 1);
     slow.commit().await.unwrap();
-    let (early_created, late_created): (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) =
-        sqlx::query_as(
-            "select (select created_at from outbox_events where id = $1),
+    let (early_created, late_created): (
+        chrono::DateTime<chrono::Utc>,
+        chrono::DateTime<chrono::Utc>,
+    ) = sqlx::query_as(
+        "select (select created_at from outbox_events where id = $1),
                     (select created_at from outbox_events where id = $2)",
-        )
-        .bind(early.id().as_uuid())
-        .bind(late.id().as_uuid())
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    )
+    .bind(early.id().as_uuid())
+    .bind(late.id().as_uuid())
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
     assert!(early_created < late_created, "the trap is set");
 
     assert_eq!(relay.drain().await.unwrap().published, 1);
     assert_eq!(unpublished(&db).await, 0);
-    let ids: Vec<String> = stream_messages(broker.url(), "WATERMARK").await.iter().map(msg_id).collect();
+    let ids: Vec<String> = stream_messages(broker.url(), "WATERMARK")
+        .await
+        .iter()
+        .map(msg_id)
+        .collect();
     assert_eq!(ids, [late.id().to_string(), early.id().to_string()]);
 }
 
@@ -407,7 +477,11 @@ async fn poison_rows_block_only_their_own_subject() {
     .await
     .unwrap();
     // 2. a body over the broker's max payload (1 MiB)
-    let huge = event("orders.created", "too_big", json!({"blob": "x".repeat(1_200_000)}));
+    let huge = event(
+        "orders.created",
+        "too_big",
+        json!({"blob": "x".repeat(1_200_000)}),
+    );
     // 3. a subject no stream captures
     let nostream = event("inventory.moved", "no_stream", json!({}));
     commit(&db, &[huge, nostream]).await;
@@ -427,10 +501,19 @@ async fn poison_rows_block_only_their_own_subject() {
         let shutdown = shutdown.clone();
         tokio::spawn(async move { relay.run(shutdown).await })
     };
-    wait_until("healthy subjects flow and poison rows hit the cap", Duration::from_secs(30), || async {
-        scalar(&db, "select count(*) from outbox_events where attempts >= 3").await == 3
-            && unpublished(&db).await == 6
-    })
+    wait_until(
+        "healthy subjects flow and poison rows hit the cap",
+        Duration::from_secs(30),
+        || async {
+            scalar(
+                &db,
+                "select count(*) from outbox_events where attempts >= 3",
+            )
+            .await
+                == 3
+                && unpublished(&db).await == 6
+        },
+    )
     .await
     .unwrap();
     shutdown.cancel();
@@ -456,7 +539,11 @@ async fn poison_rows_block_only_their_own_subject() {
                 .fetch_one(&db.pool)
                 .await
                 .unwrap();
-        assert!(published.is_none(), "{} overtook its poisoned head", f.subject());
+        assert!(
+            published.is_none(),
+            "{} overtook its poisoned head",
+            f.subject()
+        );
     }
     assert_eq!(stream_messages(broker.url(), "POISON").await.len(), 50);
     assert!(counter("outbox_rows_capped_total") >= capped_before + 3);
@@ -475,8 +562,16 @@ async fn retention_deletes_only_published_rows_older_than_the_window() {
         async move { sqlx::query(sql).bind(id).execute(&pool).await.unwrap() }
     };
     let id = |i: usize| *events[i].id().as_uuid();
-    set(id(0), "update outbox_events set published_at = now() - interval '8 days' where id = $1").await;
-    set(id(1), "update outbox_events set published_at = now() - interval '1 hour' where id = $1").await;
+    set(
+        id(0),
+        "update outbox_events set published_at = now() - interval '8 days' where id = $1",
+    )
+    .await;
+    set(
+        id(1),
+        "update outbox_events set published_at = now() - interval '1 hour' where id = $1",
+    )
+    .await;
     set(id(2), "update outbox_events set created_at = now() - interval '30 days', attempts = 50 where id = $1").await;
     // events[3]: unpublished and fresh.
 
@@ -513,7 +608,12 @@ async fn a_commit_wakes_the_relay_without_waiting_for_the_poll() {
     };
     // Let the first (empty) poll pass and the listener attach.
     wait_until("relay listening", Duration::from_secs(10), || async {
-        scalar(&db, "select count(*) from pg_stat_activity where query ilike 'listen%'").await > 0
+        scalar(
+            &db,
+            "select count(*) from pg_stat_activity where query ilike 'listen%'",
+        )
+        .await
+            > 0
     })
     .await
     .unwrap();
@@ -527,7 +627,10 @@ async fn a_commit_wakes_the_relay_without_waiting_for_the_poll() {
     .await
     .unwrap();
     let latency = started.elapsed();
-    assert!(latency < Duration::from_secs(5), "took {latency:?} with a 30 s poll");
+    assert!(
+        latency < Duration::from_secs(5),
+        "took {latency:?} with a 30 s poll"
+    );
     shutdown.cancel();
     run.await.unwrap().unwrap();
 }
@@ -546,17 +649,30 @@ async fn a_stream_that_differs_from_the_config_is_a_startup_error() {
     .await
     .unwrap();
     let spec = stream_spec("MISMATCH").storage(StorageType::File);
-    let err = Relay::jetstream(db.pool.clone(), connect(broker.url()).await, &spec, fast_config())
-        .await
-        .unwrap_err();
+    let err = Relay::jetstream(
+        db.pool.clone(),
+        connect(broker.url()).await,
+        &spec,
+        fast_config(),
+    )
+    .await
+    .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Stream);
     let msg = err.to_string();
-    assert!(msg.contains("billing.>") && msg.contains("storage"), "{msg}");
+    assert!(
+        msg.contains("billing.>") && msg.contains("storage"),
+        "{msg}"
+    );
 
     let missing = StreamSpec::new("NOPE", vec![]);
-    let err = Relay::jetstream(db.pool.clone(), connect(broker.url()).await, &missing, fast_config())
-        .await
-        .unwrap_err();
+    let err = Relay::jetstream(
+        db.pool.clone(),
+        connect(broker.url()).await,
+        &missing,
+        fast_config(),
+    )
+    .await
+    .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Stream);
     assert!(err.to_string().contains("does not exist"), "{err}");
 }
@@ -572,9 +688,11 @@ async fn shutdown_finishes_promptly() {
         tokio::spawn(async move { relay.run(shutdown).await })
     };
     commit(&db, &[event("orders.created", "o1", json!({}))]).await;
-    wait_until("published", Duration::from_secs(10), || async { unpublished(&db).await == 0 })
-        .await
-        .unwrap();
+    wait_until("published", Duration::from_secs(10), || async {
+        unpublished(&db).await == 0
+    })
+    .await
+    .unwrap();
     shutdown.cancel();
     tokio::time::timeout(Duration::from_secs(5), run)
         .await

@@ -22,7 +22,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
 #[derive(Debug, Parser)]
-#[command(name = "outbox-relay", version, about = "Relay outbox_events rows to NATS JetStream")]
+#[command(
+    name = "outbox-relay",
+    version,
+    about = "Relay outbox_events rows to NATS JetStream"
+)]
 struct Args {
     /// Postgres URL of the database holding outbox_events.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
@@ -144,7 +148,10 @@ enum Storage {
 fn main() -> ExitCode {
     let args = Args::parse();
     init_logging(args.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             error!(error = %e, "cannot start the async runtime");
@@ -241,7 +248,9 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn nats_options(args: &Args) -> Result<async_nats::ConnectOptions, Box<dyn std::error::Error>> {
+async fn nats_options(
+    args: &Args,
+) -> Result<async_nats::ConnectOptions, Box<dyn std::error::Error>> {
     let mut options = async_nats::ConnectOptions::new()
         .name("outbox-relay")
         .retry_on_initial_connect()
@@ -274,15 +283,16 @@ async fn wait_for_signal(shutdown: CancellationToken) {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(e) => {
-                error!(error = %e, "cannot listen for SIGTERM");
-                let _ = ctrl_c.await;
-                shutdown.cancel();
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    error!(error = %e, "cannot listen for SIGTERM");
+                    let _ = ctrl_c.await;
+                    shutdown.cancel();
+                    return;
+                }
+            };
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}
