@@ -1,1 +1,161 @@
-fn main() {}
+//! The quickest real round trip: a subscription row and its
+//! `subscription.created` event committed in one transaction, a rolled-back
+//! one and a schema-invalid one that never leave, the relay moving the
+//! committed events to JetStream, and the stream read back.
+//!
+//! ```text
+//! cargo run --bin quickstart                      # starts its own Postgres and nats-server
+//! DATABASE_URL=postgres://… NATS_URL=nats://… cargo run --bin quickstart
+//! ```
+
+use std::error::Error;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer};
+use futures::StreamExt;
+use outbox_core::{Envelope, Outbox, SchemaRegistry};
+use outbox_publisher::{Relay, RelayConfig, StreamSpec};
+use outbox_testkit::{PgServer, nats};
+use serde::Serialize;
+use sqlx::PgPool;
+
+#[derive(Serialize)]
+struct SubscriptionCreated {
+    subscription_id: String,
+    customer_id: String,
+    plan: String,
+    amount_cents: i64,
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn Error>> {
+    // Real servers: the ones named by DATABASE_URL / NATS_URL, or fresh local ones.
+    let (_pg, database_url) = match std::env::var("DATABASE_URL") {
+        Ok(url) => (None, url),
+        Err(_) => {
+            let server = tokio::task::spawn_blocking(PgServer::start).await??;
+            let url = server.url("postgres");
+            (Some(server), url)
+        }
+    };
+    let broker = nats()?;
+    println!("postgres: {database_url}\nnats:     {}", broker.url());
+
+    let pool = PgPool::connect(&database_url).await?;
+    outbox_core::migrate(&pool).await?;
+    sqlx::query(
+        "create table if not exists subscriptions (
+           id text primary key, customer_id text not null, plan text not null, amount_cents bigint not null)",
+    )
+    .execute(&pool)
+    .await?;
+    let schemas = concat!(env!("CARGO_MANIFEST_DIR"), "/../../schemas/events");
+    let outbox = Outbox::new(SchemaRegistry::from_dir(schemas)?);
+
+    let run = std::process::id();
+    let mut committed = Vec::new();
+    for (i, plan) in ["basic", "pro", "team"].iter().enumerate() {
+        let id = format!("sub_{run}_{i}");
+        committed.push(create(&pool, &outbox, &id, plan, 1200 * (i as i64 + 1), true).await?);
+    }
+    // Rolled back: neither the row nor the event exists afterwards.
+    create(
+        &pool,
+        &outbox,
+        &format!("sub_{run}_rollback"),
+        "pro",
+        999,
+        false,
+    )
+    .await?;
+    // Invalid payload: refused before anything is written.
+    match create(&pool, &outbox, &format!("sub_{run}_bad"), "pro", -5, true).await {
+        Err(e) => println!("rejected:  {e}"),
+        Ok(_) => return Err("a negative amount passed the schema".into()),
+    }
+
+    let nats_client = async_nats::connect(broker.url()).await?;
+    let stream = StreamSpec::new("QUICKSTART", vec!["subscription.>".into()]);
+    let relay = Relay::jetstream(
+        pool.clone(),
+        nats_client.clone(),
+        &stream,
+        RelayConfig::default(),
+    )
+    .await?;
+    let report = relay.drain().await?;
+    println!(
+        "relay:     published {} (duplicates {}, failed {})",
+        report.published, report.duplicates, report.failed
+    );
+
+    let js = jetstream::new(nats_client);
+    let consumer = js
+        .get_stream("QUICKSTART")
+        .await?
+        .create_consumer(consumer::pull::OrderedConfig::default())
+        .await?;
+    let mut messages = consumer.messages().await?;
+    let mut seen = Vec::new();
+    while seen.len() < committed.len() {
+        let Ok(Some(message)) = tokio::time::timeout(Duration::from_secs(5), messages.next()).await
+        else {
+            break;
+        };
+        let envelope = Envelope::<serde_json::Value>::from_json(&message?.payload)?;
+        if committed.contains(&envelope.id().to_string()) {
+            println!(
+                "received:  {} {} {}",
+                envelope.event_type(),
+                envelope.subject(),
+                envelope.data()
+            );
+            seen.push(envelope.id().to_string());
+        }
+    }
+    if seen == committed {
+        println!(
+            "ok: {} committed events delivered in order; nothing from the rollback or the invalid request",
+            seen.len()
+        );
+        Ok(())
+    } else {
+        Err(format!("expected {committed:?}, received {seen:?}").into())
+    }
+}
+
+/// Inserts a subscription and its event in one transaction; commits or rolls back.
+async fn create(
+    pool: &PgPool,
+    outbox: &Outbox,
+    id: &str,
+    plan: &str,
+    amount_cents: i64,
+    commit: bool,
+) -> Result<String, Box<dyn Error>> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("insert into subscriptions values ($1, 'cust_1', $2, $3)")
+        .bind(id)
+        .bind(plan)
+        .bind(amount_cents)
+        .execute(&mut *tx)
+        .await?;
+    let event = Envelope::new(
+        "subscription.created",
+        "subscriptions",
+        id,
+        SubscriptionCreated {
+            subscription_id: id.into(),
+            customer_id: "cust_1".into(),
+            plan: plan.into(),
+            amount_cents,
+        },
+    )?;
+    let event_id = outbox.enqueue(&mut tx, &event).await?;
+    if commit {
+        tx.commit().await?;
+    } else {
+        tx.rollback().await?;
+    }
+    Ok(event_id.to_string())
+}
