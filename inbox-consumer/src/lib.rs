@@ -1,1 +1,122 @@
-//! The inbox consumer.
+//! The inbox: tower middleware that handles each event exactly once in effect,
+//! and a JetStream consumer runtime that acks only after the effect commits.
+//!
+//! The outbox delivers at least once, so a consumer sees duplicates as part of
+//! ordinary operation. This crate makes the contract's consumer rules a
+//! framework: a service implements a [`Handler`] per event type, stacks
+//! layers with tower, and gets one effect per event without writing dedupe code.
+//!
+//! # Getting started
+//!
+//! ```no_run
+//! use inbox_consumer::{
+//!     Consumer, ConsumerConfig, DedupeLayer, Handler, HandlerError, HandlerService,
+//!     MetricsLayer, Router, TraceLayer,
+//! };
+//! use outbox_core::Envelope;
+//! use serde::Deserialize;
+//! use sqlx::PgTransaction;
+//! use tower::ServiceBuilder;
+//!
+//! # #[allow(dead_code)]
+//! #[derive(Deserialize)]
+//! struct SubscriptionCreated { subscription_id: String, plan: String }
+//!
+//! #[derive(Clone)]
+//! struct OpenAccount;
+//!
+//! impl Handler for OpenAccount {
+//!     type Message = SubscriptionCreated;
+//!     async fn handle(
+//!         &self,
+//!         event: Envelope<SubscriptionCreated>,
+//!         tx: &mut PgTransaction<'static>,
+//!     ) -> Result<(), HandlerError> {
+//!         sqlx::query("insert into accounts (subscription_id, plan) values ($1, $2)")
+//!             .bind(&event.data().subscription_id)
+//!             .bind(&event.data().plan)
+//!             .execute(&mut **tx)
+//!             .await?;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://localhost/billing").await?;
+//! outbox_core::migrate(&pool).await?; // inbox_events, inbox_dead_letters
+//! let js = async_nats::jetstream::new(async_nats::connect("nats://localhost:4222").await?);
+//!
+//! let router = Router::new().route("subscription.created", HandlerService::new(OpenAccount));
+//! let config = ConsumerConfig::new("SUBSCRIPTIONS", "billing")
+//!     .filter_subjects(router.event_types())
+//!     .concurrency(16);
+//! let service = ServiceBuilder::new()
+//!     .layer(TraceLayer::new())   // span per delivery, linked to the publisher's trace
+//!     .layer(MetricsLayer::new()) // handled / failed counters, latency histogram
+//!     .layer(DedupeLayer::new(pool.clone())) // begin, inbox row, commit
+//!     .service(router);
+//!
+//! let consumer = Consumer::new(js, pool, config).await?;
+//! consumer.run(service, async { let _ = tokio::signal::ctrl_c().await; }).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Guarantees
+//!
+//! - **One effect per event per consumer.** The inbox row `(consumer, event id)`
+//!   is inserted with `ON CONFLICT DO NOTHING` in the handler's own transaction
+//!   ([`dedupe`]); a duplicate skips the handler and is acked, counted
+//!   (`inbox_duplicates_total`) and logged at `info`. No in-memory seen-set.
+//! - **Ack after commit.** The runtime acks only once the transaction has
+//!   committed; a failed commit or handler error is never acked ([`runtime`]).
+//! - **Consume → produce.** A handler enqueues follow-on events with
+//!   [`outbox_core::Outbox::enqueue`] on the same transaction: effect, inbox row
+//!   and event commit together or not at all.
+//! - **Poison is dead-lettered**, with raw bytes, headers and a reason
+//!   ([`dead_letter`]), then terminated; never a crash loop, never a silent drop.
+//! - **Per-subject order** within a process, and a stale-event filter for
+//!   order-dependent handlers ([`ordering`]).
+//! - **Retention** of inbox rows is checked against the redelivery window at
+//!   start-up ([`retention`]).
+//!
+//! # Layers
+//!
+//! Outermost first: [`TraceLayer`] → [`MetricsLayer`] → (a tower timeout, if
+//! wanted: it drops the transaction, which rolls back) → [`DedupeLayer`] →
+//! ([`Router`] / [`SkipStaleLayer`]) → [`HandlerService`]. Layers outside dedupe
+//! are `Service<Delivery>`; those inside are `Service<InTx<Delivery>>` and hand
+//! the transaction back.
+//!
+//! # Features
+//!
+//! None: metrics (through the `metrics` facade, a no-op without a recorder)
+//! and tracing are always compiled in.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![doc(test(attr(deny(warnings))))]
+
+pub mod dead_letter;
+pub mod dedupe;
+mod delivery;
+mod error;
+mod handler;
+pub mod metrics;
+pub mod ordering;
+pub mod retention;
+mod router;
+pub mod runtime;
+mod service;
+pub mod trace;
+
+pub use dead_letter::{Poison, Reason};
+pub use dedupe::{Dedupe, DedupeLayer};
+pub use delivery::{Delivery, DeliveryInfo, InTx, Outcome, TRACEPARENT_HEADER, TRACESTATE_HEADER};
+pub use error::{Action, BoxError, Error, ErrorKind, HandlerError, Result};
+pub use handler::Handler;
+pub use metrics::{Metrics, MetricsLayer};
+pub use ordering::{SkipStale, SkipStaleLayer};
+pub use retention::Retention;
+pub use router::{Routable, Router};
+pub use runtime::{Consumer, ConsumerConfig, RetryPolicy};
+pub use service::{HandlerService, typed};
+pub use trace::{Trace, TraceLayer};

@@ -1,0 +1,7 @@
+-- The latest event time already applied by this consumer for this subject,
+-- other than the event being handled (whose row is already inserted).
+select max(event_time)
+  from inbox_events
+ where consumer = $1
+   and subject = $2
+   and event_id <> $3

@@ -1,0 +1,158 @@
+//! Transactional dedupe: the inbox row and the handler's effects commit together.
+//!
+//! [`Dedupe`] is where the transaction lives. Per delivery it
+//!
+//! 1. begins a transaction,
+//! 2. inserts `(consumer, event id, type, subject, event time)` into
+//!    `inbox_events` with `ON CONFLICT DO NOTHING` (a failing insert would abort
+//!    the transaction; a skipped one leaves it usable),
+//! 3. on a conflict rolls back and returns [`Outcome::Duplicate`] without calling
+//!    the inner service — the runtime acks it, counts
+//!    `inbox_duplicates_total{consumer,event_type}` and logs at `info`;
+//! 4. otherwise calls the inner `Service<InTx<Delivery>>` (normally a
+//!    [`HandlerService`](crate::HandlerService), maybe behind a
+//!    [`Router`](crate::Router) or [`SkipStale`](crate::ordering::SkipStale)),
+//!    which hands the transaction back,
+//! 5. commits, and only then resolves. The runtime acks after this future
+//!    resolves `Ok`, so an ack always follows a commit; a failed commit is an
+//!    error, and an error is never acked.
+//!
+//! The primary key `(consumer, event_id)` is the whole mechanism: there is no
+//! in-memory seen-set, so it holds across restarts and replicas. Two replicas
+//! handling the same event at once serialise on the key: the second insert
+//! waits for the first transaction and then sees the conflict.
+//!
+//! The consumer name (the dedupe namespace) is [`Delivery::consumer`], which the
+//! runtime fills with the durable consumer's name.
+
+pub mod future;
+mod layer;
+
+use std::fmt;
+use std::mem;
+use std::task::{Context, Poll};
+
+use sqlx::{PgConnection, PgPool};
+use tower::Service;
+
+use crate::delivery::{Delivery, InTx, Outcome};
+use crate::error::{BoxError, Error};
+use crate::metrics::names;
+
+pub use layer::DedupeLayer;
+
+const INSERT_INBOX: &str = include_str!("../../queries/insert_inbox.sql");
+
+/// Records the delivery's event in the inbox inside `conn`'s transaction.
+/// Returns `false` when the consumer already has it (a duplicate).
+///
+/// # Errors
+/// [`ErrorKind::Database`](crate::ErrorKind::Database) if the insert fails.
+pub async fn record(conn: &mut PgConnection, delivery: &Delivery) -> Result<bool, Error> {
+    let env = delivery.envelope();
+    let done = sqlx::query(INSERT_INBOX)
+        .bind(delivery.consumer())
+        .bind(env.id().as_uuid())
+        .bind(env.event_type().as_str())
+        .bind(env.subject())
+        .bind(env.time())
+        .execute(conn)
+        .await
+        .map_err(|e| Error::database("inserting into inbox_events", e))?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Dedupes deliveries through the inbox, in the transaction of the inner service.
+/// See the [module docs](self).
+#[derive(Clone)]
+pub struct Dedupe<S> {
+    inner: S,
+    pool: PgPool,
+}
+
+impl<S> Dedupe<S> {
+    /// Wraps `inner`; transactions come from `pool`.
+    pub const fn new(inner: S, pool: PgPool) -> Self {
+        Self { inner, pool }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for Dedupe<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Dedupe")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S> Service<Delivery> for Dedupe<S>
+where
+    S: Service<InTx<Delivery>, Response = InTx<Outcome>> + Clone + Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+{
+    type Response = Outcome;
+    type Error = BoxError;
+    type Future = future::ResponseFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, delivery: Delivery) -> Self::Future {
+        // The ready service goes into the future; the clone stays for next time.
+        let clone = self.inner.clone();
+        let mut inner = mem::replace(&mut self.inner, clone);
+        let pool = self.pool.clone();
+        future::ResponseFuture::new(async move {
+            let mut tx = pool
+                .begin()
+                .await
+                .map_err(|e| Error::database("beginning the inbox transaction", e))?;
+            if !record(&mut tx, &delivery).await? {
+                if let Err(e) = tx.rollback().await {
+                    tracing::debug!(error = %e, "rollback after a duplicate failed");
+                }
+                metrics::counter!(
+                    names::DUPLICATES,
+                    "consumer" => delivery.consumer().to_owned(),
+                    "event_type" => delivery.event_type().as_str().to_owned(),
+                )
+                .increment(1);
+                tracing::info!(
+                    consumer = delivery.consumer(),
+                    event_id = %delivery.id(),
+                    event_type = %delivery.event_type(),
+                    subject = delivery.subject(),
+                    delivered = delivery.info().delivered,
+                    "duplicate delivery skipped: the inbox already holds this event",
+                );
+                return Ok(Outcome::Duplicate);
+            }
+            let (tx, outcome) = inner
+                .call(InTx::new(tx, delivery))
+                .await
+                .map_err(Into::into)?
+                .into_parts();
+            tx.commit()
+                .await
+                .map_err(|e| Error::database("committing the handler's transaction", e))?;
+            Ok(outcome)
+        })
+    }
+}

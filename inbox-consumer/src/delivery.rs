@@ -1,0 +1,330 @@
+//! The request that travels through the service stack: one delivery of one
+//! event, and the transaction it is handled in.
+//!
+//! A [`Delivery`] is the decoded envelope (payload still untyped: each handler
+//! decodes `data` into its own type, see
+//! [`HandlerService`](crate::HandlerService)) plus JetStream delivery metadata.
+//! Inside [`Dedupe`](crate::dedupe::Dedupe) the request becomes an
+//! [`InTx<Delivery>`]: the same delivery and the open transaction that the
+//! inbox row, the handler's effects and any follow-on outbox events commit in.
+
+use async_nats::jetstream;
+use outbox_core::{Envelope, EventId, EventType};
+use serde_json::Value;
+use sqlx::PgTransaction;
+
+use crate::dead_letter::{Poison, Reason};
+use crate::error::{Error, ErrorKind};
+
+/// Header carrying the W3C trace parent of the publisher.
+pub const TRACEPARENT_HEADER: &str = "traceparent";
+/// Header carrying the W3C trace state of the publisher.
+pub const TRACESTATE_HEADER: &str = "tracestate";
+
+/// JetStream facts about one delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeliveryInfo {
+    /// The consumer (durable) name; also the inbox dedupe namespace.
+    pub consumer: String,
+    /// The stream the message is stored in.
+    pub stream: String,
+    /// The message's sequence in the stream.
+    pub stream_sequence: u64,
+    /// The consumer's delivery sequence.
+    pub consumer_sequence: u64,
+    /// How many times this message has been delivered, this time included (1 = first).
+    pub delivered: u64,
+    /// The NATS subject the message was published on (the event type).
+    pub nats_subject: String,
+}
+
+impl DeliveryInfo {
+    /// Metadata for a first delivery to `consumer`, with empty stream facts;
+    /// for tests and hand-driven stacks. Set the public fields as needed.
+    pub fn new(consumer: impl Into<String>) -> Self {
+        Self {
+            consumer: consumer.into(),
+            stream: String::new(),
+            stream_sequence: 0,
+            consumer_sequence: 0,
+            delivered: 1,
+            nats_subject: String::new(),
+        }
+    }
+
+    /// Reads the metadata JetStream encodes in a message's reply subject.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Nats`] if the message did not come from a JetStream consumer.
+    pub fn from_message(message: &jetstream::Message) -> Result<Self, Error> {
+        let info = message
+            .info()
+            .map_err(|e| Error::nats("message carries no JetStream metadata", e))?;
+        Ok(Self {
+            consumer: info.consumer.to_owned(),
+            stream: info.stream.to_owned(),
+            stream_sequence: info.stream_sequence,
+            consumer_sequence: info.consumer_sequence,
+            delivered: u64::try_from(info.delivered).unwrap_or(1).max(1),
+            nats_subject: message.subject.to_string(),
+        })
+    }
+}
+
+/// One delivery of one event: the envelope and where it came from.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    envelope: Envelope<Value>,
+    info: DeliveryInfo,
+    traceparent: Option<String>,
+    tracestate: Option<String>,
+}
+
+impl Delivery {
+    /// A delivery of `envelope`, for tests and custom runtimes.
+    pub fn new(envelope: Envelope<Value>, info: DeliveryInfo) -> Self {
+        Self {
+            envelope,
+            info,
+            traceparent: None,
+            tracestate: None,
+        }
+    }
+
+    /// Decodes a JetStream message: the body must be a CloudEvents 1.0
+    /// structured-mode JSON envelope (as `outbox_core::Envelope::to_json`
+    /// writes), and the `traceparent` / `tracestate` headers are kept.
+    ///
+    /// # Errors
+    /// A [`Poison`] naming why the message can never be handled: not JSON, not a
+    /// CloudEvent, no valid id. The runtime dead-letters it.
+    pub fn from_message(message: &jetstream::Message) -> Result<Self, Poison> {
+        let info = DeliveryInfo::from_message(message)
+            .map_err(|e| Poison::new(Reason::NotCloudEvent, e))?;
+        let envelope = decode_envelope(&message.payload)?;
+        let header = |name: &str| {
+            message
+                .headers
+                .as_ref()
+                .and_then(|h| h.get(name))
+                .map(|v| v.as_str().to_owned())
+        };
+        Ok(Self {
+            traceparent: header(TRACEPARENT_HEADER),
+            tracestate: header(TRACESTATE_HEADER),
+            envelope,
+            info,
+        })
+    }
+
+    /// Overrides the trace context (normally read from the message headers).
+    #[must_use]
+    pub fn with_trace_context(
+        mut self,
+        traceparent: Option<String>,
+        tracestate: Option<String>,
+    ) -> Self {
+        self.traceparent = traceparent;
+        self.tracestate = tracestate;
+        self
+    }
+
+    /// The envelope, payload untyped.
+    pub fn envelope(&self) -> &Envelope<Value> {
+        &self.envelope
+    }
+
+    /// Consumes the delivery, returning the envelope.
+    pub fn into_envelope(self) -> Envelope<Value> {
+        self.envelope
+    }
+
+    /// JetStream metadata.
+    pub fn info(&self) -> &DeliveryInfo {
+        &self.info
+    }
+
+    /// The consumer name: the dedupe namespace.
+    pub fn consumer(&self) -> &str {
+        &self.info.consumer
+    }
+
+    /// The event id.
+    pub fn id(&self) -> EventId {
+        self.envelope.id()
+    }
+
+    /// The event type.
+    pub fn event_type(&self) -> &EventType {
+        self.envelope.event_type()
+    }
+
+    /// The entity the event is about (the envelope's `subject`, not the NATS subject).
+    pub fn subject(&self) -> &str {
+        self.envelope.subject()
+    }
+
+    /// The publisher's W3C `traceparent`: the message header, else the envelope attribute.
+    pub fn traceparent(&self) -> Option<&str> {
+        self.traceparent
+            .as_deref()
+            .or_else(|| self.envelope.traceparent())
+    }
+
+    /// The publisher's W3C `tracestate`: the message header, else the envelope attribute.
+    pub fn tracestate(&self) -> Option<&str> {
+        self.tracestate
+            .as_deref()
+            .or_else(|| self.envelope.tracestate())
+    }
+}
+
+/// Decodes an envelope, naming precisely why a body is poison.
+pub(crate) fn decode_envelope(bytes: &[u8]) -> Result<Envelope<Value>, Poison> {
+    Envelope::<Value>::from_json(bytes).map_err(|e| {
+        let (reason, event_id) = classify(bytes);
+        let poison = Poison::new(
+            reason,
+            Error::new(ErrorKind::InvalidEnvelope, e.to_string()).with_source(e),
+        );
+        match event_id {
+            Some(id) => poison.with_event_id(id),
+            None => poison,
+        }
+    })
+}
+
+/// Why a body that failed to decode is poison, and its id when it has a valid one.
+fn classify(bytes: &[u8]) -> (Reason, Option<EventId>) {
+    let Ok(value) = serde_json::from_slice::<Value>(bytes) else {
+        return (Reason::NotJson, None);
+    };
+    let Some(object) = value.as_object() else {
+        return (Reason::NotCloudEvent, None);
+    };
+    if !object.contains_key("specversion") {
+        return (Reason::NotCloudEvent, None);
+    }
+    match object
+        .get("id")
+        .and_then(Value::as_str)
+        .and_then(|s| s.parse::<EventId>().ok())
+    {
+        Some(id) => (Reason::NotCloudEvent, Some(id)),
+        None => (Reason::InvalidId, None),
+    }
+}
+
+/// The outcome of handling a delivery. Every outcome is acknowledged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The handler ran and its effects committed with the inbox row.
+    Handled,
+    /// The inbox already held the event for this consumer: the handler was skipped.
+    Duplicate,
+    /// An event of the same subject with a later time was already applied: the
+    /// handler was skipped (see [`SkipStale`](crate::ordering::SkipStale)).
+    Stale,
+}
+
+impl Outcome {
+    /// A short lowercase name, for logs and metric labels.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Handled => "handled",
+            Self::Duplicate => "duplicate",
+            Self::Stale => "stale",
+        }
+    }
+}
+
+/// A value travelling with the open transaction it belongs to.
+///
+/// Services inside [`Dedupe`](crate::dedupe::Dedupe) take an
+/// `InTx<Delivery>` and hand the transaction back in an `InTx<Outcome>`; the
+/// dedupe service commits it. Dropping it rolls the transaction back.
+#[derive(Debug)]
+pub struct InTx<T> {
+    tx: PgTransaction<'static>,
+    value: T,
+}
+
+impl<T> InTx<T> {
+    /// Pairs `value` with `tx`.
+    pub fn new(tx: PgTransaction<'static>, value: T) -> Self {
+        Self { tx, value }
+    }
+
+    /// The value.
+    pub fn get_ref(&self) -> &T {
+        &self.value
+    }
+
+    /// The transaction.
+    pub fn tx(&mut self) -> &mut PgTransaction<'static> {
+        &mut self.tx
+    }
+
+    /// The transaction and the value, borrowed together.
+    pub fn parts_mut(&mut self) -> (&mut PgTransaction<'static>, &mut T) {
+        (&mut self.tx, &mut self.value)
+    }
+
+    /// Splits into the transaction and the value.
+    pub fn into_parts(self) -> (PgTransaction<'static>, T) {
+        (self.tx, self.value)
+    }
+
+    /// Replaces the value, keeping the transaction.
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> InTx<U> {
+        InTx {
+            tx: self.tx,
+            value: f(self.value),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poison_is_classified() {
+        let cases: &[(&[u8], Reason)] = &[
+            (b"not json", Reason::NotJson),
+            (b"\xff", Reason::NotJson),
+            (b"[1]", Reason::NotCloudEvent),
+            (br#"{"hello":"world"}"#, Reason::NotCloudEvent),
+            (
+                br#"{"specversion":"1.0","source":"s","type":"a","subject":"s","time":"2026-01-01T00:00:00Z"}"#,
+                Reason::InvalidId,
+            ),
+            (
+                br#"{"specversion":"1.0","id":"nope","source":"s","type":"a","subject":"s","time":"2026-01-01T00:00:00Z"}"#,
+                Reason::InvalidId,
+            ),
+            (
+                br#"{"specversion":"1.0","id":"0190a5f2-7c3e-7000-8000-000000000000","source":"s","type":"a b","subject":"s","time":"2026-01-01T00:00:00Z"}"#,
+                Reason::NotCloudEvent,
+            ),
+        ];
+        for (bytes, reason) in cases {
+            let poison = decode_envelope(bytes).unwrap_err();
+            assert_eq!(
+                poison.reason(),
+                *reason,
+                "{:?}",
+                String::from_utf8_lossy(bytes)
+            );
+        }
+    }
+
+    #[test]
+    fn a_valid_envelope_decodes() {
+        let env = Envelope::new("a.b", "svc", "s1", serde_json::json!({"x": 1})).unwrap();
+        let back = decode_envelope(&env.to_json().unwrap()).unwrap();
+        assert_eq!(back.id(), env.id());
+    }
+}

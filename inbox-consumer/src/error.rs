@@ -1,0 +1,285 @@
+//! The crate's one error type, and [`HandlerError`], a handler's failure with
+//! its acknowledgement decision.
+
+use std::fmt;
+use std::time::Duration;
+
+/// A boxed error: what tower layers return when they add a failure of their own.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What went wrong, for matching. New kinds may be added.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The consumer's configuration is unusable (for example an inbox retention
+    /// window shorter than the redelivery window).
+    Config,
+    /// A message is not a CloudEvents 1.0 structured-mode JSON envelope with a
+    /// valid id and attributes.
+    InvalidEnvelope,
+    /// An envelope's `data` does not decode as the handler's message type.
+    Decode,
+    /// No route for the event type.
+    Unroutable,
+    /// The database reported an error (the inbox insert, a commit, a dead letter).
+    Database,
+    /// NATS or JetStream reported an error (consumer set-up, fetch, ack, DLQ publish).
+    Nats,
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Config => "configuration error",
+            Self::InvalidEnvelope => "invalid envelope",
+            Self::Decode => "payload decode error",
+            Self::Unroutable => "no route for event type",
+            Self::Database => "database error",
+            Self::Nats => "NATS error",
+        })
+    }
+}
+
+/// The error of every fallible call in this crate.
+///
+/// Match on [`Error::kind`]; the underlying cause, where there is one, is the
+/// [`source`](std::error::Error::source).
+#[derive(Debug)]
+pub struct Error {
+    inner: Box<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    kind: ErrorKind,
+    message: String,
+    source: Option<BoxError>,
+}
+
+impl Error {
+    pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            inner: Box::new(Inner {
+                kind,
+                message: message.into(),
+                source: None,
+            }),
+        }
+    }
+
+    pub(crate) fn with_source(mut self, source: impl Into<BoxError>) -> Self {
+        self.inner.source = Some(source.into());
+        self
+    }
+
+    pub(crate) fn database(context: &str, source: sqlx::Error) -> Self {
+        Self::new(ErrorKind::Database, format!("{context}: {source}")).with_source(source)
+    }
+
+    pub(crate) fn nats(context: &str, source: impl Into<BoxError>) -> Self {
+        let source = source.into();
+        Self::new(ErrorKind::Nats, format!("{context}: {source}")).with_source(source)
+    }
+
+    /// What kind of error this is.
+    pub fn kind(&self) -> ErrorKind {
+        self.inner.kind
+    }
+
+    /// Whether retrying may succeed: a database serialization failure or deadlock
+    /// (SQLSTATE `40001`, `40P01`), a lost connection, or a NATS error.
+    pub fn is_transient(&self) -> bool {
+        match self.inner.kind {
+            ErrorKind::Nats => true,
+            ErrorKind::Database => match self
+                .inner
+                .source
+                .as_deref()
+                .and_then(|s| s.downcast_ref::<sqlx::Error>())
+            {
+                Some(sqlx::Error::Database(db)) => {
+                    matches!(db.code().as_deref(), Some("40001" | "40P01"))
+                }
+                Some(
+                    sqlx::Error::Io(_)
+                    | sqlx::Error::PoolTimedOut
+                    | sqlx::Error::PoolClosed
+                    | sqlx::Error::WorkerCrashed,
+                ) => true,
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.inner.message)
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.inner
+            .source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// What the runtime does with a message whose handler failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Action {
+    /// Roll back and let JetStream redeliver: `AckKind::Nak(Some(delay))`. With no
+    /// delay given, the runtime's retry policy picks one that grows with the
+    /// delivery count. The last allowed delivery is dead-lettered instead.
+    Retry {
+        /// The delay the handler asked for, if any.
+        after: Option<Duration>,
+    },
+    /// Roll back, dead-letter the message and terminate it (`AckKind::Term`):
+    /// retrying cannot help.
+    Reject,
+}
+
+/// A handler's failure, carrying the acknowledgement decision (retry with an
+/// optional delay, or reject).
+///
+/// ```
+/// use std::time::Duration;
+/// use inbox_consumer::{Action, HandlerError};
+///
+/// let busy = HandlerError::retry("upstream busy").retry_after(Duration::from_secs(5));
+/// assert_eq!(busy.action(), Action::Retry { after: Some(Duration::from_secs(5)) });
+/// let bad = HandlerError::reject("plan `gold` does not exist");
+/// assert_eq!(bad.action(), Action::Reject);
+/// ```
+///
+/// `?` converts `sqlx::Error`, [`outbox_core::Error`] and this crate's
+/// [`Error`] into a retry (a schema violation or invalid envelope from
+/// `outbox_core` into a reject: retrying the same input cannot fix it).
+#[derive(Debug)]
+pub struct HandlerError {
+    action: Action,
+    source: BoxError,
+}
+
+impl HandlerError {
+    /// A failure worth retrying; the runtime picks the delay.
+    pub fn retry(error: impl Into<BoxError>) -> Self {
+        Self {
+            action: Action::Retry { after: None },
+            source: error.into(),
+        }
+    }
+
+    /// A failure that retrying cannot fix: dead-letter and terminate.
+    pub fn reject(error: impl Into<BoxError>) -> Self {
+        Self {
+            action: Action::Reject,
+            source: error.into(),
+        }
+    }
+
+    /// Retry after `delay` instead of the runtime's backoff (turns a reject into a retry).
+    #[must_use]
+    pub fn retry_after(mut self, delay: Duration) -> Self {
+        self.action = Action::Retry { after: Some(delay) };
+        self
+    }
+
+    /// What the runtime does with the message.
+    pub fn action(&self) -> Action {
+        self.action
+    }
+
+    /// The underlying error.
+    pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        self.source.as_ref()
+    }
+
+    /// Consumes the error, returning the underlying one.
+    pub fn into_inner(self) -> BoxError {
+        self.source
+    }
+}
+
+impl fmt::Display for HandlerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.action {
+            Action::Reject => write!(f, "handler rejected the event: {}", self.source),
+            Action::Retry { .. } => write!(f, "handler failed: {}", self.source),
+        }
+    }
+}
+
+impl std::error::Error for HandlerError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(self.source.as_ref())
+    }
+}
+
+impl From<sqlx::Error> for HandlerError {
+    fn from(e: sqlx::Error) -> Self {
+        Self::retry(e)
+    }
+}
+
+impl From<outbox_core::Error> for HandlerError {
+    fn from(e: outbox_core::Error) -> Self {
+        use outbox_core::ErrorKind as K;
+        match e.kind() {
+            K::InvalidEnvelope
+            | K::UnknownEventType
+            | K::SchemaViolation
+            | K::InvalidSchema
+            | K::Serialization => Self::reject(e),
+            _ => Self::retry(e),
+        }
+    }
+}
+
+impl From<Error> for HandlerError {
+    fn from(e: Error) -> Self {
+        match e.kind() {
+            ErrorKind::InvalidEnvelope | ErrorKind::Decode | ErrorKind::Unroutable => {
+                Self::reject(e)
+            }
+            _ => Self::retry(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_sets_the_delay() {
+        let e = HandlerError::retry("x");
+        assert_eq!(e.action(), Action::Retry { after: None });
+        let e = HandlerError::reject("x").retry_after(Duration::from_millis(5));
+        assert_eq!(
+            e.action(),
+            Action::Retry {
+                after: Some(Duration::from_millis(5))
+            }
+        );
+    }
+
+    #[test]
+    fn conversions_pick_the_action() {
+        let e: HandlerError = Error::new(ErrorKind::Decode, "bad").into();
+        assert_eq!(e.action(), Action::Reject);
+        let e: HandlerError = Error::new(ErrorKind::Database, "down").into();
+        assert!(matches!(e.action(), Action::Retry { .. }));
+        let e: HandlerError = sqlx::Error::PoolTimedOut.into();
+        assert!(matches!(e.action(), Action::Retry { .. }));
+        assert!(e.to_string().contains("handler failed"));
+    }
+}

@@ -1,0 +1,206 @@
+//! [`ConsumerConfig`]: the durable consumer and the runtime around it.
+
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{AckPolicy, pull};
+
+use super::ack::RetryPolicy;
+use crate::retention::Retention;
+
+/// Configuration of a [`Consumer`](super::Consumer): the JetStream durable pull
+/// consumer it creates (or updates) and how the runtime drives it.
+///
+/// Setters take and return the config; the default of each is on its setter.
+#[derive(Debug, Clone)]
+pub struct ConsumerConfig {
+    pub(crate) stream: String,
+    pub(crate) durable: String,
+    pub(crate) filter_subjects: Vec<String>,
+    pub(crate) ack_wait: Duration,
+    pub(crate) max_deliver: i64,
+    pub(crate) backoff: Vec<Duration>,
+    pub(crate) max_ack_pending: i64,
+    pub(crate) concurrency: usize,
+    pub(crate) max_buffered: usize,
+    pub(crate) batch: usize,
+    pub(crate) progress_interval: Option<Duration>,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) ack_timeout: Duration,
+    pub(crate) dead_letter_subject: Option<String>,
+    pub(crate) retention: Retention,
+    pub(crate) prune: bool,
+}
+
+impl ConsumerConfig {
+    /// A durable consumer `durable` on `stream`. The durable name is also the
+    /// inbox dedupe namespace: keep it stable.
+    pub fn new(stream: impl Into<String>, durable: impl Into<String>) -> Self {
+        Self {
+            stream: stream.into(),
+            durable: durable.into(),
+            filter_subjects: Vec::new(),
+            ack_wait: Duration::from_secs(30),
+            max_deliver: 10,
+            backoff: Vec::new(),
+            max_ack_pending: 1_000,
+            concurrency: 16,
+            max_buffered: 256,
+            batch: 64,
+            progress_interval: None,
+            retry: RetryPolicy::default(),
+            ack_timeout: Duration::from_secs(5),
+            dead_letter_subject: None,
+            retention: Retention::default(),
+            prune: true,
+        }
+    }
+
+    /// Only these subjects (event types; wildcards allowed). Default: the
+    /// whole stream. [`Router::event_types`](crate::Router::event_types) lists
+    /// a router's.
+    #[must_use]
+    pub fn filter_subjects(
+        mut self,
+        subjects: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
+        self.filter_subjects = subjects.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// How long JetStream waits for an ack before redelivering. Default: 30 s.
+    /// Long handlers keep their message with in-progress acks.
+    #[must_use]
+    pub fn ack_wait(mut self, ack_wait: Duration) -> Self {
+        self.ack_wait = ack_wait;
+        self
+    }
+
+    /// Deliveries per message before the last failure is dead-lettered
+    /// (`-1`: unlimited, never dead-lettered for retries). Default: 10.
+    #[must_use]
+    pub fn max_deliver(mut self, max_deliver: i64) -> Self {
+        self.max_deliver = max_deliver;
+        self
+    }
+
+    /// Redelivery delays after ack-wait expiries, instead of `ack_wait` each
+    /// time (JetStream `backoff`; needs `max_deliver` above its length).
+    /// Default: none.
+    #[must_use]
+    pub fn backoff(mut self, backoff: Vec<Duration>) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// Unacked messages JetStream hands this consumer (all replicas) at most.
+    /// Default: 1,000.
+    #[must_use]
+    pub fn max_ack_pending(mut self, max_ack_pending: i64) -> Self {
+        self.max_ack_pending = max_ack_pending;
+        self
+    }
+
+    /// Deliveries handled at once by this process (each holds a pool
+    /// connection while it runs). Default: 16.
+    #[must_use]
+    pub fn concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency.max(1);
+        self
+    }
+
+    /// Messages held by this process at once, running or queued behind a busy
+    /// subject; fetching pauses at this many. Default: 256.
+    #[must_use]
+    pub fn max_buffered(mut self, max_buffered: usize) -> Self {
+        self.max_buffered = max_buffered.max(1);
+        self
+    }
+
+    /// Messages asked for per pull request. Default: 64.
+    #[must_use]
+    pub fn batch(mut self, batch: usize) -> Self {
+        self.batch = batch.max(1);
+        self
+    }
+
+    /// How often a running handler's message gets an in-progress ack.
+    /// Default: a third of `ack_wait`.
+    #[must_use]
+    pub fn progress_interval(mut self, every: Duration) -> Self {
+        self.progress_interval = Some(every);
+        self
+    }
+
+    /// Nak delays for retryable failures. Default: 1 s doubling to 5 min.
+    #[must_use]
+    pub fn retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// Bound on each ack, nak, term or DLQ publish. Default: 5 s.
+    #[must_use]
+    pub fn ack_timeout(mut self, timeout: Duration) -> Self {
+        self.ack_timeout = timeout;
+        self
+    }
+
+    /// Also publish dead letters to this subject (it must belong to a stream
+    /// that this consumer does not read). Default: table only.
+    #[must_use]
+    pub fn dead_letter_subject(mut self, subject: impl Into<String>) -> Self {
+        self.dead_letter_subject = Some(subject.into());
+        self
+    }
+
+    /// Inbox retention: window, batch and interval. Default:
+    /// [`Retention::default`] (14 days, checked against redelivery at start-up).
+    #[must_use]
+    pub fn retention(mut self, retention: Retention) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// Whether this process prunes the inbox on the retention interval
+    /// (disable when a separate job prunes). Default: true.
+    #[must_use]
+    pub fn prune(mut self, prune: bool) -> Self {
+        self.prune = prune;
+        self
+    }
+
+    /// The durable consumer name (the inbox namespace).
+    pub fn durable(&self) -> &str {
+        &self.durable
+    }
+
+    /// The stream name.
+    pub fn stream(&self) -> &str {
+        &self.stream
+    }
+
+    pub(crate) fn progress_every(&self) -> Duration {
+        self.progress_interval
+            .unwrap_or(self.ack_wait / 3)
+            .max(Duration::from_millis(10))
+    }
+
+    /// The JetStream consumer configuration.
+    pub(crate) fn pull_config(&self) -> pull::Config {
+        let mut config = pull::Config {
+            durable_name: Some(self.durable.clone()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: self.ack_wait,
+            max_deliver: self.max_deliver,
+            backoff: self.backoff.clone(),
+            max_ack_pending: self.max_ack_pending,
+            ..Default::default()
+        };
+        match self.filter_subjects.as_slice() {
+            [] => {}
+            [one] => config.filter_subject = one.clone(),
+            many => config.filter_subjects = many.to_vec(),
+        }
+        config
+    }
+}

@@ -1,0 +1,218 @@
+//! One message, from the service call to its acknowledgement.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use outbox_core::EventId;
+use sqlx::PgPool;
+use tower::{Service, ServiceExt};
+
+use super::ack::{self, Decision};
+use super::config::ConsumerConfig;
+use crate::dead_letter::{DeadLetter, Poison, Reason};
+use crate::delivery::{Delivery, DeliveryInfo, Outcome};
+use crate::error::BoxError;
+use crate::metrics::names;
+
+/// What every message task shares.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) js: jetstream::Context,
+    pub(crate) pool: PgPool,
+    pub(crate) config: ConsumerConfig,
+    /// The server's `max_deliver` for this consumer.
+    pub(crate) max_deliver: i64,
+}
+
+/// Handles one decoded delivery: service (→ commit) → ack, or nak, or dead letter.
+pub(crate) async fn deliver<S>(
+    shared: Arc<Shared>,
+    service: S,
+    message: jetstream::Message,
+    delivery: Delivery,
+) where
+    S: Service<Delivery, Response = Outcome>,
+    S::Error: Into<BoxError>,
+{
+    let info = delivery.info().clone();
+    let event_id = delivery.id();
+    let event_type = delivery.event_type().as_str().to_owned();
+    let call = async { service.oneshot(delivery).await.map_err(Into::into) };
+    let result = with_progress(call, &message, &shared.config).await;
+    let decision = ack::decide(
+        &result,
+        info.delivered,
+        shared.max_deliver,
+        &shared.config.retry,
+    );
+    match decision {
+        Decision::Ack(_) => {
+            // The transaction has committed: only now is the message acked.
+            if let Err(e) = ack::send(&message, AckKind::Ack, shared.config.ack_timeout).await {
+                tracing::warn!(
+                    consumer = %info.consumer, event_id = %event_id, stream_sequence = info.stream_sequence,
+                    error = %e,
+                    "ack failed after commit; the redelivery will be a duplicate",
+                );
+            }
+        }
+        Decision::Nak(delay) => {
+            let error = result.err().map(|e| e.to_string()).unwrap_or_default();
+            tracing::warn!(
+                consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
+                stream_sequence = info.stream_sequence, delivered = info.delivered,
+                retry_in = ?delay, error = %error,
+                "delivery failed and rolled back; it will be redelivered",
+            );
+            nak(&message, &info, delay, &shared.config).await;
+        }
+        Decision::DeadLetter(reason) => {
+            let error = result
+                .err()
+                .map(|e| error_chain(e.as_ref()))
+                .unwrap_or_default();
+            dead_letter(&shared, &message, &info, Some(event_id), reason, error).await;
+        }
+    }
+}
+
+/// Dead-letters a message that failed to decode.
+pub(crate) async fn poison(shared: Arc<Shared>, message: jetstream::Message, poison: Poison) {
+    let info = match DeliveryInfo::from_message(&message) {
+        Ok(info) => info,
+        Err(e) => {
+            tracing::error!(error = %e, subject = %message.subject, "not a JetStream message; ignored");
+            return;
+        }
+    };
+    let error = error_chain(&poison);
+    dead_letter(
+        &shared,
+        &message,
+        &info,
+        poison.event_id(),
+        poison.reason(),
+        error,
+    )
+    .await;
+}
+
+/// Records a dead letter, then terminates the message; if recording fails,
+/// naks it so that dead-lettering is tried again.
+async fn dead_letter(
+    shared: &Shared,
+    message: &jetstream::Message,
+    info: &DeliveryInfo,
+    event_id: Option<EventId>,
+    reason: Reason,
+    error: String,
+) {
+    let letter = DeadLetter {
+        info,
+        event_id,
+        reason,
+        error,
+        headers: message.headers.as_ref(),
+        payload: &message.payload,
+    };
+    let recorded = async {
+        let id = letter.insert(&shared.pool).await?;
+        if let Some(subject) = &shared.config.dead_letter_subject {
+            letter
+                .publish(&shared.js, subject, shared.config.ack_timeout)
+                .await?;
+        }
+        Ok::<_, crate::Error>(id)
+    }
+    .await;
+    match recorded {
+        Ok(id) => {
+            metrics::counter!(
+                names::DEAD_LETTERED,
+                "consumer" => info.consumer.clone(),
+                "event_type" => info.nats_subject.clone(),
+                "reason" => reason.as_str(),
+            )
+            .increment(1);
+            tracing::warn!(
+                consumer = %info.consumer, dead_letter_id = id, reason = %reason,
+                event_id = event_id.map(|id| id.to_string()), stream_sequence = info.stream_sequence,
+                delivered = info.delivered, error = %letter.error,
+                "message dead-lettered and terminated",
+            );
+            if let Err(e) = ack::send(message, AckKind::Term, shared.config.ack_timeout).await {
+                tracing::warn!(
+                    consumer = %info.consumer, stream_sequence = info.stream_sequence, error = %e,
+                    "term failed after dead-lettering; a redelivery will be dead-lettered again",
+                );
+            }
+        }
+        Err(e) => {
+            tracing::error!(
+                consumer = %info.consumer, reason = %reason, stream_sequence = info.stream_sequence,
+                delivered = info.delivered, error = %e,
+                "could not record a dead letter; the message is nak'ed to try again",
+            );
+            nak(
+                message,
+                info,
+                shared.config.retry.delay(info.delivered),
+                &shared.config,
+            )
+            .await;
+        }
+    }
+}
+
+async fn nak(
+    message: &jetstream::Message,
+    info: &DeliveryInfo,
+    delay: Duration,
+    config: &ConsumerConfig,
+) {
+    if let Err(e) = ack::send(message, AckKind::Nak(Some(delay)), config.ack_timeout).await {
+        tracing::warn!(
+            consumer = %info.consumer, stream_sequence = info.stream_sequence, error = %e,
+            "nak failed; the message will be redelivered after ack_wait",
+        );
+    }
+}
+
+/// Runs `fut`, sending an in-progress ack every `progress_every` until it finishes.
+async fn with_progress<F: Future>(
+    fut: F,
+    message: &jetstream::Message,
+    config: &ConsumerConfig,
+) -> F::Output {
+    let every = config.progress_every();
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut fut = std::pin::pin!(fut);
+    loop {
+        tokio::select! {
+            out = &mut fut => return out,
+            _ = ticks.tick() => {
+                if let Err(e) = ack::send(message, AckKind::Progress, config.ack_timeout).await {
+                    tracing::debug!(error = %e, "in-progress ack failed");
+                }
+            }
+        }
+    }
+}
+
+/// `error: cause: cause…`, for the dead-letter row.
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}

@@ -1,0 +1,158 @@
+//! [`HandlerService`]: a [`Handler`] as a tower service inside the transaction.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use outbox_core::Envelope;
+use serde_json::Value;
+use tower::Service;
+
+use crate::delivery::{Delivery, InTx, Outcome};
+use crate::error::{Error, ErrorKind, HandlerError};
+use crate::handler::Handler;
+
+/// Runs a [`Handler`] on an [`InTx<Delivery>`]: decodes `data` into
+/// `H::Message`, lends the transaction to [`Handler::handle`], and hands the
+/// transaction back for the caller (normally [`Dedupe`](crate::dedupe::Dedupe))
+/// to commit.
+///
+/// On failure the transaction is rolled back here, before the error is
+/// returned. A payload that does not decode is a reject with an
+/// [`ErrorKind::Decode`] source: the runtime dead-letters it as
+/// `undecodable_payload`.
+#[derive(Clone)]
+pub struct HandlerService<H> {
+    handler: H,
+}
+
+impl<H> HandlerService<H> {
+    /// Wraps `handler`.
+    pub const fn new(handler: H) -> Self {
+        Self { handler }
+    }
+
+    /// The handler.
+    pub fn get_ref(&self) -> &H {
+        &self.handler
+    }
+
+    /// The handler, mutably.
+    pub fn get_mut(&mut self) -> &mut H {
+        &mut self.handler
+    }
+
+    /// Unwraps the handler.
+    pub fn into_inner(self) -> H {
+        self.handler
+    }
+}
+
+impl<H> fmt::Debug for HandlerService<H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HandlerService")
+            .field("handler", &std::any::type_name::<H>())
+            .finish()
+    }
+}
+
+/// The future of [`HandlerService`].
+pub struct ResponseFuture {
+    inner: Pin<Box<dyn Future<Output = Result<InTx<Outcome>, HandlerError>> + Send>>,
+}
+
+impl fmt::Debug for ResponseFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl Future for ResponseFuture {
+    type Output = Result<InTx<Outcome>, HandlerError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+impl<H: Handler> Service<InTx<Delivery>> for HandlerService<H> {
+    type Response = InTx<Outcome>;
+    type Error = HandlerError;
+    type Future = ResponseFuture;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: InTx<Delivery>) -> Self::Future {
+        let handler = self.handler.clone();
+        ResponseFuture {
+            inner: Box::pin(async move {
+                let (mut tx, delivery) = request.into_parts();
+                let result = match typed::<H::Message>(delivery.into_envelope()) {
+                    Ok(event) => handler.handle(event, &mut tx).await,
+                    Err(e) => Err(HandlerError::reject(e)),
+                };
+                match result {
+                    Ok(()) => Ok(InTx::new(tx, Outcome::Handled)),
+                    Err(e) => {
+                        // Release the inbox row's lock now rather than when the
+                        // connection is next used; a failed rollback is moot
+                        // (the connection is discarded and the server rolls back).
+                        if let Err(rollback) = tx.rollback().await {
+                            tracing::debug!(error = %rollback, "rollback after a handler error failed");
+                        }
+                        Err(e)
+                    }
+                }
+            }),
+        }
+    }
+}
+
+/// Decodes the payload of `envelope` as `T`, keeping every attribute.
+///
+/// # Errors
+/// [`ErrorKind::Decode`] naming the event, its type and the target type.
+pub fn typed<T: serde::de::DeserializeOwned>(
+    envelope: Envelope<Value>,
+) -> Result<Envelope<T>, Error> {
+    let mut data = Value::Null;
+    let envelope = envelope.map_data(|v| data = v);
+    match serde_json::from_value::<T>(data) {
+        Ok(t) => Ok(envelope.map_data(|()| t)),
+        Err(e) => Err(Error::new(
+            ErrorKind::Decode,
+            format!(
+                "data of event `{}` (type `{}`) does not decode as {}: {e}",
+                envelope.id(),
+                envelope.event_type(),
+                std::any::type_name::<T>()
+            ),
+        )
+        .with_source(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, serde::Deserialize, PartialEq)]
+    struct Plan {
+        plan: String,
+    }
+
+    #[test]
+    fn typed_decodes_or_names_the_failure() {
+        let env = Envelope::new("a.b", "svc", "s1", serde_json::json!({"plan": "pro"})).unwrap();
+        let t = typed::<Plan>(env.clone()).unwrap();
+        assert_eq!(t.data().plan, "pro");
+        assert_eq!(t.id(), env.id());
+        let bad = Envelope::new("a.b", "svc", "s1", serde_json::json!({"plan": 1})).unwrap();
+        let err = typed::<Plan>(bad).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Decode);
+        assert!(err.to_string().contains("a.b"), "{err}");
+    }
+}

@@ -1,0 +1,886 @@
+//! inbox-consumer against real PostgreSQL and nats-server: transactional dedupe,
+//! ack after commit, retries, dead letters, per-subject order, replicas,
+//! consume → produce, stale events, shutdown and retention.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, stream};
+use futures::future::BoxFuture;
+use inbox_consumer::{
+    Consumer, ConsumerConfig, Dedupe, DedupeLayer, Delivery, ErrorKind, Handler, HandlerError,
+    HandlerService, InTx, Metrics, MetricsLayer, Outcome, Retention, RetryPolicy, Router,
+    SkipStaleLayer, Trace, TraceLayer,
+};
+use outbox_core::{Envelope, Outbox};
+use outbox_testkit::{NatsHandle, TestDb, wait_until};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use sqlx::{PgPool, PgTransaction};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tower::{Service, ServiceBuilder};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------------------
+// Metrics: a recorder that keeps counters by name and consumer, so parallel
+// tests (each with its own consumer name) read only their own.
+
+#[derive(Default)]
+struct Count(AtomicU64);
+
+impl metrics::CounterFn for Count {
+    fn increment(&self, value: u64) {
+        self.0.fetch_add(value, Ordering::SeqCst);
+    }
+    fn absolute(&self, value: u64) {
+        self.0.store(value, Ordering::SeqCst);
+    }
+}
+
+static COUNTERS: LazyLock<Mutex<HashMap<String, Arc<Count>>>> = LazyLock::new(Default::default);
+
+struct TestRecorder;
+
+impl metrics::Recorder for TestRecorder {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        let mut labels: Vec<String> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        labels.sort();
+        let id = format!("{}|{}", key.name(), labels.join(","));
+        let count = COUNTERS.lock().unwrap().entry(id).or_default().clone();
+        metrics::Counter::from_arc(count)
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+fn install_recorder() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let _ = metrics::set_global_recorder(TestRecorder);
+    });
+}
+
+/// The sum of counter `name` over every label set with `consumer=<consumer>`.
+fn counter(name: &str, consumer: &str) -> u64 {
+    let label = format!("consumer={consumer}");
+    COUNTERS
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(id, _)| {
+            id.split_once('|')
+                .is_some_and(|(n, labels)| n == name && labels.split(',').any(|l| l == label))
+        })
+        .map(|(_, c)| c.0.load(Ordering::SeqCst))
+        .sum()
+}
+
+// ---------------------------------------------------------------------------
+// The world: a database with an effects table, a broker with a stream.
+
+struct World {
+    db: TestDb,
+    _nats: NatsHandle,
+    js: jetstream::Context,
+    stream: String,
+}
+
+async fn world(stream: &str) -> World {
+    install_recorder();
+    let db = TestDb::new().await.unwrap();
+    sqlx::query(
+        "create table effects (
+           n        bigserial primary key,
+           consumer text not null,
+           event_id uuid not null,
+           subject  text not null,
+           seq      bigint not null,
+           replica  text not null
+         )",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let nats = outbox_testkit::nats().unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = jetstream::new(client);
+    js.create_stream(stream::Config {
+        name: stream.into(),
+        subjects: vec!["t.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    World {
+        db,
+        _nats: nats,
+        js,
+        stream: stream.into(),
+    }
+}
+
+impl World {
+    async fn count(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sql)
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn publish_raw(&self, subject: &str, body: Vec<u8>, msg_id: &str) {
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", msg_id);
+        self.js
+            .publish_with_headers(subject.to_owned(), headers, body.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    /// Publishes `event` as the relay does: body = envelope JSON, `Nats-Msg-Id` = id.
+    async fn publish(&self, event: &Envelope<Value>) {
+        let id = event.id().to_string();
+        self.publish_raw(event.event_type().as_str(), event.to_json().unwrap(), &id)
+            .await;
+    }
+
+    /// Messages of `durable` neither acked nor terminated yet (pending + unacked).
+    async fn outstanding(&self, durable: &str) -> u64 {
+        let stream = self.js.get_stream(&self.stream).await.unwrap();
+        let info = stream.consumer_info(durable).await.unwrap();
+        info.num_pending + info.num_ack_pending as u64
+    }
+
+    async fn wait_settled(&self, durable: &str) {
+        wait_until("every message acked or terminated", WAIT, || async {
+            self.outstanding(durable).await == 0
+        })
+        .await
+        .unwrap();
+    }
+
+    async fn wait_count(&self, what: &str, sql: &str, n: i64) {
+        wait_until(what, WAIT, || async { self.count(sql).await >= n })
+            .await
+            .unwrap();
+    }
+}
+
+fn event(event_type: &str, subject: &str, data: Value) -> Envelope<Value> {
+    Envelope::new(event_type, "tests", subject, data).unwrap()
+}
+
+// ---------------------------------------------------------------------------
+// One handler whose behaviour the payload picks.
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+enum Mode {
+    #[default]
+    Ok,
+    /// Fail (retry) the first attempt, succeed afterwards.
+    FailOnce,
+    /// Always fail with a retryable error.
+    AlwaysFail,
+    Reject,
+    /// Enqueue a follow-on event, then fail once (retry) after it.
+    EnqueueFailOnce,
+    /// Enqueue a follow-on event, then reject.
+    EnqueueReject,
+    /// Hold the transaction for a while.
+    Slow,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Payload {
+    seq: i64,
+    #[serde(default)]
+    mode: Mode,
+}
+
+#[derive(Default)]
+struct State {
+    attempts: Mutex<HashMap<String, usize>>,
+    in_flight: AtomicUsize,
+    max_in_flight: AtomicUsize,
+    started: AtomicUsize,
+}
+
+#[derive(Clone)]
+struct Record {
+    replica: &'static str,
+    state: Arc<State>,
+    outbox: Outbox,
+}
+
+impl Record {
+    fn new(replica: &'static str) -> Self {
+        Self {
+            replica,
+            state: Arc::default(),
+            outbox: Outbox::unvalidated(),
+        }
+    }
+
+    fn attempt(&self, event: &Envelope<Payload>) -> usize {
+        let mut attempts = self.state.attempts.lock().unwrap();
+        let n = attempts.entry(event.id().to_string()).or_default();
+        *n += 1;
+        *n
+    }
+
+    fn attempts(&self, event: &Envelope<Value>) -> usize {
+        self.state
+            .attempts
+            .lock()
+            .unwrap()
+            .get(&event.id().to_string())
+            .copied()
+            .unwrap_or(0)
+    }
+
+    async fn apply(
+        &self,
+        event: &Envelope<Payload>,
+        tx: &mut PgTransaction<'static>,
+    ) -> Result<(), HandlerError> {
+        let attempt = self.attempt(event);
+        self.state.started.fetch_add(1, Ordering::SeqCst);
+        sqlx::query(
+            "insert into effects (consumer, event_id, subject, seq, replica)
+             values ('', $1, $2, $3, $4)",
+        )
+        .bind(event.id().as_uuid())
+        .bind(event.subject())
+        .bind(event.data().seq)
+        .bind(self.replica)
+        .execute(&mut **tx)
+        .await?;
+        match event.data().mode {
+            Mode::Ok => Ok(()),
+            Mode::Slow => {
+                sqlx::query("select pg_sleep(0.3)")
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(())
+            }
+            Mode::FailOnce if attempt == 1 => Err(HandlerError::retry("first attempt fails")),
+            Mode::FailOnce => Ok(()),
+            Mode::AlwaysFail => Err(HandlerError::retry("always fails")),
+            Mode::Reject => Err(HandlerError::reject("this event is not acceptable")),
+            Mode::EnqueueFailOnce | Mode::EnqueueReject => {
+                let follow_on = Envelope::new(
+                    "t.follow_on",
+                    "tests",
+                    event.subject(),
+                    json!({"caused_by": event.id()}),
+                )?;
+                self.outbox.enqueue(tx, &follow_on).await?;
+                match (&event.data().mode, attempt) {
+                    (Mode::EnqueueFailOnce, 1) => Err(HandlerError::retry("fails after enqueue")),
+                    (Mode::EnqueueFailOnce, _) => Ok(()),
+                    _ => Err(HandlerError::reject("rejects after enqueue")),
+                }
+            }
+        }
+    }
+}
+
+impl Handler for Record {
+    type Message = Payload;
+
+    async fn handle(
+        &self,
+        event: Envelope<Payload>,
+        tx: &mut PgTransaction<'static>,
+    ) -> Result<(), HandlerError> {
+        let now = self.state.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.state.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        let result = self.apply(&event, tx).await;
+        self.state.in_flight.fetch_sub(1, Ordering::SeqCst);
+        result
+    }
+}
+
+type InRouter = Router<InTx<Delivery>, InTx<Outcome>>;
+type Stack = Trace<Metrics<Dedupe<InRouter>>>;
+
+fn stack(pool: &PgPool, handler: Record) -> Stack {
+    ServiceBuilder::new()
+        .layer(TraceLayer::new())
+        .layer(MetricsLayer::new())
+        .layer(DedupeLayer::new(pool.clone()))
+        .service(Router::new().route("t.ok", HandlerService::new(handler)))
+}
+
+fn config(world: &World, durable: &str) -> ConsumerConfig {
+    ConsumerConfig::new(&world.stream, durable)
+        .ack_wait(Duration::from_secs(10))
+        .max_deliver(5)
+        .retry(
+            RetryPolicy::default()
+                .base(Duration::from_millis(50))
+                .max(Duration::from_millis(200)),
+        )
+}
+
+struct Running {
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<inbox_consumer::Result<()>>,
+}
+
+impl Running {
+    async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        tokio::time::timeout(WAIT, &mut self.task)
+            .await
+            .expect("graceful shutdown finishes")
+            .unwrap()
+            .unwrap();
+    }
+}
+
+async fn start<S>(world: &World, config: ConsumerConfig, service: S) -> Running
+where
+    S: Service<Delivery, Response = Outcome> + Clone + Send + 'static,
+    S::Error: Into<inbox_consumer::BoxError>,
+    S::Future: Send + 'static,
+{
+    let consumer = Consumer::new(world.js.clone(), world.db.pool.clone(), config)
+        .await
+        .unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(consumer.run(service, async {
+        let _ = stopped.await;
+    }));
+    Running {
+        stop: Some(stop),
+        task,
+    }
+}
+
+// ---------------------------------------------------------------------------
+
+#[tokio::test]
+async fn the_same_event_published_twice_has_one_effect() {
+    let w = world("INBOX_DUP").await;
+    let handler = Record::new("a");
+    let running = start(&w, config(&w, "dup"), stack(&w.db.pool, handler.clone())).await;
+
+    let e = event("t.ok", "sub_1", json!({"seq": 1}));
+    // Two publishes with different Nats-Msg-Id: both are stored in the stream.
+    w.publish_raw("t.ok", e.to_json().unwrap(), "first").await;
+    w.publish_raw("t.ok", e.to_json().unwrap(), "second").await;
+
+    wait_until("duplicate counted", WAIT, || async {
+        counter("inbox_duplicates_total", "dup") == 1
+    })
+    .await
+    .unwrap();
+    w.wait_settled("dup").await;
+    assert_eq!(w.count("select count(*) from effects").await, 1);
+    assert_eq!(
+        w.count("select count(*) from inbox_events where consumer = 'dup'")
+            .await,
+        1
+    );
+    assert_eq!(counter("inbox_handled_total", "dup"), 1);
+    assert_eq!(handler.attempts(&e), 1, "the handler ran once");
+    running.shutdown().await;
+}
+
+/// Wraps a stack; after the first commit it reports, then hangs like a process
+/// frozen between commit and ack.
+#[derive(Clone)]
+struct HangAfterCommit<S> {
+    inner: S,
+    committed: Arc<AtomicBool>,
+}
+
+impl<S> Service<Delivery> for HangAfterCommit<S>
+where
+    S: Service<Delivery, Response = Outcome> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = Outcome;
+    type Error = S::Error;
+    type Future = BoxFuture<'static, Result<Outcome, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, d: Delivery) -> Self::Future {
+        let fut = self.inner.call(d);
+        let committed = self.committed.clone();
+        Box::pin(async move {
+            let out = fut.await?;
+            committed.store(true, Ordering::SeqCst);
+            std::future::pending::<()>().await;
+            Ok(out)
+        })
+    }
+}
+
+#[tokio::test]
+async fn commit_then_death_before_ack_is_redelivered_with_one_effect() {
+    let w = world("INBOX_CRASH").await;
+    let config = config(&w, "crash").ack_wait(Duration::from_secs(1));
+    let committed = Arc::new(AtomicBool::new(false));
+    let dying = HangAfterCommit {
+        inner: stack(&w.db.pool, Record::new("a")),
+        committed: committed.clone(),
+    };
+    let first = start(&w, config.clone(), dying).await;
+
+    w.publish(&event("t.ok", "sub_1", json!({"seq": 1}))).await;
+    wait_until("first process committed", WAIT, || async {
+        committed.load(Ordering::SeqCst)
+    })
+    .await
+    .unwrap();
+    // The process dies: its tasks are dropped mid-flight, nothing is acked.
+    first.task.abort();
+    let _ = first.task.await;
+    assert_eq!(w.count("select count(*) from effects").await, 1);
+
+    let second = start(&w, config, stack(&w.db.pool, Record::new("b"))).await;
+    wait_until("redelivery seen as a duplicate", WAIT, || async {
+        counter("inbox_duplicates_total", "crash") == 1
+    })
+    .await
+    .unwrap();
+    w.wait_settled("crash").await;
+    assert_eq!(w.count("select count(*) from effects").await, 1);
+    assert_eq!(
+        w.count("select count(*) from effects where replica = 'a'")
+            .await,
+        1
+    );
+    second.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_handler_error_rolls_back_and_the_retry_succeeds_once() {
+    let w = world("INBOX_RETRY").await;
+    let handler = Record::new("a");
+    let running = start(&w, config(&w, "retry"), stack(&w.db.pool, handler.clone())).await;
+
+    let e = event("t.ok", "sub_1", json!({"seq": 1, "mode": "fail_once"}));
+    w.publish(&e).await;
+    w.wait_count("effect committed", "select count(*) from effects", 1)
+        .await;
+    w.wait_settled("retry").await;
+    assert_eq!(handler.attempts(&e), 2, "failed once, then succeeded");
+    // The failed attempt's effect and inbox row were rolled back.
+    assert_eq!(w.count("select count(*) from effects").await, 1);
+    assert_eq!(w.count("select count(*) from inbox_events").await, 1);
+    assert_eq!(counter("inbox_failed_total", "retry"), 1);
+    assert_eq!(counter("inbox_handled_total", "retry"), 1);
+    assert_eq!(counter("inbox_duplicates_total", "retry"), 0);
+    running.shutdown().await;
+}
+
+#[tokio::test]
+async fn poison_messages_are_dead_lettered_and_the_consumer_goes_on() {
+    let w = world("INBOX_POISON").await;
+    w.js.create_stream(stream::Config {
+        name: "INBOX_POISON_DLQ".into(),
+        subjects: vec!["dlq.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let handler = Record::new("a");
+    let config = config(&w, "poison")
+        .max_deliver(3)
+        .dead_letter_subject("dlq.poison");
+    let running = start(&w, config, stack(&w.db.pool, handler.clone())).await;
+
+    let no_id = json!({"specversion": "1.0", "source": "s", "type": "t.ok", "subject": "s",
+                        "time": "2026-01-01T00:00:00Z", "data": {"seq": 1}});
+    let bad_id = json!({"specversion": "1.0", "id": "42", "source": "s", "type": "t.ok",
+                         "subject": "s", "time": "2026-01-01T00:00:00Z", "data": {"seq": 1}});
+    let undecodable = event("t.ok", "sub_u", json!({"seq": "not a number"}));
+    let rejected = event("t.ok", "sub_r", json!({"seq": 1, "mode": "reject"}));
+    let exhausted = event("t.ok", "sub_x", json!({"seq": 1, "mode": "always_fail"}));
+    let unroutable = event("t.unknown", "sub_n", json!({"seq": 1}));
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("t.ok", b"\x00\x01 not json".to_vec(), "not_json"),
+        ("t.ok", br#"{"hello": "world"}"#.to_vec(), "not_cloudevent"),
+        ("t.ok", serde_json::to_vec(&no_id).unwrap(), "invalid_id"),
+        ("t.ok", serde_json::to_vec(&bad_id).unwrap(), "invalid_id"),
+        (
+            "t.ok",
+            undecodable.to_json().unwrap(),
+            "undecodable_payload",
+        ),
+        ("t.ok", rejected.to_json().unwrap(), "rejected"),
+        ("t.ok", exhausted.to_json().unwrap(), "max_deliveries"),
+        ("t.unknown", unroutable.to_json().unwrap(), "unroutable"),
+    ];
+    for (i, (subject, body, _)) in cases.iter().enumerate() {
+        w.publish_raw(subject, body.clone(), &format!("poison-{i}"))
+            .await;
+    }
+    let good = event("t.ok", "sub_g", json!({"seq": 7}));
+    w.publish(&good).await;
+
+    w.wait_count(
+        "every poison message dead-lettered",
+        "select count(*) from inbox_dead_letters",
+        cases.len() as i64,
+    )
+    .await;
+    w.wait_settled("poison").await;
+    // Only the good event has an effect that committed.
+    let seqs: Vec<i64> = sqlx::query_scalar("select seq from effects")
+        .fetch_all(&w.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(seqs, vec![7]);
+
+    let rows: Vec<(
+        String,
+        Vec<u8>,
+        Value,
+        Option<uuid::Uuid>,
+        i64,
+        String,
+        String,
+    )> = sqlx::query_as(
+        "select reason, payload, headers, event_id, delivery_count, subject, error
+           from inbox_dead_letters where consumer = 'poison' order by stream_sequence",
+    )
+    .fetch_all(&w.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), cases.len());
+    for (i, ((subject, body, reason), row)) in cases.iter().zip(&rows).enumerate() {
+        assert_eq!(row.0, *reason, "case {i}: {}", row.6);
+        assert_eq!(row.1, *body, "case {i}: raw bytes kept");
+        assert_eq!(
+            row.2["Nats-Msg-Id"],
+            json!([format!("poison-{i}")]),
+            "case {i}"
+        );
+        assert_eq!(row.5, *subject);
+        assert!(!row.6.is_empty());
+    }
+    assert_eq!(rows[4].3, Some(*undecodable.id().as_uuid()));
+    assert_eq!(rows[6].4, 3, "dead-lettered on the last allowed delivery");
+    assert_eq!(handler.attempts(&exhausted.clone()), 3);
+    assert_eq!(
+        counter("inbox_dead_lettered_total", "poison"),
+        cases.len() as u64
+    );
+
+    // Also published to the DLQ subject, with the reason as a header.
+    let mut dlq = w.js.get_stream("INBOX_POISON_DLQ").await.unwrap();
+    assert_eq!(dlq.info().await.unwrap().state.messages, cases.len() as u64);
+    let first = dlq.get_raw_message(1).await.unwrap();
+    assert_eq!(
+        first
+            .headers
+            .get("Inbox-Dead-Letter-Reason")
+            .map(|v| v.as_str()),
+        Some("not_json")
+    );
+    running.shutdown().await;
+}
+
+#[tokio::test]
+async fn concurrency_16_keeps_per_subject_stream_order() {
+    let w = world("INBOX_ORDER").await;
+    let handler = Record::new("a");
+    let config = config(&w, "order").concurrency(16);
+    let running = start(&w, config, stack(&w.db.pool, handler.clone())).await;
+
+    let mut acks = Vec::new();
+    for seq in 0..1_000 {
+        let e = event("t.ok", &format!("sub_{}", seq % 50), json!({"seq": seq}));
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", e.id().to_string().as_str());
+        acks.push(
+            w.js.publish_with_headers("t.ok", headers, e.to_json().unwrap().into())
+                .await
+                .unwrap(),
+        );
+    }
+    for ack in acks {
+        ack.await.unwrap();
+    }
+    w.wait_count("1,000 effects", "select count(*) from effects", 1_000)
+        .await;
+    w.wait_settled("order").await;
+
+    let rows: Vec<(String, i64)> = sqlx::query_as("select subject, seq from effects order by n")
+        .fetch_all(&w.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1_000);
+    let mut by_subject: HashMap<String, Vec<i64>> = HashMap::new();
+    for (subject, seq) in rows {
+        by_subject.entry(subject).or_default().push(seq);
+    }
+    assert_eq!(by_subject.len(), 50);
+    for (subject, seqs) in &by_subject {
+        assert!(
+            seqs.is_sorted(),
+            "{subject}: effects out of stream order: {seqs:?}"
+        );
+        assert_eq!(seqs.len(), 20);
+    }
+    let max = handler.state.max_in_flight.load(Ordering::SeqCst);
+    assert!((2..=16).contains(&max), "max in flight {max}");
+    running.shutdown().await;
+}
+
+#[tokio::test]
+async fn two_replicas_share_the_work_with_one_effect_per_event() {
+    let w = world("INBOX_REPLICAS").await;
+    let config = config(&w, "replicas").concurrency(4).batch(4);
+    let a = Record::new("a");
+    let b = Record::new("b");
+    let ra = start(&w, config.clone(), stack(&w.db.pool, a.clone())).await;
+    let rb = start(&w, config, stack(&w.db.pool, b.clone())).await;
+
+    // 100 events, each published twice with different message ids.
+    for seq in 0..100 {
+        let e = event(
+            "t.ok",
+            &format!("sub_{seq}"),
+            json!({"seq": seq, "mode": if seq % 10 == 0 { "slow" } else { "ok" }}),
+        );
+        for copy in 0..2 {
+            w.publish_raw("t.ok", e.to_json().unwrap(), &format!("{}-{copy}", e.id()))
+                .await;
+        }
+    }
+    w.wait_count("100 effects", "select count(*) from effects", 100)
+        .await;
+    wait_until("every copy seen", WAIT, || async {
+        counter("inbox_duplicates_total", "replicas") == 100
+    })
+    .await
+    .unwrap();
+    w.wait_settled("replicas").await;
+    assert_eq!(w.count("select count(*) from effects").await, 100);
+    assert_eq!(
+        w.count("select count(distinct event_id) from effects")
+            .await,
+        100
+    );
+    let by_a = w
+        .count("select count(*) from effects where replica = 'a'")
+        .await;
+    let by_b = w
+        .count("select count(*) from effects where replica = 'b'")
+        .await;
+    assert!(by_a > 0 && by_b > 0, "work shared: a={by_a} b={by_b}");
+    ra.shutdown().await;
+    rb.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_follow_on_event_commits_with_the_effect_or_not_at_all() {
+    let w = world("INBOX_PRODUCE").await;
+    let handler = Record::new("a");
+    let running = start(
+        &w,
+        config(&w, "produce"),
+        stack(&w.db.pool, handler.clone()),
+    )
+    .await;
+
+    let retried = event(
+        "t.ok",
+        "sub_1",
+        json!({"seq": 1, "mode": "enqueue_fail_once"}),
+    );
+    let rejected = event("t.ok", "sub_2", json!({"seq": 2, "mode": "enqueue_reject"}));
+    w.publish(&retried).await;
+    w.publish(&rejected).await;
+    w.wait_count("dead letter", "select count(*) from inbox_dead_letters", 1)
+        .await;
+    w.wait_count("effect", "select count(*) from effects", 1)
+        .await;
+    w.wait_settled("produce").await;
+
+    assert_eq!(handler.attempts(&retried), 2);
+    let follow_ons: Vec<(String, Value)> =
+        sqlx::query_as("select subject, data from outbox_events")
+            .fetch_all(&w.db.pool)
+            .await
+            .unwrap();
+    // The failed attempt's event rolled back with its effect; the rejected one never committed.
+    assert_eq!(
+        follow_ons,
+        vec![("sub_1".to_string(), json!({"caused_by": retried.id()}))]
+    );
+    let effect_subjects: Vec<String> = sqlx::query_scalar("select subject from effects")
+        .fetch_all(&w.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(effect_subjects, vec!["sub_1".to_string()]);
+    running.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_stale_event_is_skipped_for_order_dependent_handlers() {
+    let w = world("INBOX_STALE").await;
+    let pool = w.db.pool.clone();
+    let service = ServiceBuilder::new()
+        .layer(MetricsLayer::new())
+        .layer(DedupeLayer::new(pool.clone()))
+        .service(
+            Router::new().route(
+                "t.ok",
+                ServiceBuilder::new()
+                    .layer(SkipStaleLayer::new())
+                    .service(HandlerService::new(Record::new("a"))),
+            ),
+        );
+    let running = start(&w, config(&w, "stale"), service).await;
+
+    let t0 = chrono::Utc::now();
+    let newer = event("t.ok", "sub_1", json!({"seq": 2})).with_time(t0);
+    let older =
+        event("t.ok", "sub_1", json!({"seq": 1})).with_time(t0 - chrono::Duration::seconds(5));
+    w.publish(&newer).await;
+    w.publish(&older).await;
+    wait_until("stale skip counted", WAIT, || async {
+        counter("inbox_stale_total", "stale") == 1
+    })
+    .await
+    .unwrap();
+    w.wait_settled("stale").await;
+    let seqs: Vec<i64> = sqlx::query_scalar("select seq from effects")
+        .fetch_all(&w.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        seqs,
+        vec![2],
+        "the older event did not overwrite the newer one"
+    );
+    // Both are in the inbox: a redelivery of the stale one is a duplicate.
+    assert_eq!(w.count("select count(*) from inbox_events").await, 2);
+    running.shutdown().await;
+}
+
+#[tokio::test]
+async fn graceful_shutdown_finishes_commits_and_acks_in_flight_work() {
+    let w = world("INBOX_SHUTDOWN").await;
+    let handler = Record::new("a");
+    let running = start(
+        &w,
+        config(&w, "shutdown"),
+        stack(&w.db.pool, handler.clone()),
+    )
+    .await;
+    for seq in 0..4 {
+        w.publish(&event(
+            "t.ok",
+            &format!("sub_{seq}"),
+            json!({"seq": seq, "mode": "slow"}),
+        ))
+        .await;
+    }
+    wait_until("handlers running", WAIT, || async {
+        handler.state.in_flight.load(Ordering::SeqCst) > 0
+    })
+    .await
+    .unwrap();
+    running.shutdown().await;
+
+    let started = handler.state.started.load(Ordering::SeqCst) as i64;
+    assert!(started > 0);
+    // Everything started was finished and committed …
+    assert_eq!(w.count("select count(*) from effects").await, started);
+    assert_eq!(handler.state.in_flight.load(Ordering::SeqCst), 0);
+    // … and acked: what is left for the durable is exactly what was never started.
+    assert_eq!(w.outstanding("shutdown").await, 4 - started as u64);
+}
+
+#[tokio::test]
+async fn retention_prunes_old_rows_and_refuses_a_window_shorter_than_redelivery() {
+    let w = world("INBOX_RETENTION").await;
+    sqlx::query(
+        "insert into inbox_events (consumer, event_id, event_type, subject, event_time, handled_at)
+         select c, gen_random_uuid(), 't.ok', 's', now(), now() - make_interval(days => d)
+           from (values ('ret', 30), ('ret', 20), ('ret', 1), ('other', 30)) as v(c, d)",
+    )
+    .execute(&w.db.pool)
+    .await
+    .unwrap();
+    let deleted = Retention::default()
+        .batch_size(1)
+        .prune(&w.db.pool, "ret")
+        .await
+        .unwrap();
+    assert_eq!(deleted, 2);
+    assert_eq!(
+        w.count("select count(*) from inbox_events where consumer = 'ret'")
+            .await,
+        1
+    );
+    assert_eq!(
+        w.count("select count(*) from inbox_events where consumer = 'other'")
+            .await,
+        1
+    );
+
+    let short = ConsumerConfig::new(&w.stream, "ret")
+        .ack_wait(Duration::from_secs(30))
+        .max_deliver(10)
+        .retention(Retention::default().window(Duration::from_secs(60)));
+    let err = Consumer::new(w.js.clone(), w.db.pool.clone(), short)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config);
+    assert!(err.to_string().contains("redelivery"), "{err}");
+}
