@@ -1,20 +1,4 @@
 //! [`Router`]: one process, several event types, one handler stack each.
-//!
-//! A router dispatches on the envelope's event type. It works at either level
-//! of the stack:
-//!
-//! - inside [`Dedupe`](crate::dedupe::Dedupe), as a `Service<InTx<Delivery>>`
-//!   routing to [`HandlerService`](crate::HandlerService)s: one transaction
-//!   and one inbox row per delivery, whatever the type;
-//! - outside it, as a `Service<Delivery>` routing to whole stacks, when types
-//!   need different layers.
-//!
-//! An event type with no route fails with [`ErrorKind::Unroutable`], a reject:
-//! the runtime dead-letters it as `unroutable` rather than dropping it. Use the
-//! consumer's filter subjects to receive only the routed types.
-//!
-//! Each consumer name is its own dedupe namespace: two consumers (two durables,
-//! or two runtimes with different names) each handle every event once.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -49,7 +33,23 @@ impl Routable for InTx<Delivery> {
 
 type Route<Req, Resp> = BoxCloneSyncService<Req, Resp, BoxError>;
 
-/// Routes requests by event type. Cheap to clone. See the [module docs](self).
+/// Routes requests by event type; cheap to clone.
+///
+/// A router dispatches on the envelope's event type. It works at either level
+/// of the stack:
+///
+/// - inside [`Dedupe`](crate::dedupe::Dedupe), as a `Service<InTx<Delivery>>`
+///   routing to [`HandlerService`](crate::HandlerService)s: one transaction
+///   and one inbox row per delivery, whatever the type;
+/// - outside it, as a `Service<Delivery>` routing to whole stacks, when types
+///   need different layers.
+///
+/// An event type with no route fails with [`ErrorKind::Unroutable`], a reject:
+/// the runtime dead-letters it as `unroutable` rather than dropping it. Use the
+/// consumer's filter subjects to receive only the routed types.
+///
+/// Each consumer name is its own dedupe namespace: two consumers (two durables,
+/// or two runtimes with different names) each handle every event once.
 pub struct Router<Req, Resp> {
     routes: Arc<HashMap<String, Route<Req, Resp>>>,
 }
@@ -163,5 +163,40 @@ where
                 }
             };
         ResponseFuture { inner }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use outbox_core::Envelope;
+    use tower::service_fn;
+
+    use super::*;
+    use crate::delivery::{DeliveryInfo, Outcome};
+    use crate::error::Action;
+
+    fn delivery(event_type: &str) -> Delivery {
+        let env = Envelope::new(event_type, "svc", "s1", serde_json::json!({})).unwrap();
+        Delivery::new(env, DeliveryInfo::new("c1"))
+    }
+
+    #[tokio::test]
+    async fn routes_by_event_type_and_rejects_the_unrouted() {
+        let handled =
+            |outcome| service_fn(move |_: Delivery| async move { Ok::<_, BoxError>(outcome) });
+        let router = Router::new()
+            .route("a.one", handled(Outcome::Handled))
+            .route("a.two", handled(Outcome::Stale));
+        assert_eq!(router.event_types(), ["a.one", "a.two"]);
+
+        let out = router.clone().oneshot(delivery("a.one")).await.unwrap();
+        assert_eq!(out, Outcome::Handled);
+        let out = router.clone().oneshot(delivery("a.two")).await.unwrap();
+        assert_eq!(out, Outcome::Stale);
+
+        let err = router.oneshot(delivery("a.three")).await.unwrap_err();
+        let err = err.downcast_ref::<HandlerError>().unwrap();
+        assert_eq!(err.action(), Action::Reject);
+        assert!(err.to_string().contains("a.three"), "{err}");
     }
 }

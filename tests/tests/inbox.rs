@@ -1,6 +1,7 @@
 //! inbox-consumer against real PostgreSQL and nats-server: transactional dedupe,
 //! ack after commit, retries, dead letters, per-subject order, replicas,
 //! consume → produce, stale events, shutdown and retention.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -10,6 +11,7 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, stream};
+use futures::StreamExt;
 use futures::future::BoxFuture;
 use inbox_consumer::{
     Consumer, ConsumerConfig, Dedupe, DedupeLayer, Delivery, ErrorKind, Handler, HandlerError,
@@ -23,7 +25,7 @@ use serde_json::{Value, json};
 use sqlx::{PgPool, PgTransaction};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use tower::{Service, ServiceBuilder};
+use tower::{Service, ServiceBuilder, ServiceExt};
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -229,6 +231,8 @@ enum Mode {
     EnqueueReject,
     /// Hold the transaction for a while.
     Slow,
+    /// Swallow a failed statement and return Ok (a handler bug).
+    SwallowError,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -302,6 +306,10 @@ impl Record {
                 sqlx::query("select pg_sleep(0.3)")
                     .execute(&mut **tx)
                     .await?;
+                Ok(())
+            }
+            Mode::SwallowError => {
+                let _ = sqlx::query("select 1/0").execute(&mut **tx).await;
                 Ok(())
             }
             Mode::FailOnce if attempt == 1 => Err(HandlerError::retry("first attempt fails")),
@@ -404,18 +412,51 @@ where
 // ---------------------------------------------------------------------------
 
 #[tokio::test]
-async fn the_same_event_published_twice_has_one_effect() {
+async fn the_same_event_published_twice_and_redelivered_has_one_effect() {
     let w = world("INBOX_DUP").await;
     let handler = Record::new("a");
-    let running = start(&w, config(&w, "dup"), stack(&w.db.pool, handler.clone())).await;
+    let config = config(&w, "dup").ack_wait(Duration::from_secs(1));
+    let consumer = Consumer::new(w.js.clone(), w.db.pool.clone(), config)
+        .await
+        .unwrap();
 
     let e = event("t.ok", "sub_1", json!({"seq": 1}));
     // Two publishes with different Nats-Msg-Id: both are stored in the stream.
     w.publish_raw("t.ok", e.to_json().unwrap(), "first").await;
     w.publish_raw("t.ok", e.to_json().unwrap(), "second").await;
 
-    wait_until("duplicate counted", WAIT, || async {
-        counter("inbox_duplicates_total", "dup") == 1
+    // The first copy is handled by hand through the same stack, and never acked.
+    let durable: jetstream::consumer::PullConsumer =
+        w.js.get_stream(&w.stream)
+            .await
+            .unwrap()
+            .get_consumer("dup")
+            .await
+            .unwrap();
+    let mut batch = durable.fetch().max_messages(1).messages().await.unwrap();
+    let message = batch.next().await.unwrap().unwrap();
+    let delivery = Delivery::from_message(&message).unwrap();
+    assert_eq!(delivery.info().delivered, 1);
+    assert_eq!(delivery.consumer(), "dup");
+    let outcome = stack(&w.db.pool, handler.clone())
+        .oneshot(delivery)
+        .await
+        .unwrap();
+    assert_eq!(outcome, Outcome::Handled);
+    drop(message);
+
+    // The runtime gets the second copy now and the first one's redelivery
+    // after ack_wait: both are duplicates.
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(consumer.run(stack(&w.db.pool, handler.clone()), async {
+        let _ = stopped.await;
+    }));
+    let running = Running {
+        stop: Some(stop),
+        task,
+    };
+    wait_until("two duplicates counted", WAIT, || async {
+        counter("inbox_duplicates_total", "dup") == 2
     })
     .await
     .unwrap();
@@ -524,6 +565,17 @@ async fn a_handler_error_rolls_back_and_the_retry_succeeds_once() {
     running.shutdown().await;
 }
 
+/// reason, payload, headers, event_id, delivery_count, subject, error
+type DeadLetterRow = (
+    String,
+    Vec<u8>,
+    Value,
+    Option<uuid::Uuid>,
+    i64,
+    String,
+    String,
+);
+
 #[tokio::test]
 async fn poison_messages_are_dead_lettered_and_the_consumer_goes_on() {
     let w = world("INBOX_POISON").await;
@@ -548,6 +600,7 @@ async fn poison_messages_are_dead_lettered_and_the_consumer_goes_on() {
     let rejected = event("t.ok", "sub_r", json!({"seq": 1, "mode": "reject"}));
     let exhausted = event("t.ok", "sub_x", json!({"seq": 1, "mode": "always_fail"}));
     let unroutable = event("t.unknown", "sub_n", json!({"seq": 1}));
+    let swallowed = event("t.ok", "sub_s", json!({"seq": 1, "mode": "swallow_error"}));
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
         ("t.ok", b"\x00\x01 not json".to_vec(), "not_json"),
         ("t.ok", br#"{"hello": "world"}"#.to_vec(), "not_cloudevent"),
@@ -561,6 +614,8 @@ async fn poison_messages_are_dead_lettered_and_the_consumer_goes_on() {
         ("t.ok", rejected.to_json().unwrap(), "rejected"),
         ("t.ok", exhausted.to_json().unwrap(), "max_deliveries"),
         ("t.unknown", unroutable.to_json().unwrap(), "unroutable"),
+        // Ok on an aborted transaction is never acked as handled.
+        ("t.ok", swallowed.to_json().unwrap(), "max_deliveries"),
     ];
     for (i, (subject, body, _)) in cases.iter().enumerate() {
         w.publish_raw(subject, body.clone(), &format!("poison-{i}"))
@@ -583,15 +638,7 @@ async fn poison_messages_are_dead_lettered_and_the_consumer_goes_on() {
         .unwrap();
     assert_eq!(seqs, vec![7]);
 
-    let rows: Vec<(
-        String,
-        Vec<u8>,
-        Value,
-        Option<uuid::Uuid>,
-        i64,
-        String,
-        String,
-    )> = sqlx::query_as(
+    let rows: Vec<DeadLetterRow> = sqlx::query_as(
         "select reason, payload, headers, event_id, delivery_count, subject, error
            from inbox_dead_letters where consumer = 'poison' order by stream_sequence",
     )
@@ -612,7 +659,9 @@ async fn poison_messages_are_dead_lettered_and_the_consumer_goes_on() {
     }
     assert_eq!(rows[4].3, Some(*undecodable.id().as_uuid()));
     assert_eq!(rows[6].4, 3, "dead-lettered on the last allowed delivery");
-    assert_eq!(handler.attempts(&exhausted.clone()), 3);
+    assert_eq!(handler.attempts(&exhausted), 3);
+    assert!(rows[8].6.contains("aborted"), "{}", rows[8].6);
+    assert_eq!(w.count("select count(*) from inbox_events").await, 1);
     assert_eq!(
         counter("inbox_dead_lettered_total", "poison"),
         cases.len() as u64
@@ -621,14 +670,16 @@ async fn poison_messages_are_dead_lettered_and_the_consumer_goes_on() {
     // Also published to the DLQ subject, with the reason as a header.
     let mut dlq = w.js.get_stream("INBOX_POISON_DLQ").await.unwrap();
     assert_eq!(dlq.info().await.unwrap().state.messages, cases.len() as u64);
-    let first = dlq.get_raw_message(1).await.unwrap();
-    assert_eq!(
-        first
-            .headers
-            .get("Inbox-Dead-Letter-Reason")
-            .map(|v| v.as_str()),
-        Some("not_json")
-    );
+    let mut dlq_reasons = Vec::new();
+    for seq in 1..=cases.len() as u64 {
+        let m = dlq.get_raw_message(seq).await.unwrap();
+        let reason = m.headers.get("Inbox-Dead-Letter-Reason").unwrap();
+        dlq_reasons.push(reason.as_str().to_owned());
+    }
+    dlq_reasons.sort();
+    let mut reasons: Vec<String> = cases.iter().map(|c| c.2.to_owned()).collect();
+    reasons.sort();
+    assert_eq!(dlq_reasons, reasons);
     running.shutdown().await;
 }
 

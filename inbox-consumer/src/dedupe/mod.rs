@@ -13,7 +13,10 @@
 //!    [`HandlerService`](crate::HandlerService), maybe behind a
 //!    [`Router`](crate::Router) or [`SkipStale`](crate::ordering::SkipStale)),
 //!    which hands the transaction back,
-//! 5. commits, and only then resolves. The runtime acks after this future
+//! 5. checks that the transaction is not aborted (a handler that swallowed a
+//!    failed statement and returned `Ok` would otherwise "commit" a rollback
+//!    and the event would be acked without its effect), commits, and only then
+//!    resolves. The runtime acks after this future
 //!    resolves `Ok`, so an ack always follows a commit; a failed commit is an
 //!    error, and an error is never acked.
 //!
@@ -42,6 +45,7 @@ use crate::metrics::names;
 pub use layer::DedupeLayer;
 
 const INSERT_INBOX: &str = include_str!("../../queries/insert_inbox.sql");
+const CHECK_TX: &str = include_str!("../../queries/check_tx.sql");
 
 /// Records the delivery's event in the inbox inside `conn`'s transaction.
 /// Returns `false` when the consumer already has it (a duplicate).
@@ -144,11 +148,20 @@ where
                 );
                 return Ok(Outcome::Duplicate);
             }
-            let (tx, outcome) = inner
+            let (mut tx, outcome) = inner
                 .call(InTx::new(tx, delivery))
                 .await
                 .map_err(Into::into)?
                 .into_parts();
+            // A handler that swallowed a failed statement returns Ok on an
+            // aborted transaction, whose COMMIT silently rolls back: acking it
+            // would lose the event. Refuse to commit it instead.
+            sqlx::query(CHECK_TX).execute(&mut *tx).await.map_err(|e| {
+                Error::database(
+                    "the handler returned Ok but its transaction is aborted (a statement failed)",
+                    e,
+                )
+            })?;
             tx.commit()
                 .await
                 .map_err(|e| Error::database("committing the handler's transaction", e))?;

@@ -92,3 +92,144 @@ where
         future::ResponseFuture::new(self.inner.call(delivery), Instant::now(), labels)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use outbox_core::Envelope;
+    use tower::Layer;
+    use tower_test::mock;
+
+    use super::*;
+    use crate::delivery::DeliveryInfo;
+
+    /// Counts counters and histogram samples by name.
+    #[derive(Default)]
+    struct Recorder(Mutex<HashMap<String, Arc<Count>>>);
+
+    #[derive(Default)]
+    struct Count(AtomicU64);
+
+    impl metrics::CounterFn for Count {
+        fn increment(&self, value: u64) {
+            self.0.fetch_add(value, Ordering::SeqCst);
+        }
+        fn absolute(&self, value: u64) {
+            self.0.store(value, Ordering::SeqCst);
+        }
+    }
+
+    impl metrics::HistogramFn for Count {
+        fn record(&self, _: f64) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    impl Recorder {
+        fn get(&self, name: &str) -> u64 {
+            self.0
+                .lock()
+                .unwrap()
+                .get(name)
+                .map_or(0, |c| c.0.load(Ordering::SeqCst))
+        }
+        fn entry(&self, key: &metrics::Key) -> Arc<Count> {
+            let labels: Vec<_> = key.labels().map(|l| l.key().to_owned()).collect();
+            assert_eq!(labels, ["consumer", "event_type"]);
+            self.0
+                .lock()
+                .unwrap()
+                .entry(key.name().to_owned())
+                .or_default()
+                .clone()
+        }
+    }
+
+    impl metrics::Recorder for Recorder {
+        fn describe_counter(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_gauge(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_histogram(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn register_counter(
+            &self,
+            key: &metrics::Key,
+            _: &metrics::Metadata<'_>,
+        ) -> metrics::Counter {
+            metrics::Counter::from_arc(self.entry(key))
+        }
+        fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+            metrics::Gauge::noop()
+        }
+        fn register_histogram(
+            &self,
+            key: &metrics::Key,
+            _: &metrics::Metadata<'_>,
+        ) -> metrics::Histogram {
+            metrics::Histogram::from_arc(self.entry(key))
+        }
+    }
+
+    fn delivery() -> Delivery {
+        let env = Envelope::new("a.b", "svc", "s1", serde_json::json!({})).unwrap();
+        Delivery::new(env, DeliveryInfo::new("c1"))
+    }
+
+    #[test]
+    fn counts_outcomes_and_failures_with_latency() {
+        let recorder = Recorder::default();
+        metrics::with_local_recorder(&recorder, || {
+            futures::executor::block_on(async {
+                let (inner, mut handle) = mock::pair::<Delivery, Outcome>();
+                let mut svc = MetricsLayer::new().layer(inner);
+                handle.allow(4);
+                for respond in [
+                    Ok(Outcome::Handled),
+                    Ok(Outcome::Duplicate),
+                    Ok(Outcome::Stale),
+                    Err("boom"),
+                ] {
+                    std::future::poll_fn(|cx| svc.poll_ready(cx)).await.unwrap();
+                    let fut = svc.call(delivery());
+                    let (request, send) = handle.next_request().await.unwrap();
+                    assert_eq!(request.consumer(), "c1");
+                    match respond {
+                        Ok(outcome) => {
+                            send.send_response(outcome);
+                            assert_eq!(fut.await.unwrap(), outcome);
+                        }
+                        Err(e) => {
+                            send.send_error(e);
+                            assert_eq!(fut.await.unwrap_err().to_string(), "boom");
+                        }
+                    }
+                }
+            });
+        });
+        assert_eq!(recorder.get(names::HANDLED), 1);
+        assert_eq!(recorder.get(names::STALE), 1);
+        assert_eq!(recorder.get(names::FAILED), 1);
+        // Duplicates are counted by the dedupe layer, not here.
+        assert_eq!(recorder.get(names::DUPLICATES), 0);
+        assert_eq!(recorder.get(names::HANDLER_DURATION), 3);
+    }
+}

@@ -8,7 +8,15 @@
 //!   and an error is never acked: it is nak'ed and redelivered.
 //! - **Errors** roll back; [`HandlerError`](crate::HandlerError) decides
 //!   between a nak whose delay grows with the delivery count
-//!   ([`RetryPolicy`]) and a reject. See [`ack`](self) for the table.
+//!   ([`RetryPolicy`]) and a reject:
+//!
+//!   | result | JetStream |
+//!   | --- | --- |
+//!   | `Ok(Handled / Duplicate / Stale)` (committed) | `+ACK`, confirmed (`double_ack`) |
+//!   | retryable error (rolled back) | `-NAK {delay}` |
+//!   | retryable error on the last allowed delivery | dead letter (`max_deliveries`), `+TERM` |
+//!   | reject, undecodable payload, no route | dead letter, `+TERM` |
+//!   | an error type this crate does not know (a third-party layer) | retried |
 //! - **Poison** (not JSON, not a CloudEvent, no valid id, undecodable payload,
 //!   no route, a reject, or the last allowed delivery failing) is written to
 //!   `inbox_dead_letters` (and the DLQ subject, if configured) and terminated.
@@ -86,7 +94,8 @@ impl Consumer {
     /// [`ErrorKind::Nats`](crate::ErrorKind::Nats) if the stream is missing or
     /// the consumer cannot be created;
     /// [`ErrorKind::Config`](crate::ErrorKind::Config) if the retention window
-    /// is shorter than `max_deliver` redeliveries (see [`retention`](crate::retention)).
+    /// is shorter than `max_deliver` redeliveries (see [`crate::retention`] and
+    /// [`check_window`](crate::retention::check_window)).
     pub async fn new(js: jetstream::Context, pool: PgPool, config: ConsumerConfig) -> Result<Self> {
         let stream = js
             .get_stream(&config.stream)
