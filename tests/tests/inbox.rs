@@ -935,3 +935,46 @@ async fn retention_prunes_old_rows_and_refuses_a_window_shorter_than_redelivery(
     assert_eq!(err.kind(), ErrorKind::Config);
     assert!(err.to_string().contains("redelivery"), "{err}");
 }
+
+#[tokio::test]
+async fn the_consumer_carries_on_after_a_broker_restart() {
+    let mut w = world("INBOX_BROKER").await;
+    let Some(_) = w._nats.server() else {
+        return; // NATS_URL points at a server this test cannot restart
+    };
+    let running = start(
+        &w,
+        config(&w, "broker"),
+        stack(&w.db.pool, Record::new("a")),
+    )
+    .await;
+    w.publish(&event("t.ok", "sub_1", json!({"seq": 1}))).await;
+    w.wait_count("first effect", "select count(*) from effects", 1)
+        .await;
+
+    let server = w._nats.server().unwrap();
+    server.kill().unwrap();
+    server.start_again().unwrap();
+
+    let second = event("t.ok", "sub_2", json!({"seq": 2}));
+    wait_until("publish after restart", WAIT, || async {
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", second.id().to_string().as_str());
+        match w
+            .js
+            .publish_with_headers("t.ok", headers, second.to_json().unwrap().into())
+            .await
+        {
+            Ok(ack) => tokio::time::timeout(Duration::from_secs(2), ack)
+                .await
+                .is_ok_and(|r| r.is_ok()),
+            Err(_) => false,
+        }
+    })
+    .await
+    .unwrap();
+    w.wait_count("second effect", "select count(*) from effects", 2)
+        .await;
+    w.wait_settled("broker").await;
+    running.shutdown().await;
+}

@@ -26,7 +26,13 @@
 //!   subject wait, in arrival order, until it frees. Fetching pauses while all
 //!   slots are taken or [`ConsumerConfig::max_buffered`] messages are held.
 //! - **Long handlers** get an in-progress ack every
-//!   [`ConsumerConfig::progress_interval`].
+//!   [`ConsumerConfig::progress_interval`]. Messages *queued* behind a busy
+//!   subject get none: if they wait longer than `ack_wait`, JetStream redelivers
+//!   them, the copy queues behind the original, and the inbox makes it a
+//!   duplicate, but each such wait counts toward `max_deliver`. Keep
+//!   `ack_wait` well above a subject's backlog × handler time.
+//! - **Broker outages**: a failed message stream is reopened after a pause;
+//!   ack failures are logged (the redelivery will be a duplicate).
 //! - **Shutdown.** When the shutdown future resolves, fetching stops, and every
 //!   message already held (running or queued) is finished, committed and acked
 //!   before [`Consumer::run`] returns. Dropping the `run` future instead aborts
@@ -74,6 +80,10 @@ use process::Shared;
 
 /// How long to wait before re-opening a failed message stream.
 const REOPEN_DELAY: Duration = Duration::from_secs(1);
+/// Idle heartbeat of a pull request: a broker restart is noticed after two missed ones.
+const HEARTBEAT: Duration = Duration::from_secs(2);
+/// Lifetime of one pull request.
+const PULL_EXPIRES: Duration = Duration::from_secs(10);
 
 /// A durable pull consumer bound to a database: the runtime of the inbox.
 ///
@@ -184,8 +194,8 @@ impl Consumer {
                     .consumer
                     .stream()
                     .max_messages_per_batch(config.batch)
-                    .heartbeat(Duration::from_secs(5))
-                    .expires(Duration::from_secs(30))
+                    .heartbeat(HEARTBEAT)
+                    .expires(PULL_EXPIRES)
                     .messages()
                     .await
                 {
@@ -237,7 +247,20 @@ impl Consumer {
                         }
                     },
                     Some(Err(e)) => {
-                        tracing::debug!(consumer = %config.durable, error = %e, "message stream hiccup");
+                        use jetstream::consumer::pull::MessagesErrorKind as Kind;
+                        match e.kind() {
+                            // The stream recovers by itself (re-issues its pull).
+                            Kind::MissingHeartbeat => {
+                                tracing::debug!(consumer = %config.durable, error = %e, "missed heartbeat");
+                            }
+                            // Anything else: start over with a fresh stream, after a pause,
+                            // so a broker outage is not a hot loop.
+                            _ => {
+                                tracing::warn!(consumer = %config.durable, error = %e, "message stream failed; reopening");
+                                messages = None;
+                                reopen_at = Instant::now() + REOPEN_DELAY;
+                            }
+                        }
                     }
                     None => {
                         tracing::debug!(consumer = %config.durable, "message stream ended; reopening");
