@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::process::{
-    find_binary, free_port, have_setpriv, port_open, remove_stale_dirs, signal, wait_exit,
+    find_binary, free_port, have_setpriv, port_open, remove_stale_dirs, signal, spawn, wait_exit,
     wait_ready,
 };
 
@@ -68,22 +68,20 @@ impl NatsServer {
         } else {
             Command::new(&self.bin)
         };
-        let mut child = cmd
-            .args(["-js", "-a", "127.0.0.1", "-p"])
+        cmd.args(["-js", "-a", "127.0.0.1", "-p"])
             .arg(self.port.to_string())
             .arg("-sd")
             .arg(self.dir.path().join("jetstream"))
             .args(["--server_name", "outbox-test"])
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .map_err(|e| {
-                Error::new(format!(
-                    "cannot run {}: {e}; {INSTALL_HINT}",
-                    self.bin.display()
-                ))
-            })?;
+            .stderr(log);
+        let mut child = spawn(cmd).map_err(|e| {
+            Error::new(format!(
+                "cannot run {}: {e}; {INSTALL_HINT}",
+                self.bin.display()
+            ))
+        })?;
         let port = self.port;
         let ready = wait_ready(
             "nats-server",

@@ -5,7 +5,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::str::FromStr;
-use std::sync::{OnceLock, mpsc};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -13,7 +13,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::error::{Error, Result};
 use crate::process::{
-    current_uid, find_binary, free_port, have_setpriv, remove_stale_dirs, signal, wait_exit,
+    current_uid, find_binary, free_port, have_setpriv, remove_stale_dirs, signal, spawn, wait_exit,
     wait_ready,
 };
 
@@ -137,9 +137,8 @@ impl PgServer {
             .open(self.log_path())?;
         let data = self.data_dir();
         let _ = std::fs::remove_file(data.join("postmaster.pid"));
-        let mut child = self
-            .command("postgres", true)
-            .arg("-D")
+        let mut cmd = self.command("postgres", true);
+        cmd.arg("-D")
             .arg(&data)
             .arg("-p")
             .arg(self.port.to_string())
@@ -163,8 +162,8 @@ impl PgServer {
             ])
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
+            .stderr(log);
+        let mut child = spawn(cmd)
             .map_err(|e| Error::new(format!("cannot start postgres: {e}; {INSTALL_HINT}")))?;
         let pid_file = data.join("postmaster.pid");
         let ready = wait_ready(
@@ -298,34 +297,19 @@ fn user_ids(user: &str) -> Result<(u32, u32)> {
     Ok((id("-u")?, id("-g")?))
 }
 
-/// The server shared by every test of this process, started on first use.
-///
-/// It lives in a thread that never ends, so the server's parent-death signal
-/// fires when the test process exits, not when the first test finishes.
+/// The server shared by every test of this process, started on first use and
+/// never dropped: it stops when the process exits (its parent-death signal).
 fn shared_server_url() -> Result<String> {
     static SHARED: OnceLock<std::result::Result<String, String>> = OnceLock::new();
     SHARED
         .get_or_init(|| {
-            let (tx, rx) = mpsc::channel();
-            let spawned = std::thread::Builder::new()
-                .name("testkit-postgres".into())
-                .spawn(move || match PgServer::start() {
-                    Ok(server) => {
-                        let _ = tx.send(Ok(server.url("postgres")));
-                        loop {
-                            std::thread::park();
-                        }
-                    }
-                    Err(e) => {
-                        let _ = tx.send(Err(e.to_string()));
-                    }
-                });
-            match spawned {
-                Ok(_) => rx
-                    .recv()
-                    .unwrap_or_else(|_| Err("postgres starter thread died".into())),
-                Err(e) => Err(format!("cannot spawn postgres starter thread: {e}")),
-            }
+            PgServer::start()
+                .map(|server| {
+                    let url = server.url("postgres");
+                    std::mem::forget(server);
+                    url
+                })
+                .map_err(|e| e.to_string())
         })
         .clone()
         .map_err(Error::new)

@@ -4,6 +4,8 @@ use std::future::Future;
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
+use std::sync::mpsc;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -147,4 +149,39 @@ pub(crate) fn remove_stale_dirs(prefix: &str) {
             let _ = std::fs::remove_dir_all(entry.path());
         }
     }
+}
+
+type SpawnRequest = (Command, mpsc::Sender<std::io::Result<Child>>);
+
+/// Spawns `cmd` from one thread that lives as long as the process.
+///
+/// Servers are started with a parent-death signal (`setpriv --pdeathsig`),
+/// which Linux sends when the *thread* that forked them exits. Spawning from a
+/// test's thread or a blocking-pool thread would kill the server when that
+/// thread ends; spawning from this thread ties it to the process instead.
+pub(crate) fn spawn(cmd: Command) -> std::io::Result<Child> {
+    static SPAWNER: OnceLock<Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
+    let spawner = SPAWNER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<SpawnRequest>();
+        let started = std::thread::Builder::new()
+            .name("testkit-spawner".into())
+            .spawn(move || {
+                for (mut cmd, reply) in rx {
+                    let _ = reply.send(cmd.spawn());
+                }
+            });
+        if let Err(e) = started {
+            eprintln!("testkit: cannot start the spawner thread: {e}");
+        }
+        Mutex::new(tx)
+    });
+    let (reply_tx, reply_rx) = mpsc::channel();
+    spawner
+        .lock()
+        .map_err(|_| std::io::Error::other("spawner lock poisoned"))?
+        .send((cmd, reply_tx))
+        .map_err(|_| std::io::Error::other("spawner thread is gone"))?;
+    reply_rx
+        .recv()
+        .map_err(|_| std::io::Error::other("spawner thread is gone"))?
 }

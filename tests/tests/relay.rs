@@ -700,3 +700,55 @@ async fn shutdown_finishes_promptly() {
         .unwrap()
         .unwrap();
 }
+
+#[tokio::test]
+async fn a_blocked_subject_with_a_long_queue_does_not_starve_the_others() {
+    let db = TestDb::new().await.unwrap();
+    let broker = nats().unwrap();
+    // The oldest 40 rows all belong to one subject whose head cannot be
+    // published; the batch is smaller than that queue.
+    let mut blocked = vec![event("inventory.moved", "hot", json!({"head": true}))];
+    blocked.extend((0..39).map(|i| event("orders.created", "hot", json!({"n": i}))));
+    commit(&db, &blocked).await;
+    let healthy: Vec<_> = (0..30)
+        .map(|i| event("billing.paid", &format!("acct_{i}"), json!({"n": i})))
+        .collect();
+    commit(&db, &healthy).await;
+
+    let config = fast_config()
+        .batch_size(10)
+        .backoff_base(Duration::from_secs(5))
+        .backoff_max(Duration::from_secs(5));
+    let relay = relay(&db, broker.url(), "STARVE", config).await;
+    let shutdown = CancellationToken::new();
+    let run = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { relay.run(shutdown).await })
+    };
+    wait_until(
+        "the healthy subjects drain",
+        Duration::from_secs(20),
+        || async { unpublished(&db).await == 40 },
+    )
+    .await
+    .unwrap();
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+    assert_eq!(
+        scalar(
+            &db,
+            "select count(*) from outbox_events where subject = 'hot' and published_at is not null"
+        )
+        .await,
+        0
+    );
+    // The queue behind the failed head was deferred, not retried.
+    assert_eq!(
+        scalar(
+            &db,
+            "select count(*) from outbox_events where subject = 'hot' and attempts > 0"
+        )
+        .await,
+        1
+    );
+}

@@ -1,0 +1,292 @@
+//! `outbox-bench`: throughput measured side by side in one run, on one machine,
+//! against real PostgreSQL and nats-server processes (started here unless
+//! `DATABASE_URL` / `NATS_URL` are set). Absolute numbers drift with the
+//! machine; the ratios are the result.
+//!
+//! ```text
+//! cargo run --release -p outbox-bench -- --events 50000 --subjects 1000 --drain-rows 300000
+//! ```
+//!
+//! 1. **raw**: the same envelopes published straight to JetStream, pipelined,
+//!    every PubAck awaited (the ceiling for any relay).
+//! 2. **relay**: the same number of events committed to `outbox_events`, then
+//!    drained by the relay to JetStream.
+//! 3. **sustained drain**: a large backlog claimed and marked with a sink that
+//!    acks at once, so only the database work is measured, reported per time
+//!    window: the claim's cost must not grow as marked rows leave dead tuples.
+
+use std::error::Error;
+use std::time::{Duration, Instant};
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, stream::Config};
+use clap::Parser;
+use futures::StreamExt;
+use outbox_core::{Envelope, Outbox};
+use outbox_publisher::{
+    OutgoingMessage, PublishAck, PublishFailure, Relay, RelayConfig, Sink, StreamSpec,
+};
+use outbox_testkit::{PgServer, nats};
+use serde_json::json;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+#[derive(Debug, Parser)]
+struct Args {
+    /// Events for the raw vs relay comparison.
+    #[arg(long, default_value_t = 50_000)]
+    events: usize,
+    /// Distinct envelope subjects (entities) the events are spread over.
+    #[arg(long, default_value_t = 1_000)]
+    subjects: usize,
+    /// Relay batch size.
+    #[arg(long, default_value_t = 500)]
+    batch_size: usize,
+    /// Backlog for the sustained drain (0 skips it).
+    #[arg(long, default_value_t = 300_000)]
+    drain_rows: usize,
+    /// Window length for the sustained drain report.
+    #[arg(long, default_value = "2s", value_parser = parse_secs)]
+    window: Duration,
+}
+
+fn parse_secs(s: &str) -> Result<Duration, String> {
+    s.trim_end_matches('s')
+        .parse::<f64>()
+        .map(Duration::from_secs_f64)
+        .map_err(|e| e.to_string())
+}
+
+/// Acks at once: isolates the database side of the relay.
+#[derive(Debug)]
+struct NullSink;
+
+impl Sink for NullSink {
+    async fn publish(&self, _message: OutgoingMessage) -> Result<PublishAck, PublishFailure> {
+        Ok(PublishAck {
+            stream: "null".into(),
+            sequence: 0,
+            duplicate: false,
+        })
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn Error>> {
+    let args = Args::parse();
+    let (_pg, admin_url) = match std::env::var("DATABASE_URL") {
+        Ok(url) => (None, url),
+        Err(_) => {
+            let server = tokio::task::spawn_blocking(PgServer::start).await??;
+            let url = server.url("postgres");
+            (Some(server), url)
+        }
+    };
+    let broker = nats()?;
+    let pool = PgPoolOptions::new()
+        .max_connections(16)
+        .connect(&admin_url)
+        .await?;
+    outbox_core::migrate(&pool).await?;
+    let client = async_nats::connect(broker.url()).await?;
+    let js = jetstream::new(client.clone());
+    println!(
+        "events={} subjects={} batch={} (machine: {} cores)",
+        args.events,
+        args.subjects,
+        args.batch_size,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+
+    let events = make_events(args.events, args.subjects)?;
+    let raw = raw_jetstream(&js, &events).await?;
+    println!("raw JetStream publish : {:>9.0} events/s", raw);
+    let relay = relay_drain(&pool, client.clone(), &events, args.batch_size).await?;
+    println!("outbox relay          : {:>9.0} events/s", relay);
+    println!("relay / raw           : {:>9.2}", relay / raw);
+
+    if args.drain_rows > 0 {
+        sustained_drain(
+            &pool,
+            args.drain_rows,
+            args.subjects,
+            args.batch_size,
+            args.window,
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+fn make_events(
+    n: usize,
+    subjects: usize,
+) -> Result<Vec<Envelope<serde_json::Value>>, Box<dyn Error>> {
+    (0..n)
+        .map(|i| {
+            Envelope::new(
+                "bench.created",
+                "bench",
+                format!("entity_{}", i % subjects),
+                json!({"n": i, "plan": "pro", "amount_cents": 1234, "customer_id": "cust_123456"}),
+            )
+            .map_err(Into::into)
+        })
+        .collect()
+}
+
+async fn fresh_stream(js: &jetstream::Context, name: &str) -> Result<(), Box<dyn Error>> {
+    let _ = js.delete_stream(name).await;
+    js.create_stream(Config {
+        name: name.into(),
+        subjects: vec!["bench.>".into()],
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    })
+    .await?;
+    Ok(())
+}
+
+/// Publishes every envelope with `Nats-Msg-Id`, up to 1,024 acks in flight.
+async fn raw_jetstream(
+    js: &jetstream::Context,
+    events: &[Envelope<serde_json::Value>],
+) -> Result<f64, Box<dyn Error>> {
+    fresh_stream(js, "BENCH").await?;
+    let bodies: Vec<(String, bytes::Bytes)> = events
+        .iter()
+        .map(|e| Ok((e.id().to_string(), e.to_json()?.into())))
+        .collect::<Result<_, outbox_core::Error>>()?;
+    let started = Instant::now();
+    let acks = futures::stream::iter(bodies)
+        .map(|(id, body)| async move {
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", id.as_str());
+            js.publish_with_headers("bench.created", headers, body)
+                .await?
+                .await
+        })
+        .buffer_unordered(1_024)
+        .collect::<Vec<_>>()
+        .await;
+    let elapsed = started.elapsed();
+    for ack in acks {
+        ack?;
+    }
+    Ok(events.len() as f64 / elapsed.as_secs_f64())
+}
+
+async fn relay_drain(
+    pool: &PgPool,
+    client: async_nats::Client,
+    events: &[Envelope<serde_json::Value>],
+    batch_size: usize,
+) -> Result<f64, Box<dyn Error>> {
+    sqlx::query("truncate outbox_events").execute(pool).await?;
+    for chunk in events.chunks(1_000) {
+        let mut tx = pool.begin().await?;
+        Outbox::unvalidated().enqueue_all(&mut tx, chunk).await?;
+        tx.commit().await?;
+    }
+    sqlx::query("vacuum analyze outbox_events")
+        .execute(pool)
+        .await?;
+    let js = jetstream::new(client.clone());
+    fresh_stream(&js, "BENCH").await?;
+    let relay = Relay::jetstream(
+        pool.clone(),
+        client,
+        &StreamSpec::new("BENCH", vec![]),
+        RelayConfig::default().batch_size(batch_size),
+    )
+    .await?;
+    let started = Instant::now();
+    let report = relay.drain().await?;
+    let elapsed = started.elapsed();
+    if report.published != events.len() {
+        return Err(format!("relay published {} of {}", report.published, events.len()).into());
+    }
+    Ok(events.len() as f64 / elapsed.as_secs_f64())
+}
+
+async fn sustained_drain(
+    pool: &PgPool,
+    rows: usize,
+    subjects: usize,
+    batch_size: usize,
+    window: Duration,
+) -> Result<(), Box<dyn Error>> {
+    sqlx::query("truncate outbox_events").execute(pool).await?;
+    sqlx::query(
+        "insert into outbox_events (id, event_type, source, subject, time, data, created_at)
+         select gen_random_uuid(), 'bench.created', 'bench', 'entity_' || (i % $2), now(),
+                jsonb_build_object('n', i), now() + i * interval '1 microsecond'
+           from generate_series(1, $1) i",
+    )
+    .bind(i64::try_from(rows)?)
+    .bind(i64::try_from(subjects)?)
+    .execute(pool)
+    .await?;
+    sqlx::query("vacuum analyze outbox_events")
+        .execute(pool)
+        .await?;
+    let relay = Relay::new(
+        pool.clone(),
+        NullSink,
+        RelayConfig::default().batch_size(batch_size),
+    )?;
+
+    println!("sustained drain of {rows} rows (database side only), per {window:?} window:");
+    let started = Instant::now();
+    let mut window_start = Instant::now();
+    let mut in_window = 0usize;
+    let mut rates = Vec::new();
+    loop {
+        let report = relay.publish_batch().await?;
+        in_window += report.published;
+        let done = report.claimed == 0;
+        if window_start.elapsed() >= window || done {
+            if in_window > 0 {
+                let rate = in_window as f64 / window_start.elapsed().as_secs_f64();
+                let dead: i64 = sqlx::query_scalar(
+                    "select n_dead_tup from pg_stat_user_tables where relname = 'outbox_events'",
+                )
+                .fetch_one(pool)
+                .await?;
+                println!(
+                    "  t={:>5.1}s  {:>8.0} rows/s  dead tuples {:>8}",
+                    started.elapsed().as_secs_f64(),
+                    rate,
+                    dead
+                );
+                rates.push(rate);
+            }
+            window_start = Instant::now();
+            in_window = 0;
+        }
+        if done {
+            break;
+        }
+    }
+    let total = started.elapsed();
+    println!(
+        "  drained {rows} rows in {:.1}s: {:.0} rows/s",
+        total.as_secs_f64(),
+        rows as f64 / total.as_secs_f64()
+    );
+    // The last window may be partial; compare full windows.
+    if rates.len() >= 3 {
+        let first = rates[0];
+        let late = rates[rates.len() - 2];
+        let min = rates[..rates.len() - 1]
+            .iter()
+            .cloned()
+            .fold(f64::MAX, f64::min);
+        println!(
+            "  late window / first window: {:.2}   slowest / first: {:.2}",
+            late / first,
+            min / first
+        );
+    }
+    Ok(())
+}
