@@ -1,0 +1,1 @@
+select status from subscriptions where id = $1

@@ -1,0 +1,118 @@
+//! `subscriptions`: an HTTP service that writes each subscription and its event
+//! in **one** Postgres transaction, with an in-process relay that moves the
+//! events to NATS JetStream.
+//!
+//! # Running it alone
+//!
+//! Against a running Postgres and nats-server (JetStream enabled):
+//!
+//! ```text
+//! DATABASE_URL=postgres://postgres@127.0.0.1:5432/subscriptions NATS_URL=nats://127.0.0.1:4222 \
+//!   cargo run -p example-subscriptions --bin subscriptions -- --listen 127.0.0.1:8080
+//! # prints: listening on http://127.0.0.1:8080
+//!
+//! curl -s localhost:8080/v1/subscriptions -H 'content-type: application/json' \
+//!   -d '{"customer_id": "cus_1", "plan": "pro", "amount_cents": 1234}'
+//! # {"id":"sub_0199…","event_id":"0199…"}
+//! curl -s localhost:8080/v1/subscriptions/sub_0199…
+//! curl -s -X POST localhost:8080/v1/subscriptions/sub_0199…/cancel
+//! ```
+//!
+//! Start-up applies the outbox migrations and creates the `subscriptions`
+//! table if missing. The relay creates the stream (`--stream`, `--subjects`) if
+//! it does not exist; `--no-relay` leaves publishing to a separate
+//! `outbox-relay`. SIGTERM or ctrl-c stops accepting requests, finishes those
+//! in flight and the relay's current batch, and exits 0.
+//!
+//! # API
+//!
+//! | request | answer |
+//! | --- | --- |
+//! | `POST /v1/subscriptions` `{"customer_id", "plan", "amount_cents"}` | `201 {"id", "event_id"}`: the row and `subscription.created`, committed together |
+//! | `POST /v1/subscriptions/{id}/cancel` | `200 {"id", "event_id"}`: status `cancelled` and `subscription.cancelled`, together; `404` unknown, `409` already cancelled |
+//! | `GET /v1/subscriptions/{id}` | `200` the row, `404` |
+//! | `GET /healthz` | `200` when the database answers, else `503` |
+//!
+//! Every error is JSON, `{"error": "…"}`. A body that is not acceptable —
+//! malformed JSON, a missing, unknown or mistyped field, a blank id or plan, a
+//! negative amount, a payload the event schema refuses — answers `422` with a
+//! message naming the field or JSON pointer, and nothing is written.
+//!
+//! The events' envelope subject is the customer id (see [`events`] for why).
+//!
+//! # Fault injection
+//!
+//! Started with `--fault-injection`, a write request carrying
+//! `x-fault: rollback` does every write (row and event) and then rolls the
+//! transaction back, answering `500 {"error": "injected rollback", "id": …}`
+//! with the id the subscription would have had. Tests use it to check that a
+//! rolled-back request leaves no event behind. Without the flag the header is
+//! ignored.
+//!
+//! # As a library
+//!
+//! [`router`] builds the axum app on an [`AppState`]; [`migrate`] prepares a
+//! database; [`run_relay`] runs the relay the binary runs. Tests drive the
+//! router in-process.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![doc(test(attr(deny(warnings))))]
+
+mod error;
+pub mod events;
+mod extract;
+mod handlers;
+mod relay;
+mod state;
+
+use std::path::PathBuf;
+
+use axum::Router;
+use axum::routing::{get, post};
+use sqlx::PgPool;
+
+pub use error::{ApiError, Error};
+pub use extract::ApiJson;
+pub use handlers::Written;
+pub use handlers::create::{NewSubscription, new_subscription_id};
+pub use handlers::read::Subscription;
+pub use relay::run_relay;
+pub use state::{AppState, FAULT_HEADER};
+
+const CREATE_TABLE: &str = include_str!("../queries/create_subscriptions.sql");
+
+/// The HTTP API (see the [crate docs](crate)).
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/subscriptions", post(handlers::create::create))
+        .route("/v1/subscriptions/{id}", get(handlers::read::get))
+        .route(
+            "/v1/subscriptions/{id}/cancel",
+            post(handlers::cancel::cancel),
+        )
+        .route("/healthz", get(handlers::health::healthz))
+        .fallback(|| async { ApiError::NotFound("no such route".into()) })
+        .with_state(state)
+}
+
+/// Applies the outbox migrations (`outbox_events`, `inbox_events`) and
+/// creates the `subscriptions` table if it does not exist.
+///
+/// # Errors
+/// [`Error::Migrate`] or [`Error::Database`] if either step fails.
+pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
+    outbox_core::migrate(pool).await?;
+    sqlx::raw_sql(CREATE_TABLE).execute(pool).await?;
+    Ok(())
+}
+
+/// Where the event schemas are by default: `schemas/events` when it exists
+/// (run from the repository root), else the workspace's `schemas/events`
+/// next to this crate's sources (as under `cargo run` from anywhere).
+pub fn default_schemas_dir() -> PathBuf {
+    let relative = PathBuf::from("schemas/events");
+    if relative.is_dir() {
+        relative
+    } else {
+        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../schemas/events"))
+    }
+}

@@ -1,0 +1,177 @@
+//! `subscriptions`: the HTTP service of `example-subscriptions` (see the
+//! library docs for the API).
+//!
+//! ```text
+//! DATABASE_URL=postgres://… NATS_URL=nats://127.0.0.1:4222 \
+//!   cargo run -p example-subscriptions --bin subscriptions -- --listen 127.0.0.1:8080
+//! ```
+//!
+//! Prints `listening on http://ADDR` on stdout once it accepts connections
+//! (`--listen 127.0.0.1:0` picks a free port and prints it); logs go to stderr.
+
+use std::error::Error;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use example_subscriptions::{AppState, default_schemas_dir, router, run_relay};
+use outbox_core::{Outbox, SchemaRegistry};
+use outbox_publisher::{RelayConfig, StreamSpec};
+use sqlx::postgres::PgPoolOptions;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "subscriptions",
+    version,
+    about = "Subscriptions HTTP service: each write and its event in one transaction"
+)]
+struct Args {
+    /// Postgres URL of this service's database.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: String,
+
+    /// Address to listen on (port 0 picks a free one; the real address is printed).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: String,
+
+    /// NATS server URL for the in-process relay.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    nats_url: String,
+
+    /// Do not run the in-process relay (publish with a separate outbox-relay).
+    #[arg(long)]
+    no_relay: bool,
+
+    /// JetStream stream the relay publishes into.
+    #[arg(long, default_value = "OUTBOX")]
+    stream: String,
+
+    /// Subjects of the stream, if the relay creates it (comma-separated).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "subscription.>,invoice.>"
+    )]
+    subjects: Vec<String>,
+
+    /// Directory of the event schemas [default: schemas/events, else the
+    /// workspace's schemas/events].
+    #[arg(long)]
+    schemas: Option<PathBuf>,
+
+    /// Honour `x-fault: rollback` on write requests (tests and demos only).
+    #[arg(long)]
+    fault_injection: bool,
+
+    /// Log format (logs go to stderr).
+    #[arg(long, value_enum, default_value_t = LogFormat::Human)]
+    log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Human,
+    Json,
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn Error>> {
+    let args = Args::parse();
+    init_logging(args.log_format);
+    let shutdown = CancellationToken::new();
+    tokio::spawn(cancel_on_signal(shutdown.clone()));
+
+    let schemas = args.schemas.clone().unwrap_or_else(default_schemas_dir);
+    let registry = SchemaRegistry::from_dir(&schemas)
+        .map_err(|e| format!("loading event schemas from {}: {e}", schemas.display()))?;
+    let pool = PgPoolOptions::new()
+        .max_connections(10)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&args.database_url)
+        .await
+        .map_err(|e| format!("connecting to the database: {e}"))?;
+    example_subscriptions::migrate(&pool).await?;
+
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .map_err(|e| format!("listening on {}: {e}", args.listen))?;
+    let addr = listener.local_addr()?;
+
+    let relay = if args.no_relay {
+        None
+    } else {
+        let nats = async_nats::ConnectOptions::new()
+            .name("subscriptions")
+            .retry_on_initial_connect()
+            .max_reconnects(None)
+            .connect(args.nats_url.as_str())
+            .await
+            .map_err(|e| format!("connecting to NATS at {}: {e}", args.nats_url))?;
+        let stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());
+        Some(tokio::spawn(run_relay(
+            pool.clone(),
+            nats,
+            stream,
+            RelayConfig::default(),
+            shutdown.clone(),
+        )))
+    };
+
+    let app = router(
+        AppState::new(pool.clone(), Outbox::new(registry)).fault_injection(args.fault_injection),
+    );
+    tracing::info!(%addr, relay = !args.no_relay, fault_injection = args.fault_injection, "subscriptions service started");
+    println!("listening on http://{addr}");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+        .await?;
+
+    shutdown.cancel();
+    if let Some(relay) = relay {
+        relay.await?;
+    }
+    pool.close().await;
+    tracing::info!("subscriptions service stopped");
+    Ok(())
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Human => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+/// Cancels `shutdown` on SIGTERM or ctrl-c.
+async fn cancel_on_signal(shutdown: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM; ctrl-c only");
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+    tracing::info!("shutting down: finishing requests in flight and the relay's batch");
+    shutdown.cancel();
+}
