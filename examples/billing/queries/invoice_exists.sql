@@ -1,0 +1,1 @@
+select exists (select 1 from invoices where subscription_id = $1)

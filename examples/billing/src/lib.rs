@@ -1,0 +1,239 @@
+//! `billing`: an inbox consumer that raises exactly one invoice per
+//! subscription, however often `subscription.created` is delivered, and
+//! voids it when the subscription is cancelled.
+//!
+//! # Running it alone
+//!
+//! Against a running Postgres (billing's own database) and nats-server:
+//!
+//! ```text
+//! DATABASE_URL=postgres://postgres@127.0.0.1:5432/billing NATS_URL=nats://127.0.0.1:4222 \
+//!   cargo run -p example-billing --bin billing -- --consumer billing --concurrency 16
+//! # prints: billing ready
+//! psql "$DATABASE_URL" -c 'select subscription_id, amount_cents, voided_at from invoices'
+//! ```
+//!
+//! Start-up applies the outbox migrations (`outbox_events`, `inbox_events`,
+//! `inbox_dead_letters`) and creates the `invoices` table if missing, starts
+//! an in-process relay for billing's own outbox (`invoice.created`; skip it
+//! with `--no-relay`), then creates or updates the durable consumer
+//! `--consumer` on `--stream`. The stream is created by whichever relay starts
+//! first; if it does not exist yet, billing retries for up to 30 s before
+//! failing. `billing ready` is printed on stdout once it consumes. SIGTERM or
+//! ctrl-c stops fetching, finishes, commits and acks the deliveries in hand,
+//! stops the relay, and exits 0.
+//!
+//! | flag (env) | default | |
+//! | --- | --- | --- |
+//! | `--database-url` (`DATABASE_URL`) | required | billing's database |
+//! | `--nats-url` (`NATS_URL`) | `nats://127.0.0.1:4222` | |
+//! | `--consumer` | `billing` | durable name and inbox dedupe namespace |
+//! | `--concurrency` | 16 | deliveries handled at once (never two of one customer) |
+//! | `--stream` | `OUTBOX` | |
+//! | `--subjects` | `subscription.>,invoice.>` | the stream's subjects, if billing's relay creates it |
+//! | `--no-relay` | | leave billing's outbox to a separate `outbox-relay` |
+//! | `--max-deliver` | 50 | deliveries before a failing event is dead-lettered |
+//! | `--ack-wait` | 30s | redelivery after a silent consumer |
+//! | `--metrics-addr` | | Prometheus text on `http://ADDR/metrics` |
+//! | `--schemas` | `schemas/events` | where `invoice.created.schema.json` is |
+//! | `--log-format` | `human` | or `json`; logs go to stderr |
+//!
+//! # What it does
+//!
+//! - [`InvoiceSubscription`] (`subscription.created`): inserts one row into
+//!   `invoices` and enqueues `invoice.created` (subject: the customer) in the
+//!   delivery's transaction. `invoices.subscription_id` is deliberately not
+//!   unique: the inbox alone prevents double invoices.
+//! - [`VoidInvoices`] (`subscription.cancelled`): voids the subscription's
+//!   invoice; if it has none yet, the cancellation is retried after a second,
+//!   so it is applied only after the creation.
+//!
+//! The stack, outermost first: [`TraceLayer`](inbox_consumer::TraceLayer) →
+//! [`MetricsLayer`](inbox_consumer::MetricsLayer) → (test-only
+//! [`CrashAfterCommit`]) → [`Dedupe`](inbox_consumer::Dedupe) → [`handlers`].
+//!
+//! # Test-only switches
+//!
+//! Hidden from `--help`; they exist so the end-to-end chaos run can prove its
+//! checks catch what they must:
+//!
+//! - `--crash-after-commit P` (with `--seed N`): after each committed
+//!   delivery, with probability `P`, `std::process::abort()` — the process
+//!   dies between commit and ack ([`crash`]). The redelivery must be a
+//!   duplicate.
+//! - `--no-dedupe`: the handlers run in a plain transaction without the inbox
+//!   row ([`Transactional`]), so redeliveries raise double invoices.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![doc(test(attr(deny(warnings))))]
+
+pub mod crash;
+pub mod events;
+mod handlers;
+mod relay;
+mod transactional;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use inbox_consumer::{
+    BoxError, Consumer, ConsumerConfig, Dedupe, Delivery, ErrorKind, HandlerService, InTx,
+    MetricsLayer, Outcome, Router, TraceLayer,
+};
+use outbox_core::Outbox;
+use sqlx::PgPool;
+use tower::util::BoxCloneSyncService;
+use tower::{Layer, ServiceBuilder};
+
+pub use crash::{CrashAfterCommit, CrashAfterCommitLayer, CrashMode};
+pub use handlers::{CANCEL_RETRY_AFTER, InvoiceSubscription, NotInvoicedYet, VoidInvoices};
+pub use relay::run_relay;
+pub use transactional::{Transactional, TransactionalLayer};
+
+const CREATE_TABLE: &str = include_str!("../queries/create_invoices.sql");
+
+/// The handlers, routed by event type, inside the delivery's transaction.
+pub type Handlers = Router<InTx<Delivery>, InTx<Outcome>>;
+
+/// A whole stack, boxed: what [`Consumer::run`] is given.
+pub type Stack = BoxCloneSyncService<Delivery, Outcome, BoxError>;
+
+/// Billing's handlers: `subscription.created` → [`InvoiceSubscription`],
+/// `subscription.cancelled` → [`VoidInvoices`]. Follow-on events go through
+/// `outbox`, which should validate against the `invoice.created` schema.
+pub fn handlers(outbox: Outbox) -> Handlers {
+    Router::new()
+        .route(
+            events::SUBSCRIPTION_CREATED,
+            HandlerService::new(InvoiceSubscription::new(outbox)),
+        )
+        .route(
+            events::SUBSCRIPTION_CANCELLED,
+            HandlerService::new(VoidInvoices::new()),
+        )
+}
+
+/// How [`service`] builds the stack. Default: with the inbox, no crashes.
+#[derive(Debug, Clone)]
+pub struct StackOptions {
+    dedupe: bool,
+    crash: Option<CrashAfterCommitLayer>,
+}
+
+impl Default for StackOptions {
+    fn default() -> Self {
+        Self {
+            dedupe: true,
+            crash: None,
+        }
+    }
+}
+
+impl StackOptions {
+    /// Whether the inbox dedupes deliveries. Default: true. `false` is for
+    /// tests only (see [`Transactional`]).
+    #[must_use]
+    pub fn dedupe(mut self, on: bool) -> Self {
+        self.dedupe = on;
+        self
+    }
+
+    /// Puts `layer` just outside the transaction, to crash between commit and
+    /// ack. Default: none. For tests only.
+    #[must_use]
+    pub fn crash_after_commit(mut self, layer: CrashAfterCommitLayer) -> Self {
+        self.crash = Some(layer);
+        self
+    }
+}
+
+/// The consumer stack on `pool`: trace → metrics → (crash) → dedupe →
+/// [`handlers`].
+pub fn service(pool: PgPool, outbox: Outbox, options: StackOptions) -> Stack {
+    let handlers = handlers(outbox);
+    let transaction: Stack = if options.dedupe {
+        BoxCloneSyncService::new(Dedupe::new(handlers, pool))
+    } else {
+        BoxCloneSyncService::new(TransactionalLayer::new(pool).layer(handlers))
+    };
+    BoxCloneSyncService::new(
+        ServiceBuilder::new()
+            .layer(TraceLayer::new())
+            .layer(MetricsLayer::new())
+            .option_layer(options.crash)
+            .service(transaction),
+    )
+}
+
+/// The consumer `consumer` on `stream`, filtered to the event types billing
+/// handles. Tune it further with the [`ConsumerConfig`] setters.
+pub fn consumer_config(stream: &str, consumer: &str) -> ConsumerConfig {
+    ConsumerConfig::new(stream, consumer)
+        .filter_subjects([events::SUBSCRIPTION_CANCELLED, events::SUBSCRIPTION_CREATED])
+}
+
+/// [`Consumer::new`], retried while JetStream cannot give it the stream (the
+/// stream is created by whichever relay starts first, and NATS may still be
+/// coming up): every 250 ms, then up to every 2 s, for at most `patience`.
+///
+/// # Errors
+/// The last error once `patience` has passed, or at once an error retrying
+/// cannot fix (a configuration error).
+pub async fn connect_consumer(
+    js: jetstream::Context,
+    pool: PgPool,
+    config: ConsumerConfig,
+    patience: Duration,
+) -> inbox_consumer::Result<Consumer> {
+    let deadline = tokio::time::Instant::now() + patience;
+    let mut pause = Duration::from_millis(250);
+    loop {
+        match Consumer::new(js.clone(), pool.clone(), config.clone()).await {
+            Ok(consumer) => return Ok(consumer),
+            Err(e)
+                if e.kind() == ErrorKind::Nats
+                    && tokio::time::Instant::now() + pause < deadline =>
+            {
+                tracing::info!(stream = config.stream(), error = %e, "stream not available yet; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Applies the outbox migrations and creates the `invoices` table if it does
+/// not exist.
+///
+/// # Errors
+/// [`Error::Migrate`] or [`Error::Database`] if either step fails.
+pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
+    outbox_core::migrate(pool).await?;
+    sqlx::raw_sql(CREATE_TABLE).execute(pool).await?;
+    Ok(())
+}
+
+/// A start-up failure: migrating the database.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The outbox migrations failed.
+    #[error("migrating the outbox tables: {0}")]
+    Migrate(#[from] outbox_core::Error),
+    /// Creating the `invoices` table failed.
+    #[error("creating the invoices table: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+/// Where the event schemas are by default: `schemas/events` when it exists
+/// (run from the repository root), else the workspace's `schemas/events`
+/// next to this crate's sources (as under `cargo run` from anywhere).
+pub fn default_schemas_dir() -> PathBuf {
+    let relative = PathBuf::from("schemas/events");
+    if relative.is_dir() {
+        relative
+    } else {
+        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../schemas/events"))
+    }
+}

@@ -1,0 +1,258 @@
+//! `billing`: the consumer of `example-billing` (see the library docs).
+//!
+//! ```text
+//! DATABASE_URL=postgres://… NATS_URL=nats://127.0.0.1:4222 \
+//!   cargo run -p example-billing --bin billing -- --consumer billing
+//! ```
+//!
+//! Prints `billing ready` on stdout once it consumes; logs go to stderr.
+
+use std::error::Error;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use example_billing::{
+    CrashAfterCommitLayer, StackOptions, connect_consumer, consumer_config, default_schemas_dir,
+    run_relay, service,
+};
+use outbox_core::{Outbox, SchemaRegistry};
+use outbox_publisher::{RelayConfig, StreamSpec};
+use sqlx::postgres::PgPoolOptions;
+use tokio_util::sync::CancellationToken;
+
+/// How long to wait for the stream to exist before giving up.
+const STREAM_PATIENCE: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "billing",
+    version,
+    about = "Billing consumer: one invoice per subscription, through the inbox"
+)]
+struct Args {
+    /// Postgres URL of billing's database.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: String,
+
+    /// NATS server URL.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    nats_url: String,
+
+    /// Durable consumer name; also the inbox dedupe namespace (keep it stable).
+    #[arg(long, default_value = "billing")]
+    consumer: String,
+
+    /// Deliveries handled at once (never two of one customer).
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+
+    /// JetStream stream to consume from (and the relay publishes into).
+    #[arg(long, default_value = "OUTBOX")]
+    stream: String,
+
+    /// Subjects of the stream, if billing's relay creates it (comma-separated).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "subscription.>,invoice.>"
+    )]
+    subjects: Vec<String>,
+
+    /// Do not run the in-process relay for billing's own outbox.
+    #[arg(long)]
+    no_relay: bool,
+
+    /// Deliveries of one event before its failure is dead-lettered.
+    #[arg(long, default_value_t = 50)]
+    max_deliver: i64,
+
+    /// How long JetStream waits for an ack before redelivering (e.g. 30s).
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    ack_wait: Duration,
+
+    /// Serve Prometheus metrics on http://ADDR/metrics.
+    #[arg(long)]
+    metrics_addr: Option<SocketAddr>,
+
+    /// Directory of the event schemas [default: schemas/events, else the
+    /// workspace's schemas/events].
+    #[arg(long)]
+    schemas: Option<PathBuf>,
+
+    /// Log format (logs go to stderr).
+    #[arg(long, value_enum, default_value_t = LogFormat::Human)]
+    log_format: LogFormat,
+
+    /// TEST ONLY: abort the process after a committed delivery, before its
+    /// ack, with this probability (0..1).
+    #[arg(long, hide = true, value_parser = probability)]
+    crash_after_commit: Option<f64>,
+
+    /// TEST ONLY: seed of --crash-after-commit's dice (default: from the clock).
+    #[arg(long, hide = true)]
+    seed: Option<u64>,
+
+    /// TEST ONLY: handle deliveries without the inbox, so redeliveries are
+    /// handled again.
+    #[arg(long, hide = true)]
+    no_dedupe: bool,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Human,
+    Json,
+}
+
+fn probability(s: &str) -> Result<f64, String> {
+    let p: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if (0.0..=1.0).contains(&p) {
+        Ok(p)
+    } else {
+        Err(format!("{p} is not a probability between 0 and 1"))
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn Error>> {
+    let args = Args::parse();
+    init_logging(args.log_format);
+    let shutdown = CancellationToken::new();
+    tokio::spawn(cancel_on_signal(shutdown.clone()));
+
+    if let Some(addr) = args.metrics_addr {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .map_err(|e| format!("serving metrics on {addr}: {e}"))?;
+        tracing::info!(%addr, "serving Prometheus metrics on /metrics");
+    }
+
+    let schemas = args.schemas.clone().unwrap_or_else(default_schemas_dir);
+    let registry = SchemaRegistry::from_dir(&schemas)
+        .map_err(|e| format!("loading event schemas from {}: {e}", schemas.display()))?;
+    let outbox = Outbox::new(registry);
+    let concurrency = args.concurrency.max(1);
+    let pool = PgPoolOptions::new()
+        .max_connections(
+            u32::try_from(concurrency)
+                .unwrap_or(u32::MAX)
+                .saturating_add(4),
+        )
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(&args.database_url)
+        .await
+        .map_err(|e| format!("connecting to the database: {e}"))?;
+    example_billing::migrate(&pool).await?;
+
+    let nats = async_nats::ConnectOptions::new()
+        .name("billing")
+        .retry_on_initial_connect()
+        .max_reconnects(None)
+        .connect(args.nats_url.as_str())
+        .await
+        .map_err(|e| format!("connecting to NATS at {}: {e}", args.nats_url))?;
+    let relay = (!args.no_relay).then(|| {
+        tokio::spawn(run_relay(
+            pool.clone(),
+            nats.clone(),
+            StreamSpec::new(args.stream.clone(), args.subjects.clone()),
+            RelayConfig::default(),
+            shutdown.clone(),
+        ))
+    });
+
+    let config = consumer_config(&args.stream, &args.consumer)
+        .concurrency(concurrency)
+        .max_deliver(args.max_deliver)
+        .ack_wait(args.ack_wait);
+    let js = async_nats::jetstream::new(nats);
+    let consumer = tokio::select! {
+        () = shutdown.cancelled() => None,
+        consumer = connect_consumer(js, pool.clone(), config, STREAM_PATIENCE) => Some(
+            consumer.map_err(|e| format!("creating consumer `{}` on stream `{}`: {e}", args.consumer, args.stream))?,
+        ),
+    };
+
+    if let Some(consumer) = consumer {
+        let mut options = StackOptions::default();
+        if let Some(p) = args.crash_after_commit {
+            let seed = args.seed.unwrap_or_else(clock_seed);
+            tracing::warn!(
+                probability = p,
+                seed,
+                "TEST ONLY: crashing after commits, before acks"
+            );
+            options = options.crash_after_commit(CrashAfterCommitLayer::new(p, seed));
+        }
+        if args.no_dedupe {
+            tracing::warn!(
+                "TEST ONLY: running without the inbox; redeliveries will be handled again"
+            );
+            options = options.dedupe(false);
+        }
+        let stack = service(pool.clone(), outbox, options);
+        tracing::info!(consumer = %args.consumer, stream = %args.stream, concurrency, "billing consuming");
+        println!("billing ready");
+        consumer
+            .run(stack, shutdown.clone().cancelled_owned())
+            .await?;
+    }
+
+    shutdown.cancel();
+    if let Some(relay) = relay {
+        relay.await?;
+    }
+    pool.close().await;
+    tracing::info!("billing stopped");
+    Ok(())
+}
+
+fn clock_seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+        ^ u64::from(std::process::id())
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Human => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+/// Cancels `shutdown` on SIGTERM or ctrl-c.
+async fn cancel_on_signal(shutdown: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM; ctrl-c only");
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+    tracing::info!("shutting down: draining the consumer, then the relay");
+    shutdown.cancel();
+}
