@@ -30,6 +30,7 @@ use outbox_testkit::{PgServer, nats};
 use serde_json::json;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
+use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -106,14 +107,29 @@ async fn main() -> Result<(), Box<dyn Error>> {
     println!("relay / raw           : {:>9.2}", relay / raw);
 
     if args.drain_rows > 0 {
-        sustained_drain(
-            &pool,
-            args.drain_rows,
-            args.subjects,
-            args.batch_size,
-            args.window,
-        )
-        .await?;
+        let mut summary = Vec::new();
+        for vacuum in [None, Some(50_000)] {
+            let rates = sustained_drain(
+                &pool,
+                args.drain_rows,
+                args.subjects,
+                args.batch_size,
+                args.window,
+                vacuum,
+            )
+            .await?;
+            summary.push((vacuum, flatness(&rates)));
+        }
+        for (vacuum, ratios) in summary {
+            if let Some((late, slowest)) = ratios {
+                println!(
+                    "relay vacuum {:<3}: last window / first {:.2}, slowest / first {:.2}",
+                    if vacuum.is_some() { "on" } else { "off" },
+                    late,
+                    slowest
+                );
+            }
+        }
     }
     Ok(())
 }
@@ -215,7 +231,8 @@ async fn sustained_drain(
     subjects: usize,
     batch_size: usize,
     window: Duration,
-) -> Result<(), Box<dyn Error>> {
+    vacuum_every: Option<u64>,
+) -> Result<Vec<f64>, Box<dyn Error>> {
     sqlx::query("truncate outbox_events").execute(pool).await?;
     sqlx::query(
         "insert into outbox_events (id, event_type, source, subject, time, data, created_at)
@@ -230,63 +247,64 @@ async fn sustained_drain(
     sqlx::query("vacuum analyze outbox_events")
         .execute(pool)
         .await?;
-    let relay = Relay::new(
-        pool.clone(),
-        NullSink,
-        RelayConfig::default().batch_size(batch_size),
-    )?;
+    let config = RelayConfig::default()
+        .batch_size(batch_size)
+        .listen(false)
+        .retention(None)
+        .vacuum_every(vacuum_every);
+    let relay = Relay::new(pool.clone(), NullSink, config)?;
+    let shutdown = CancellationToken::new();
+    let running = {
+        let shutdown = shutdown.clone();
+        async move { relay.run(shutdown).await }
+    };
+    let handle = tokio::spawn(running);
 
-    println!("sustained drain of {rows} rows (database side only), per {window:?} window:");
+    println!(
+        "sustained drain of {rows} rows (database side only), relay vacuum {}:",
+        vacuum_every.map_or("off".to_string(), |n| format!("every {n} rows"))
+    );
     let started = Instant::now();
-    let mut window_start = Instant::now();
-    let mut in_window = 0usize;
+    let mut left = rows as i64;
     let mut rates = Vec::new();
-    loop {
-        let report = relay.publish_batch().await?;
-        in_window += report.published;
-        let done = report.claimed == 0;
-        if window_start.elapsed() >= window || done {
-            if in_window > 0 {
-                let rate = in_window as f64 / window_start.elapsed().as_secs_f64();
-                let dead: i64 = sqlx::query_scalar(
-                    "select n_dead_tup from pg_stat_user_tables where relname = 'outbox_events'",
-                )
+    while left > 0 {
+        tokio::time::sleep(window).await;
+        let now_left: i64 =
+            sqlx::query_scalar("select count(*) from outbox_events where published_at is null")
                 .fetch_one(pool)
                 .await?;
-                println!(
-                    "  t={:>5.1}s  {:>8.0} rows/s  dead tuples {:>8}",
-                    started.elapsed().as_secs_f64(),
-                    rate,
-                    dead
-                );
-                rates.push(rate);
-            }
-            window_start = Instant::now();
-            in_window = 0;
+        let dead: i64 = sqlx::query_scalar(
+            "select n_dead_tup from pg_stat_user_tables where relname = 'outbox_events'",
+        )
+        .fetch_one(pool)
+        .await?;
+        let rate = (left - now_left) as f64 / window.as_secs_f64();
+        println!(
+            "  t={:>5.1}s  {:>8.0} rows/s  dead tuples {:>8}",
+            started.elapsed().as_secs_f64(),
+            rate,
+            dead
+        );
+        if now_left > 0 {
+            rates.push(rate);
         }
-        if done {
-            break;
-        }
+        left = now_left;
     }
+    shutdown.cancel();
+    handle.await??;
     let total = started.elapsed();
     println!(
         "  drained {rows} rows in {:.1}s: {:.0} rows/s",
         total.as_secs_f64(),
         rows as f64 / total.as_secs_f64()
     );
-    // The last window may be partial; compare full windows.
-    if rates.len() >= 3 {
-        let first = rates[0];
-        let late = rates[rates.len() - 2];
-        let min = rates[..rates.len() - 1]
-            .iter()
-            .cloned()
-            .fold(f64::MAX, f64::min);
-        println!(
-            "  late window / first window: {:.2}   slowest / first: {:.2}",
-            late / first,
-            min / first
-        );
-    }
-    Ok(())
+    Ok(rates)
+}
+
+/// Late full window over first, and slowest over first.
+fn flatness(rates: &[f64]) -> Option<(f64, f64)> {
+    let (first, rest) = rates.split_first()?;
+    let late = rest.last()?;
+    let slowest = rates.iter().cloned().fold(f64::MAX, f64::min);
+    Some((late / first, slowest / first))
 }

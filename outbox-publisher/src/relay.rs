@@ -45,7 +45,7 @@
 //! same way; nothing is lost, only delayed.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -102,6 +102,7 @@ pub struct Relay<S = JetStreamSink> {
     backoff: Backoff,
     broker_up: AtomicBool,
     db_up: AtomicBool,
+    marked_since_vacuum: AtomicU64,
 }
 
 impl Relay<JetStreamSink> {
@@ -139,6 +140,7 @@ impl<S: Sink> Relay<S> {
             config,
             broker_up: AtomicBool::new(true),
             db_up: AtomicBool::new(true),
+            marked_since_vacuum: AtomicU64::new(0),
         })
     }
 
@@ -168,6 +170,7 @@ impl<S: Sink> Relay<S> {
             self.listen_loop(&wake, &shutdown),
             self.stats_loop(&shutdown),
             self.prune_loop(&shutdown),
+            self.vacuum_loop(&shutdown),
         );
         info!("outbox relay stopped");
         Ok(())
@@ -261,7 +264,9 @@ impl<S: Sink> Relay<S> {
         report.released = released.len();
         self.note_broker_health(&report, &failures);
 
-        self.store.mark_published(&published).await?;
+        let marked = self.store.mark_published(&published).await?;
+        self.marked_since_vacuum
+            .fetch_add(marked, Ordering::Relaxed);
         let capped = self
             .store
             .mark_failed(&failures, self.config.max_attempts)
@@ -437,6 +442,32 @@ impl<S: Sink> Relay<S> {
             }
             tokio::select! {
                 () = tokio::time::sleep(self.config.stats_interval) => {}
+                () = shutdown.cancelled() => {}
+            }
+        }
+    }
+
+    /// Vacuums the table once enough rows were marked (see
+    /// [`RelayConfig::vacuum_every`]), so dead index entries do not pile up
+    /// between autovacuum visits.
+    async fn vacuum_loop(&self, shutdown: &CancellationToken) {
+        let Some(threshold) = self.config.vacuum_every else {
+            return;
+        };
+        while !shutdown.is_cancelled() {
+            if self.marked_since_vacuum.load(Ordering::Relaxed) >= threshold {
+                self.marked_since_vacuum.store(0, Ordering::Relaxed);
+                let started = Instant::now();
+                match self.store.vacuum().await {
+                    Ok(()) => {
+                        metrics::vacuumed(started.elapsed());
+                        debug!(took = ?started.elapsed(), "vacuumed outbox_events");
+                    }
+                    Err(e) => debug!(error = %e, "vacuum failed"),
+                }
+            }
+            tokio::select! {
+                () = tokio::time::sleep(self.config.vacuum_min_interval) => {}
                 () = shutdown.cancelled() => {}
             }
         }

@@ -14,6 +14,7 @@ const MARK_FAILED: &str = include_str!("../queries/mark_failed.sql");
 const RELEASE: &str = include_str!("../queries/release.sql");
 const STATS: &str = include_str!("../queries/stats.sql");
 const PRUNE: &str = include_str!("../queries/prune.sql");
+const VACUUM: &str = include_str!("../queries/vacuum.sql");
 
 /// A row claimed for publishing, in created_at order.
 #[derive(Debug, Clone, sqlx::FromRow)]
@@ -162,5 +163,14 @@ impl Store {
             .await
             .map(|r| r.rows_affected())
             .map_err(|e| Error::database("pruning published rows", e))
+    }
+
+    /// Vacuums `outbox_events` (outside any transaction).
+    pub(crate) async fn vacuum(&self) -> Result<()> {
+        sqlx::raw_sql(VACUUM)
+            .execute(&self.pool)
+            .await
+            .map(drop)
+            .map_err(|e| Error::database("vacuuming outbox_events", e))
     }
 }
