@@ -454,10 +454,14 @@ impl<S: Sink> Relay<S> {
         let Some(threshold) = self.config.vacuum_every else {
             return;
         };
+        let mut last: Option<Instant> = None;
         while !shutdown.is_cancelled() {
-            if self.marked_since_vacuum.load(Ordering::Relaxed) >= threshold {
+            let due = self.marked_since_vacuum.load(Ordering::Relaxed) >= threshold
+                && last.is_none_or(|t| t.elapsed() >= self.config.vacuum_min_interval);
+            if due {
                 self.marked_since_vacuum.store(0, Ordering::Relaxed);
                 let started = Instant::now();
+                last = Some(started);
                 match self.store.vacuum().await {
                     Ok(()) => {
                         metrics::vacuumed(started.elapsed());
@@ -467,7 +471,7 @@ impl<S: Sink> Relay<S> {
                 }
             }
             tokio::select! {
-                () = tokio::time::sleep(self.config.vacuum_min_interval) => {}
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
                 () = shutdown.cancelled() => {}
             }
         }

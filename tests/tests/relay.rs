@@ -752,3 +752,42 @@ async fn a_blocked_subject_with_a_long_queue_does_not_starve_the_others() {
         1
     );
 }
+
+#[tokio::test]
+async fn the_relay_vacuums_the_table_after_enough_marks() {
+    let db = TestDb::new().await.unwrap();
+    let broker = nats().unwrap();
+    let vacuums = || async {
+        scalar(
+            &db,
+            "select (vacuum_count + autovacuum_count)::bigint from pg_stat_user_tables where relname = 'outbox_events'",
+        )
+        .await
+    };
+    let before = vacuums().await;
+    let relay = relay(
+        &db,
+        broker.url(),
+        "VACUUM",
+        fast_config().vacuum_every(Some(50)),
+    )
+    .await;
+    let shutdown = CancellationToken::new();
+    let run = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { relay.run(shutdown).await })
+    };
+    let events: Vec<_> = (0..100)
+        .map(|i| event("orders.created", &format!("o{}", i % 10), json!({"n": i})))
+        .collect();
+    commit(&db, &events).await;
+    wait_until(
+        "a vacuum after 100 marks",
+        Duration::from_secs(20),
+        || async { unpublished(&db).await == 0 && vacuums().await > before },
+    )
+    .await
+    .unwrap();
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+}
