@@ -48,9 +48,9 @@
 //!   invoice; if it has none yet, the cancellation is retried after a second,
 //!   so it is applied only after the creation.
 //!
-//! The stack, outermost first: [`TraceLayer`](inbox_consumer::TraceLayer) →
-//! [`MetricsLayer`](inbox_consumer::MetricsLayer) → (test-only
-//! [`CrashAfterCommit`]) → [`Dedupe`](inbox_consumer::Dedupe) → [`handlers`].
+//! The stack, outermost first: [`TraceLayer`] →
+//! [`MetricsLayer`] → (test-only
+//! [`CrashAfterCommit`]) → [`Dedupe`] → [`handlers`].
 //!
 //! # Test-only switches
 //!

@@ -48,7 +48,8 @@ impl<S> Layer<S> for TransactionalLayer {
     }
 }
 
-/// Begin → inner service → commit, with no inbox row. See the [module docs](self).
+/// Begin → inner service → commit, with no inbox row: every redelivery is
+/// handled again. **For tests only** (`billing --no-dedupe`).
 #[derive(Clone)]
 pub struct Transactional<S> {
     inner: S,

@@ -1,0 +1,186 @@
+//! Billing's stack driven by hand against a real Postgres, without a broker:
+//! deliveries are built as the runtime builds them and sent through
+//! [`example_billing::service`], so every redelivery and reordering can be
+//! staged exactly.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
+
+use std::time::Duration;
+
+use example_billing::{NotInvoicedYet, StackOptions, default_schemas_dir, migrate, service};
+use inbox_consumer::{Action, BoxError, Delivery, DeliveryInfo, HandlerError, Outcome};
+use outbox_core::{Envelope, Outbox, SchemaRegistry};
+use outbox_testkit::TestDb;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use tower::ServiceExt;
+
+async fn db() -> (TestDb, Outbox) {
+    let db = TestDb::new().await.unwrap();
+    migrate(&db.pool).await.unwrap();
+    migrate(&db.pool).await.unwrap(); // start-up is idempotent
+    let outbox = Outbox::new(SchemaRegistry::from_dir(default_schemas_dir()).unwrap());
+    (db, outbox)
+}
+
+fn created(subscription: &str, customer: &str, amount: i64) -> Envelope<Value> {
+    Envelope::new(
+        "subscription.created",
+        "subscriptions",
+        customer,
+        json!({"subscription_id": subscription, "customer_id": customer, "plan": "pro", "amount_cents": amount}),
+    )
+    .unwrap()
+}
+
+fn cancelled(subscription: &str, customer: &str) -> Envelope<Value> {
+    Envelope::new(
+        "subscription.cancelled",
+        "subscriptions",
+        customer,
+        json!({"subscription_id": subscription, "customer_id": customer}),
+    )
+    .unwrap()
+}
+
+async fn deliver(
+    pool: &PgPool,
+    outbox: &Outbox,
+    options: StackOptions,
+    event: &Envelope<Value>,
+) -> Result<Outcome, BoxError> {
+    let delivery = Delivery::new(event.clone(), DeliveryInfo::new("billing"));
+    service(pool.clone(), outbox.clone(), options)
+        .oneshot(delivery)
+        .await
+}
+
+async fn count(pool: &PgPool, sql: &str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+}
+
+#[tokio::test]
+async fn a_redelivered_creation_raises_one_invoice_and_one_event() {
+    let (db, outbox) = db().await;
+    let event = created("sub_1", "cus_1", 1234);
+    let first = deliver(&db.pool, &outbox, StackOptions::default(), &event).await;
+    assert_eq!(first.unwrap(), Outcome::Handled);
+    let again = deliver(&db.pool, &outbox, StackOptions::default(), &event).await;
+    assert_eq!(again.unwrap(), Outcome::Duplicate);
+
+    let (subscription, customer, amount, event_id): (String, String, i64, uuid::Uuid) =
+        sqlx::query_as("select subscription_id, customer_id, amount_cents, event_id from invoices")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (subscription.as_str(), customer.as_str(), amount),
+        ("sub_1", "cus_1", 1234)
+    );
+    assert_eq!(event_id, *event.id().as_uuid());
+    let (event_type, source, subject, data): (String, String, String, Value) =
+        sqlx::query_as("select event_type, source, subject, data from outbox_events")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (event_type.as_str(), source.as_str(), subject.as_str()),
+        ("invoice.created", "billing", "cus_1")
+    );
+    assert_eq!(data["subscription_id"], "sub_1");
+    assert_eq!(data["amount_cents"], 1234);
+}
+
+#[tokio::test]
+async fn without_the_inbox_a_redelivery_bills_twice() {
+    // What `billing --no-dedupe` does, and what the chaos checker must catch.
+    let (db, outbox) = db().await;
+    let event = created("sub_1", "cus_1", 500);
+    let no_dedupe = || StackOptions::default().dedupe(false);
+    for _ in 0..2 {
+        let out = deliver(&db.pool, &outbox, no_dedupe(), &event).await;
+        assert_eq!(out.unwrap(), Outcome::Handled);
+    }
+    assert_eq!(count(&db.pool, "select count(*) from invoices").await, 2);
+    assert_eq!(
+        count(&db.pool, "select count(*) from inbox_events").await,
+        0
+    );
+}
+
+#[tokio::test]
+async fn a_cancellation_before_its_creation_is_retried_then_voids_the_invoice() {
+    let (db, outbox) = db().await;
+    let create = created("sub_1", "cus_1", 700);
+    let cancel = cancelled("sub_1", "cus_1");
+
+    let early = deliver(&db.pool, &outbox, StackOptions::default(), &cancel)
+        .await
+        .unwrap_err();
+    let early = early.downcast_ref::<HandlerError>().unwrap();
+    assert_eq!(
+        early.action(),
+        Action::Retry {
+            after: Some(Duration::from_secs(1))
+        }
+    );
+    assert!(early.get_ref().downcast_ref::<NotInvoicedYet>().is_some());
+    assert_eq!(
+        count(&db.pool, "select count(*) from inbox_events").await,
+        0,
+        "the failed attempt's inbox row rolled back"
+    );
+
+    let out = deliver(&db.pool, &outbox, StackOptions::default(), &create).await;
+    assert_eq!(out.unwrap(), Outcome::Handled);
+    let out = deliver(&db.pool, &outbox, StackOptions::default(), &cancel).await;
+    assert_eq!(out.unwrap(), Outcome::Handled);
+    assert_eq!(
+        count(
+            &db.pool,
+            "select count(*) from invoices where voided_at is not null"
+        )
+        .await,
+        1
+    );
+
+    // A second cancellation event (another id) of a voided invoice does nothing.
+    let voided_at = "select voided_at::text from invoices";
+    let before: String = sqlx::query_scalar(voided_at)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let out = deliver(
+        &db.pool,
+        &outbox,
+        StackOptions::default(),
+        &cancelled("sub_1", "cus_1"),
+    )
+    .await;
+    assert_eq!(out.unwrap(), Outcome::Handled);
+    let after: String = sqlx::query_scalar(voided_at)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(before, after);
+}
+
+#[tokio::test]
+async fn a_payload_the_invoice_schema_refuses_is_rejected_with_nothing_written() {
+    let (db, outbox) = db().await;
+    // A negative amount passes billing's decoding but not invoice.created's schema.
+    let event = created("sub_1", "cus_1", -5);
+    let err = deliver(&db.pool, &outbox, StackOptions::default(), &event)
+        .await
+        .unwrap_err();
+    let err = err.downcast_ref::<HandlerError>().unwrap();
+    assert_eq!(err.action(), Action::Reject, "{err}");
+    assert_eq!(count(&db.pool, "select count(*) from invoices").await, 0);
+    assert_eq!(
+        count(&db.pool, "select count(*) from inbox_events").await,
+        0
+    );
+    assert_eq!(
+        count(&db.pool, "select count(*) from outbox_events").await,
+        0
+    );
+}
