@@ -127,6 +127,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
             .with_http_listener(addr)
             .install()
             .map_err(|e| format!("serving metrics on {addr}: {e}"))?;
+        outbox_publisher::metrics::describe();
         tracing::info!(%addr, "serving Prometheus metrics on /metrics");
     }
 

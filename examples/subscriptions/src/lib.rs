@@ -24,6 +24,18 @@
 //! `outbox-relay`. SIGTERM or ctrl-c stops accepting requests, finishes those
 //! in flight and the relay's current batch, and exits 0.
 //!
+//! | flag (env) | default | |
+//! | --- | --- | --- |
+//! | `--database-url` (`DATABASE_URL`) | required | this service's database |
+//! | `--listen` | `127.0.0.1:8080` | port 0 picks a free port; stdout says `listening on http://ADDR` |
+//! | `--nats-url` (`NATS_URL`) | `nats://127.0.0.1:4222` | for the in-process relay |
+//! | `--no-relay` | | publish with a separate `outbox-relay` instead |
+//! | `--stream` | `OUTBOX` | |
+//! | `--subjects` | `subscription.>,invoice.>` | the stream's subjects, if the relay creates it |
+//! | `--schemas` | `schemas/events` | the event schemas (falls back to the workspace's) |
+//! | `--fault-injection` | off | honour `x-fault: rollback` (tests and demos only) |
+//! | `--log-format` | `human` | or `json`; logs go to stderr |
+//!
 //! # API
 //!
 //! | request | answer |
