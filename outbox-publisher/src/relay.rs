@@ -124,6 +124,46 @@ impl Relay<JetStreamSink> {
         stream.ensure(sink.context()).await?;
         Self::new(pool, sink, config)
     }
+
+    /// Sets up a JetStream relay as [`Relay::jetstream`] does and runs it until
+    /// `shutdown` is cancelled, for a service that runs its relay in-process.
+    /// The service must not depend on the broker being up when it starts, so
+    /// a set-up failure (NATS not reachable yet, the stream missing or not
+    /// matching `stream`) is logged and retried with backoff (0.5 s doubling
+    /// to 10 s) instead of returned; events wait in the table meanwhile.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`](crate::ErrorKind::Config) if `config` is invalid;
+    /// nothing else: every other failure is retried.
+    pub async fn run_jetstream(
+        pool: PgPool,
+        client: async_nats::Client,
+        stream: StreamSpec,
+        config: RelayConfig,
+        shutdown: CancellationToken,
+    ) -> Result<()> {
+        config.validate()?;
+        let mut retry = LoopBackoff::new(Duration::from_millis(500), Duration::from_secs(10));
+        let relay = loop {
+            let attempt = Self::jetstream(pool.clone(), client.clone(), &stream, config.clone());
+            let result = tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                result = attempt => result,
+            };
+            match result {
+                Ok(relay) => break relay,
+                Err(e) => {
+                    let pause = retry.next();
+                    warn!(stream = stream.name(), error = %e, retry_in = ?pause, "relay set-up failed; retrying");
+                    tokio::select! {
+                        () = shutdown.cancelled() => return Ok(()),
+                        () = tokio::time::sleep(pause) => {}
+                    }
+                }
+            }
+        };
+        relay.run(shutdown).await
+    }
 }
 
 impl<S: Sink> Relay<S> {

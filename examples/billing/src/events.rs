@@ -37,9 +37,9 @@ pub struct SubscriptionCancelled {
 pub struct InvoiceCreated {
     /// The new invoice.
     pub invoice_id: String,
-    /// The subscription it bills.
+    /// The subscription it bills; also the envelope subject.
     pub subscription_id: String,
-    /// The customer billed; also the envelope subject.
+    /// The customer billed.
     pub customer_id: String,
     /// The amount, in cents.
     pub amount_cents: i64,

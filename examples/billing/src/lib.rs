@@ -28,7 +28,7 @@
 //! | `--database-url` (`DATABASE_URL`) | required | billing's database |
 //! | `--nats-url` (`NATS_URL`) | `nats://127.0.0.1:4222` | |
 //! | `--consumer` | `billing` | durable name and inbox dedupe namespace |
-//! | `--concurrency` | 16 | deliveries handled at once (never two of one customer) |
+//! | `--concurrency` | 16 | deliveries handled at once (never two of one subscription) |
 //! | `--stream` | `OUTBOX` | |
 //! | `--subjects` | `subscription.>,invoice.>` | the stream's subjects, if billing's relay creates it |
 //! | `--no-relay` | | leave billing's outbox to a separate `outbox-relay` |
@@ -41,7 +41,7 @@
 //! # What it does
 //!
 //! - [`InvoiceSubscription`] (`subscription.created`): inserts one row into
-//!   `invoices` and enqueues `invoice.created` (subject: the customer) in the
+//!   `invoices` and enqueues `invoice.created` (subject: the subscription) in the
 //!   delivery's transaction. `invoices.subscription_id` is deliberately not
 //!   unique: the inbox alone prevents double invoices.
 //! - [`VoidInvoices`] (`subscription.cancelled`): voids the subscription's
@@ -69,7 +69,6 @@
 pub mod crash;
 pub mod events;
 mod handlers;
-mod relay;
 mod transactional;
 
 use std::path::PathBuf;
@@ -87,7 +86,6 @@ use tower::{Layer, ServiceBuilder};
 
 pub use crash::{CrashAfterCommit, CrashAfterCommitLayer, CrashMode};
 pub use handlers::{CANCEL_RETRY_AFTER, InvoiceSubscription, NotInvoicedYet, VoidInvoices};
-pub use relay::run_relay;
 pub use transactional::{Transactional, TransactionalLayer};
 
 const CREATE_TABLE: &str = include_str!("../queries/create_invoices.sql");

@@ -15,10 +15,10 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use example_billing::{
     CrashAfterCommitLayer, StackOptions, connect_consumer, consumer_config, default_schemas_dir,
-    run_relay, service,
+    service,
 };
 use outbox_core::{Outbox, SchemaRegistry};
-use outbox_publisher::{RelayConfig, StreamSpec};
+use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
 
@@ -156,11 +156,14 @@ async fn main() -> Result<(), Box<dyn Error>> {
         .await
         .map_err(|e| format!("connecting to NATS at {}: {e}", args.nats_url))?;
     let relay = (!args.no_relay).then(|| {
-        tokio::spawn(run_relay(
+        tokio::spawn(Relay::run_jetstream(
             pool.clone(),
             nats.clone(),
             StreamSpec::new(args.stream.clone(), args.subjects.clone()),
-            RelayConfig::default(),
+            // Rows a crashed replica had claimed are taken over after 10 s.
+            RelayConfig::default()
+                .lease(Duration::from_secs(10))
+                .publish_timeout(Duration::from_secs(2)),
             shutdown.clone(),
         ))
     });
@@ -204,7 +207,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
 
     shutdown.cancel();
     if let Some(relay) = relay {
-        relay.await?;
+        relay.await??;
     }
     pool.close().await;
     tracing::info!("billing stopped");

@@ -84,7 +84,7 @@ async fn a_redelivered_creation_raises_one_invoice_and_one_event() {
             .unwrap();
     assert_eq!(
         (event_type.as_str(), source.as_str(), subject.as_str()),
-        ("invoice.created", "billing", "cus_1")
+        ("invoice.created", "billing", "sub_1")
     );
     assert_eq!(data["subscription_id"], "sub_1");
     assert_eq!(data["amount_cents"], 1234);

@@ -85,9 +85,9 @@ impl From<outbox_core::Error> for ApiError {
                     "{event_type} payload violates its schema: {details}"
                 ))
             }
-            // The type and source are constants: only the subject, the
-            // customer id, can make an envelope invalid.
-            K::InvalidEnvelope => Self::Invalid(format!("customer_id: {e}")),
+            // The type, source and subject (the generated id) are ours: an
+            // invalid envelope is a bug, not bad input.
+            K::InvalidEnvelope => Self::Internal(Box::new(e)),
             _ => Self::Internal(Box::new(e)),
         }
     }

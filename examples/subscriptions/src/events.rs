@@ -1,15 +1,15 @@
 //! The events this service publishes, and how their envelopes are built.
 //!
-//! Both events use the **customer id as the envelope `subject`**, not the
-//! subscription id. The subject is the unit of ordering: the relay never
-//! publishes an event while an earlier unpublished one of the same subject
-//! exists, and the inbox runtime handles one subject's deliveries one at a
-//! time, in stream order. Billing keeps per-customer state (a customer's
-//! invoices, a cancellation voiding the invoice that its creation raised), so
-//! it needs each customer's events in the order they were committed here;
-//! keying on the customer gives exactly that, while different customers still
-//! flow in parallel. The price: one customer's events are serialised, and an
-//! event stuck for a customer holds back that customer's later events only.
+//! Both events use the **subscription id as the envelope `subject`**: the
+//! subscription is the entity they describe. The subject is the unit of
+//! ordering: the relay never publishes an event while an earlier unpublished
+//! one of the same subject exists, and the inbox runtime handles one subject's
+//! deliveries one at a time, in stream order. A subscription's events are
+//! written one after the other (created, then cancelled), so created_at order
+//! is their commit order and consumers see `subscription.created` before
+//! `subscription.cancelled`. Different subscriptions, even of one customer,
+//! are independent and flow in parallel: nothing billing does depends on the
+//! order of two subscriptions.
 
 use outbox_core::{Envelope, Result};
 use serde::{Deserialize, Serialize};
@@ -24,9 +24,9 @@ pub const CANCELLED: &str = "subscription.cancelled";
 /// `data` of `subscription.created` (`schemas/events/subscription.created.schema.json`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SubscriptionCreated {
-    /// The new subscription.
+    /// The new subscription; also the envelope subject.
     pub subscription_id: String,
-    /// The customer who subscribed; also the envelope subject.
+    /// The customer who subscribed.
     pub customer_id: String,
     /// The plan subscribed to.
     pub plan: String,
@@ -37,27 +37,27 @@ pub struct SubscriptionCreated {
 /// `data` of `subscription.cancelled` (`schemas/events/subscription.cancelled.schema.json`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SubscriptionCancelled {
-    /// The cancelled subscription.
+    /// The cancelled subscription; also the envelope subject.
     pub subscription_id: String,
-    /// Its customer; also the envelope subject.
+    /// Its customer.
     pub customer_id: String,
 }
 
-/// The `subscription.created` envelope for `data`, with the customer as subject.
+/// The `subscription.created` envelope for `data`, with the subscription as subject.
 ///
 /// # Errors
-/// [`outbox_core::ErrorKind::InvalidEnvelope`] if the customer id is not a
+/// [`outbox_core::ErrorKind::InvalidEnvelope`] if the subscription id is not a
 /// usable subject (blank, too long, control characters).
 pub fn created(data: SubscriptionCreated) -> Result<Envelope<SubscriptionCreated>> {
-    let subject = data.customer_id.clone();
+    let subject = data.subscription_id.clone();
     Envelope::new(CREATED, SOURCE, subject, data)
 }
 
-/// The `subscription.cancelled` envelope for `data`, with the customer as subject.
+/// The `subscription.cancelled` envelope for `data`, with the subscription as subject.
 ///
 /// # Errors
 /// As [`created`].
 pub fn cancelled(data: SubscriptionCancelled) -> Result<Envelope<SubscriptionCancelled>> {
-    let subject = data.customer_id.clone();
+    let subject = data.subscription_id.clone();
     Envelope::new(CANCELLED, SOURCE, subject, data)
 }

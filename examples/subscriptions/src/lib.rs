@@ -50,7 +50,7 @@
 //! negative amount, a payload the event schema refuses — answers `422` with a
 //! message naming the field or JSON pointer, and nothing is written.
 //!
-//! The events' envelope subject is the customer id (see [`events`] for why).
+//! The events' envelope subject is the subscription id (see [`events`] for why).
 //!
 //! # Fault injection
 //!
@@ -64,7 +64,7 @@
 //! # As a library
 //!
 //! [`router`] builds the axum app on an [`AppState`]; [`migrate`] prepares a
-//! database; [`run_relay`] runs the relay the binary runs. Tests drive the
+//! database; the binary runs its relay with [`outbox_publisher::Relay::run_jetstream`]. Tests drive the
 //! router in-process.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(warnings))))]
@@ -73,7 +73,6 @@ mod error;
 pub mod events;
 mod extract;
 mod handlers;
-mod relay;
 mod state;
 
 use std::path::PathBuf;
@@ -87,7 +86,6 @@ pub use extract::ApiJson;
 pub use handlers::Written;
 pub use handlers::create::{NewSubscription, new_subscription_id};
 pub use handlers::read::Subscription;
-pub use relay::run_relay;
 pub use state::{AppState, FAULT_HEADER};
 
 const CREATE_TABLE: &str = include_str!("../queries/create_subscriptions.sql");

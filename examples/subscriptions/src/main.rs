@@ -14,9 +14,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use example_subscriptions::{AppState, default_schemas_dir, router, run_relay};
+use example_subscriptions::{AppState, default_schemas_dir, router};
 use outbox_core::{Outbox, SchemaRegistry};
-use outbox_publisher::{RelayConfig, StreamSpec};
+use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
 
@@ -109,7 +109,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
             .await
             .map_err(|e| format!("connecting to NATS at {}: {e}", args.nats_url))?;
         let stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());
-        Some(tokio::spawn(run_relay(
+        Some(tokio::spawn(Relay::run_jetstream(
             pool.clone(),
             nats,
             stream,
@@ -129,7 +129,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
 
     shutdown.cancel();
     if let Some(relay) = relay {
-        relay.await?;
+        relay.await??;
     }
     pool.close().await;
     tracing::info!("subscriptions service stopped");

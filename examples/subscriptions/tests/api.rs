@@ -70,8 +70,8 @@ async fn create_writes_the_row_and_its_event_together() {
             .unwrap();
     assert_eq!(
         (event_type.as_str(), source.as_str(), subject.as_str()),
-        ("subscription.created", "subscriptions", "cus_1"),
-        "the subject is the customer"
+        ("subscription.created", "subscriptions", id),
+        "the subject is the subscription"
     );
     assert_eq!(
         data,
@@ -134,7 +134,7 @@ async fn unacceptable_bodies_answer_422_naming_the_field_and_write_nothing() {
             format!(r#"{{"customer_id": "c", "plan": "{long_plan}", "amount_cents": 1}}"#),
             "/plan",
         ),
-        // Refused by the envelope: the customer id is the event subject.
+        // Control characters are refused before anything is written.
         (
             r#"{"customer_id": "c\u0007", "plan": "p", "amount_cents": 1}"#.into(),
             "customer_id",

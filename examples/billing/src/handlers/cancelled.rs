@@ -28,7 +28,7 @@ pub struct NotInvoicedYet {
 ///
 /// Order matters here: a cancellation applied before the invoice exists would
 /// void nothing and the invoice raised afterwards would stay valid. The events
-/// share a subject (the customer), so they normally arrive in order; when they
+/// share a subject (the subscription), so they normally arrive in order; when they
 /// do not — the creation failed once and waits for its retry, or went to the
 /// other replica — the cancellation finds no invoice and asks to be retried
 /// after [`CANCEL_RETRY_AFTER`] (the contract's rule 3), its transaction and inbox

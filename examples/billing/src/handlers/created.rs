@@ -10,7 +10,7 @@ use crate::events::{INVOICE_CREATED, InvoiceCreated, SOURCE, SubscriptionCreated
 const INSERT: &str = include_str!("../../queries/insert_invoice.sql");
 
 /// Raises one invoice per `subscription.created`, and writes `invoice.created`
-/// (subject: the customer) through the outbox in the same transaction.
+/// (subject: the subscription) through the outbox in the same transaction.
 ///
 /// Nothing in the handler or the `invoices` table prevents a second invoice
 /// for the same subscription: the inbox row, committed in the same
@@ -48,7 +48,7 @@ impl Handler for InvoiceSubscription {
         let invoice = Envelope::new(
             INVOICE_CREATED,
             SOURCE,
-            data.customer_id.clone(),
+            data.subscription_id.clone(),
             InvoiceCreated {
                 invoice_id: invoice_id.to_string(),
                 subscription_id: data.subscription_id.clone(),

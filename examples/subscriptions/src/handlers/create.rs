@@ -31,6 +31,11 @@ impl NewSubscription {
         if self.customer_id.trim().is_empty() {
             return Err(ApiError::Invalid("customer_id: must not be empty".into()));
         }
+        if self.customer_id.chars().any(char::is_control) {
+            return Err(ApiError::Invalid(
+                "customer_id: must not contain control characters".into(),
+            ));
+        }
         if self.plan.trim().is_empty() {
             return Err(ApiError::Invalid("plan: must not be empty".into()));
         }

@@ -1,0 +1,631 @@
+//! `outbox-demo`: the whole system as a new user meets it, under faults.
+//!
+//! It starts PostgreSQL and nats-server (unless `DATABASE_URL` / `NATS_URL`
+//! name running ones), then as separate processes the `subscriptions` HTTP
+//! service, two `outbox-relay` replicas and two `billing` consumer replicas.
+//! It drives requests (some invalid, some rolled back, some cancelling) while
+//! it restarts nats-server, kills -9 a relay and a billing replica, and lets
+//! billing replicas die between commit and ack; then it waits for the system
+//! to settle and checks, from the databases and the stream:
+//!
+//! - **lost = 0**: every accepted subscription has its events in the stream,
+//!   exactly one invoice, and its `invoice.created`; every cancellation voided
+//!   its invoice;
+//! - **applied twice = 0**: no subscription has two invoices (the `invoices`
+//!   table has no unique key: only the inbox prevents it);
+//! - **leaked from rollbacks = 0**: nothing of a rolled-back or rejected request
+//!   exists anywhere;
+//! - **per-subject order violations = 0**: per subject, the stream holds
+//!   events in created_at order, and effects were applied in event order;
+//! - both outboxes drained.
+//!
+//! It exits non-zero if any invariant fails.
+//!
+//! ```text
+//! scripts/demo                                      # 2,000 requests, the standard faults
+//! scripts/demo --chaos --duration 300 --seed 7      # a long chaos run, Postgres restarts too
+//! ```
+
+mod check;
+mod driver;
+mod process;
+
+use std::error::Error;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use outbox_testkit::{NatsServer, PgServer};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{Connection, PgConnection, PgPool};
+
+use crate::driver::{Load, Progress};
+use crate::process::Proc;
+
+const STREAM: &str = "OUTBOX";
+const SUBJECTS: &str = "subscription.>,invoice.>";
+const DURABLE: &str = "billing";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "outbox-demo",
+    about = "Outbox + inbox end to end, under faults, with the invariants checked"
+)]
+struct Args {
+    /// Requests to drive (ignored with --duration).
+    #[arg(long, default_value_t = 2_000)]
+    requests: u64,
+    /// Drive requests for this many seconds instead of a fixed count.
+    #[arg(long)]
+    duration: Option<u64>,
+    /// Seed for the request mix and the fault schedule (random if not given).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// The faster chaos schedule: a fault every --fault-interval seconds,
+    /// Postgres restarts included (when the demo runs its own Postgres).
+    #[arg(long)]
+    chaos: bool,
+    /// Seconds between faults in chaos mode.
+    #[arg(long, default_value_t = 6.0)]
+    fault_interval: f64,
+    /// Probability that a billing replica dies right after a commit, before the ack.
+    #[arg(long, default_value_t = 0.005)]
+    crash_rate: f64,
+    /// Share of requests that are invalid (must be refused with 422).
+    #[arg(long, default_value_t = 0.10)]
+    invalid_rate: f64,
+    /// Share of requests whose transaction is rolled back after the writes.
+    #[arg(long, default_value_t = 0.05)]
+    rollback_rate: f64,
+    /// Share of requests that cancel an earlier subscription.
+    #[arg(long, default_value_t = 0.10)]
+    cancel_rate: f64,
+    /// Concurrent HTTP clients.
+    #[arg(long, default_value_t = 8)]
+    clients: usize,
+    /// Distinct customers.
+    #[arg(long, default_value_t = 200)]
+    customers: usize,
+    /// No fault injection at all.
+    #[arg(long)]
+    no_faults: bool,
+    /// Test switch: run billing without the dedupe layer. The run must then
+    /// fail with applied-twice > 0 — proof that the check catches it.
+    #[arg(long, hide = true)]
+    no_dedupe: bool,
+    /// Where the service binaries are (default: beside this one).
+    #[arg(long)]
+    bin_dir: Option<PathBuf>,
+    /// Seconds to wait for the system to settle after the load.
+    #[arg(long, default_value_t = 180)]
+    settle_timeout: u64,
+}
+
+#[derive(Debug, Default)]
+struct Faults {
+    nats_restarts: u32,
+    relay_kills: u32,
+    billing_kills: u32,
+    pg_restarts: u32,
+}
+
+#[tokio::main]
+async fn main() {
+    match run(Args::parse()).await {
+        Ok(true) => {}
+        Ok(false) => std::process::exit(1),
+        Err(e) => {
+            eprintln!("outbox-demo: {e}");
+            std::process::exit(2);
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
+    let started = Instant::now();
+    let seed = args.seed.unwrap_or_else(|| rand::rng().random());
+    let bin_dir = match &args.bin_dir {
+        Some(d) => d.clone(),
+        None => std::env::current_exe()?
+            .parent()
+            .map(PathBuf::from)
+            .ok_or("cannot locate the binaries")?,
+    };
+    let run_dir = std::env::temp_dir().join(format!("outbox-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&run_dir)?;
+    println!("outbox demo (seed {seed}); logs in {}", run_dir.display());
+
+    // --- Servers -----------------------------------------------------------
+    let mut pg: Option<PgServer> = None;
+    let admin_url = match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.is_empty() => url,
+        _ => {
+            let server = tokio::task::spawn_blocking(PgServer::start).await??;
+            let url = server.url("postgres");
+            pg = Some(server);
+            url
+        }
+    };
+    let mut nats: Option<NatsServer> = None;
+    let nats_url = match std::env::var("NATS_URL") {
+        Ok(url) if !url.is_empty() => url,
+        _ => {
+            let server = NatsServer::start()?;
+            let url = server.url();
+            nats = Some(server);
+            url
+        }
+    };
+    let suffix = format!("{}_{}", std::process::id(), seed % 100_000);
+    let subs_url = create_database(&admin_url, &format!("demo_subscriptions_{suffix}")).await?;
+    let billing_url = create_database(&admin_url, &format!("demo_billing_{suffix}")).await?;
+    println!("postgres  {admin_url}\nnats      {nats_url}");
+
+    // --- Processes ---------------------------------------------------------
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let mut subscriptions = Proc::new("subscriptions", bin_dir.join("subscriptions"), &run_dir)
+        .env("DATABASE_URL", &subs_url)
+        .env("NATS_URL", &nats_url)
+        .args([
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--no-relay",
+            "--fault-injection",
+        ])
+        .ready_when("listening on");
+    subscriptions.start().await?;
+    let base_url = format!("http://127.0.0.1:{port}");
+
+    let mut relays: Vec<Proc> = (1..=2)
+        .map(|i| {
+            Proc::new(
+                &format!("relay-{i}"),
+                bin_dir.join("outbox-relay"),
+                &run_dir,
+            )
+            .env("DATABASE_URL", &subs_url)
+            .env("NATS_URL", &nats_url)
+            .args(["--stream", STREAM, "--subjects", SUBJECTS])
+            .args([
+                "--poll-interval",
+                "100ms",
+                "--publish-timeout",
+                "1s",
+                "--lease",
+                "4s",
+            ])
+            .args(["--backoff-base", "200ms", "--max-backoff", "2s"])
+        })
+        .collect();
+    for relay in &mut relays {
+        relay.start().await?;
+    }
+    let mut billings: Vec<Proc> = (1..=2)
+        .map(|i| {
+            let mut p = Proc::new(&format!("billing-{i}"), bin_dir.join("billing"), &run_dir)
+                .env("DATABASE_URL", &billing_url)
+                .env("NATS_URL", &nats_url)
+                .args([
+                    "--consumer",
+                    DURABLE,
+                    "--concurrency",
+                    "8",
+                    "--ack-wait",
+                    "5s",
+                ])
+                .args(["--stream", STREAM, "--subjects", SUBJECTS])
+                .args(["--seed", &(seed + i).to_string()])
+                .ready_when("billing ready");
+            if !args.no_faults && args.crash_rate > 0.0 {
+                p = p.args(["--crash-after-commit", &args.crash_rate.to_string()]);
+            }
+            if args.no_dedupe {
+                p = p.arg("--no-dedupe");
+            }
+            p
+        })
+        .collect();
+    for billing in &mut billings {
+        billing.start().await?;
+    }
+
+    let subs_pool = pool(&subs_url).await?;
+    let billing_pool = pool(&billing_url).await?;
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .max_reconnects(None)
+        .connect(nats_url.as_str())
+        .await?;
+    let js = async_nats::jetstream::new(client);
+
+    // --- Load, faults, progress -------------------------------------------
+    let progress = Arc::new(Progress::default());
+    let until = args
+        .duration
+        .map(|s| Instant::now() + Duration::from_secs(s));
+    let load = Load {
+        base_url,
+        requests: if until.is_some() {
+            None
+        } else {
+            Some(args.requests)
+        },
+        until,
+        workers: args.clients.max(1),
+        customers: args.customers.max(1),
+        invalid_rate: args.invalid_rate,
+        rollback_rate: args.rollback_rate,
+        cancel_rate: args.cancel_rate,
+        seed,
+    };
+    let mut driving = tokio::spawn(driver::drive(load, progress.clone()));
+    let mut faults = Faults::default();
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+    let mut next_fault = Instant::now() + Duration::from_secs_f64(args.fault_interval.max(1.0));
+    let mut fired = 0usize;
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    let mut last_print = Instant::now();
+    let outcomes = loop {
+        tokio::select! {
+            done = &mut driving => break done?,
+            _ = tick.tick() => {}
+        }
+        supervise(&mut subscriptions, &mut relays, &mut billings).await;
+        if !args.no_faults {
+            let due = if args.chaos {
+                (Instant::now() >= next_fault).then(|| {
+                    next_fault =
+                        Instant::now() + Duration::from_secs_f64(args.fault_interval.max(1.0));
+                    let kinds = if pg.is_some() { 4 } else { 3 };
+                    rng.random_range(0..kinds)
+                })
+            } else {
+                // The standard demo: one of each fault, at 25 %, 50 % and 75 % of the load.
+                let share = match (until, args.requests) {
+                    (Some(t), _) => {
+                        1.0 - (t.saturating_duration_since(Instant::now()).as_secs_f64()
+                            / args.duration.unwrap_or(1) as f64)
+                    }
+                    (None, n) => progress.issued.load(Ordering::Relaxed) as f64 / n.max(1) as f64,
+                };
+                let step = [0.25, 0.5, 0.75].iter().filter(|s| share >= **s).count();
+                (step > fired).then(|| {
+                    fired += 1;
+                    fired - 1
+                })
+            };
+            if let Some(kind) = due {
+                inject(
+                    kind,
+                    &mut faults,
+                    &mut nats,
+                    &mut pg,
+                    &mut relays,
+                    &mut billings,
+                    &mut rng,
+                )
+                .await?;
+            }
+        }
+        if last_print.elapsed() >= Duration::from_secs(1) {
+            last_print = Instant::now();
+            print_progress(
+                started,
+                &progress,
+                &subs_pool,
+                &billing_pool,
+                &faults,
+                &billings,
+            )
+            .await;
+        }
+    };
+
+    // The standard schedule's faults that the load outran still happen.
+    if !args.no_faults && !args.chaos {
+        while fired < 3 {
+            inject(
+                fired,
+                &mut faults,
+                &mut nats,
+                &mut pg,
+                &mut relays,
+                &mut billings,
+                &mut rng,
+            )
+            .await?;
+            fired += 1;
+        }
+    }
+
+    // --- Settle and check --------------------------------------------------
+    println!("load done; waiting for the system to settle …");
+    let deadline = Instant::now() + Duration::from_secs(args.settle_timeout);
+    let mut outstanding = String::new();
+    while Instant::now() < deadline {
+        supervise(&mut subscriptions, &mut relays, &mut billings).await;
+        match check::settled(&subs_pool, &billing_pool, &js, STREAM, DURABLE).await {
+            Ok(()) => {
+                outstanding.clear();
+                break;
+            }
+            Err(what) => outstanding = what,
+        }
+        if last_print.elapsed() >= Duration::from_secs(2) {
+            last_print = Instant::now();
+            print_progress(
+                started,
+                &progress,
+                &subs_pool,
+                &billing_pool,
+                &faults,
+                &billings,
+            )
+            .await;
+            println!("          waiting for: {outstanding}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    if !outstanding.is_empty() {
+        println!(
+            "not settled after {}s ({outstanding}); checking anyway",
+            args.settle_timeout
+        );
+    }
+    let findings = check::check(&subs_pool, &billing_pool, &js, STREAM, DURABLE, &outcomes).await?;
+
+    // Graceful shutdown: every process must exit 0 on SIGTERM.
+    let mut unclean = Vec::new();
+    for p in billings
+        .iter_mut()
+        .chain(relays.iter_mut())
+        .chain(std::iter::once(&mut subscriptions))
+    {
+        if p.is_running() && p.terminate().await != Some(0) {
+            unclean.push(p.name.clone());
+        }
+    }
+    let crashes: u32 = billings.iter().map(|b| b.crashes).sum();
+    report(
+        &args, started, &outcomes, &findings, &faults, crashes, &unclean,
+    );
+    let passed = findings.passed() && unclean.is_empty();
+    if passed {
+        let _ = std::fs::remove_dir_all(&run_dir);
+    } else {
+        println!("logs kept in {}", run_dir.display());
+    }
+    drop(nats);
+    drop(pg);
+    Ok(passed)
+}
+
+async fn create_database(admin_url: &str, name: &str) -> Result<String, Box<dyn Error>> {
+    let mut admin = PgConnection::connect(admin_url).await?;
+    sqlx::query(&format!("create database \"{name}\""))
+        .execute(&mut admin)
+        .await?;
+    admin.close().await?;
+    let (base, query) = admin_url
+        .split_once('?')
+        .map_or((admin_url, None), |(b, q)| (b, Some(q)));
+    let start = base.find("://").map_or(0, |i| i + 3);
+    let path = base[start..].find('/').map_or(base.len(), |i| start + i);
+    let mut url = format!("{}/{name}", &base[..path]);
+    if let Some(q) = query {
+        url.push('?');
+        url.push_str(q);
+    }
+    Ok(url)
+}
+
+async fn pool(url: &str) -> Result<PgPool, sqlx::Error> {
+    PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(url)
+        .await
+}
+
+/// Restarts any process that died on its own (a billing replica that crashed
+/// between commit and ack, most often).
+async fn supervise(subscriptions: &mut Proc, relays: &mut [Proc], billings: &mut [Proc]) {
+    for p in std::iter::once(subscriptions)
+        .chain(relays.iter_mut())
+        .chain(billings.iter_mut())
+    {
+        if p.died() {
+            p.crashes += 1;
+            if let Err(e) = p.start().await {
+                eprintln!("restarting {}: {e}", p.name);
+            }
+        }
+    }
+}
+
+async fn inject(
+    kind: usize,
+    faults: &mut Faults,
+    nats: &mut Option<NatsServer>,
+    pg: &mut Option<PgServer>,
+    relays: &mut [Proc],
+    billings: &mut [Proc],
+    rng: &mut StdRng,
+) -> Result<(), Box<dyn Error>> {
+    match kind {
+        0 => {
+            if let Some(server) = nats.as_mut() {
+                println!("fault: restarting nats-server");
+                server.restart()?;
+                faults.nats_restarts += 1;
+            }
+        }
+        1 => {
+            let i = rng.random_range(0..relays.len());
+            println!("fault: kill -9 {}", relays[i].name);
+            relays[i].kill9().await;
+            faults.relay_kills += 1;
+            relays[i].start().await?;
+        }
+        2 => {
+            let i = rng.random_range(0..billings.len());
+            println!("fault: kill -9 {}", billings[i].name);
+            billings[i].kill9().await;
+            faults.billing_kills += 1;
+            billings[i].start().await?;
+        }
+        _ => {
+            if let Some(server) = pg.take() {
+                println!("fault: restarting postgres");
+                let restarted = tokio::task::spawn_blocking(move || {
+                    let mut server = server;
+                    server.restart().map(|()| server)
+                })
+                .await??;
+                *pg = Some(restarted);
+                faults.pg_restarts += 1;
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn count(pool: &PgPool, sql: &'static str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap_or(-1)
+}
+
+async fn print_progress(
+    started: Instant,
+    progress: &Progress,
+    subs: &PgPool,
+    billing: &PgPool,
+    faults: &Faults,
+    billings: &[Proc],
+) {
+    let published = count(
+        subs,
+        "select count(*) from outbox_events where published_at is not null",
+    )
+    .await;
+    let invoices = count(billing, "select count(*) from invoices").await;
+    let crashes: u32 = billings.iter().map(|b| b.crashes).sum();
+    println!(
+        "[{:>6.1}s] requests {:>5} (accepted {}, rejected {}, rolled back {}, cancelled {}, failed {}) | published {} | invoices {} | faults: nats {} relay {} billing {} crashes {} pg {}",
+        started.elapsed().as_secs_f64(),
+        progress.issued.load(Ordering::Relaxed),
+        progress.accepted.load(Ordering::Relaxed),
+        progress.rejected.load(Ordering::Relaxed),
+        progress.rolled_back.load(Ordering::Relaxed),
+        progress.cancelled.load(Ordering::Relaxed),
+        progress.failed.load(Ordering::Relaxed),
+        published,
+        invoices,
+        faults.nats_restarts,
+        faults.relay_kills,
+        faults.billing_kills,
+        crashes,
+        faults.pg_restarts,
+    );
+}
+
+fn report(
+    args: &Args,
+    started: Instant,
+    outcomes: &driver::Outcomes,
+    f: &check::Findings,
+    faults: &Faults,
+    crashes: u32,
+    unclean: &[String],
+) {
+    let mark = |ok: bool| if ok { "ok" } else { "FAIL" };
+    println!();
+    println!("== outbox demo report ==");
+    println!(
+        "requests                {:>7}  accepted {}, rejected {}, rolled back {}, cancelled {}, failed {}",
+        outcomes.accepted.len()
+            + outcomes.rolled_back.len()
+            + outcomes.cancelled.len()
+            + outcomes.rejected as usize
+            + outcomes.failed as usize,
+        outcomes.accepted.len(),
+        outcomes.rejected,
+        outcomes.rolled_back.len(),
+        outcomes.cancelled.len(),
+        outcomes.failed
+    );
+    println!(
+        "subscriptions           {:>7}  in the database ({} cancelled)",
+        f.subscriptions, f.cancelled_subscriptions
+    );
+    println!(
+        "events published        {:>7}  subscription.* messages in the stream",
+        f.events_published
+    );
+    println!(
+        "deliveries to billing   {:>7}  (JetStream deliveries, redeliveries included)",
+        f.deliveries
+    );
+    println!(
+        "events handled          {:>7}  (inbox rows: one per event)",
+        f.handled
+    );
+    println!(
+        "duplicates suppressed   {:>7}  (deliveries that did not produce a new effect)",
+        f.deliveries.saturating_sub(f.handled.max(0) as u64)
+    );
+    println!(
+        "invoices                {:>7}  ({} voided)",
+        f.invoices, f.voided
+    );
+    println!(
+        "invoice.created         {:>7}  in the stream",
+        f.invoice_events
+    );
+    println!("dead letters            {:>7}", f.dead_letters);
+    println!(
+        "faults                           nats restarts {}, relay kill -9 {}, billing kill -9 {}, billing deaths between commit and ack {}, postgres restarts {}",
+        faults.nats_restarts, faults.relay_kills, faults.billing_kills, crashes, faults.pg_restarts
+    );
+    let line = |name: &str, items: &[String]| {
+        println!("{name:<24}{:>7}  {}", items.len(), mark(items.is_empty()));
+        for item in items.iter().take(5) {
+            println!("    {item}");
+        }
+    };
+    line("lost", &f.lost);
+    line("applied twice", &f.applied_twice);
+    line("leaked from rollbacks", &f.leaked);
+    line("order violations", &f.order_violations);
+    println!(
+        "{:<24}{:>7}  {}",
+        "outbox undrained",
+        f.undrained,
+        mark(f.undrained == 0)
+    );
+    if !unclean.is_empty() {
+        println!("unclean shutdown        {unclean:?}  FAIL");
+    }
+    println!(
+        "elapsed                 {:>6.1}s",
+        started.elapsed().as_secs_f64()
+    );
+    println!(
+        "RESULT: {}{}",
+        if f.passed() && unclean.is_empty() {
+            "PASS"
+        } else {
+            "FAIL"
+        },
+        if args.no_dedupe {
+            " (dedupe layer removed)"
+        } else {
+            ""
+        }
+    );
+}

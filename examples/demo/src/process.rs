@@ -1,0 +1,163 @@
+//! The demo's child processes: started, watched, killed and restarted.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::oneshot;
+
+/// One program the demo runs: a service, a relay or a consumer replica.
+#[derive(Debug)]
+pub(crate) struct Proc {
+    pub(crate) name: String,
+    program: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    ready: Option<String>,
+    log: PathBuf,
+    child: Option<Child>,
+    /// Times the process died on its own and was started again.
+    pub(crate) crashes: u32,
+}
+
+impl Proc {
+    pub(crate) fn new(name: &str, program: PathBuf, log_dir: &Path) -> Self {
+        Self {
+            name: name.to_owned(),
+            program,
+            args: Vec::new(),
+            env: Vec::new(),
+            ready: None,
+            log: log_dir.join(format!("{name}.log")),
+            child: None,
+            crashes: 0,
+        }
+    }
+
+    pub(crate) fn arg(mut self, arg: impl Into<String>) -> Self {
+        self.args.push(arg.into());
+        self
+    }
+
+    pub(crate) fn args<I: IntoIterator<Item = S>, S: Into<String>>(mut self, args: I) -> Self {
+        self.args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    pub(crate) fn env(mut self, key: &str, value: impl Into<String>) -> Self {
+        self.env.push((key.to_owned(), value.into()));
+        self
+    }
+
+    /// Waits, at start, for a line on stdout containing `marker`.
+    pub(crate) fn ready_when(mut self, marker: &str) -> Self {
+        self.ready = Some(marker.to_owned());
+        self
+    }
+
+    /// Starts the process; returns its readiness line, if one was asked for.
+    pub(crate) async fn start(&mut self) -> Result<Option<String>, String> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .map_err(|e| format!("{}: cannot open log {}: {e}", self.name, self.log.display()))?;
+        let mut cmd = Command::new(&self.program);
+        cmd.args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().map_err(|e| {
+            format!(
+                "{}: cannot start {}: {e} (build it first: see scripts/demo)",
+                self.name,
+                self.program.display()
+            )
+        })?;
+        let stdout = child.stdout.take();
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let marker = self.ready.clone();
+        let log_path = self.log.clone();
+        tokio::spawn(async move {
+            let Some(stdout) = stdout else { return };
+            let mut lines = BufReader::new(stdout).lines();
+            let mut file = tokio::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&log_path)
+                .await
+                .ok();
+            let mut ready_tx = Some(ready_tx);
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Some(f) = file.as_mut() {
+                    let _ = f.write_all(format!("{line}\n").as_bytes()).await;
+                }
+                if marker.as_deref().is_some_and(|m| line.contains(m))
+                    && let Some(tx) = ready_tx.take()
+                {
+                    let _ = tx.send(line);
+                }
+            }
+        });
+        self.child = Some(child);
+        if self.ready.is_none() {
+            return Ok(None);
+        }
+        match tokio::time::timeout(Duration::from_secs(60), ready_rx).await {
+            Ok(Ok(line)) => Ok(Some(line)),
+            _ => Err(format!(
+                "{} did not become ready; see {}",
+                self.name,
+                self.log.display()
+            )),
+        }
+    }
+
+    /// `kill -9`.
+    pub(crate) async fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill().await;
+        }
+    }
+
+    /// SIGTERM, then waits (bounded) for the exit.
+    pub(crate) async fn terminate(&mut self) -> Option<i32> {
+        let mut child = self.child.take()?;
+        if let Some(pid) = child.id() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status()
+                .await;
+        }
+        match tokio::time::timeout(Duration::from_secs(20), child.wait()).await {
+            Ok(Ok(status)) => status.code(),
+            _ => {
+                let _ = child.kill().await;
+                None
+            }
+        }
+    }
+
+    /// Whether the process died on its own since the last check.
+    pub(crate) fn died(&mut self) -> bool {
+        let Some(child) = self.child.as_mut() else {
+            return false;
+        };
+        match child.try_wait() {
+            Ok(Some(_)) => {
+                self.child = None;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    pub(crate) fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+}

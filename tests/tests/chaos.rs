@@ -1,0 +1,57 @@
+//! The chaos run, as part of the suite: the `outbox-demo` harness with a fixed
+//! seed and the fast fault schedule (nats-server restarts, kill -9 of relays
+//! and billing replicas, billing deaths between commit and ack, Postgres
+//! restarts). It checks its invariants from the databases and the stream and
+//! exits non-zero if any fails.
+//!
+//! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
+//! before the tests run.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
+
+mod support;
+
+#[test]
+fn a_seeded_chaos_run_keeps_every_invariant() {
+    let out = support::demo(&[
+        "--chaos",
+        "--duration",
+        "60",
+        "--seed",
+        "42",
+        "--fault-interval",
+        "5",
+        "--crash-rate",
+        "0.02",
+        "--settle-timeout",
+        "120",
+    ]);
+    assert!(
+        out.status.success() && out.stdout.contains("RESULT: PASS"),
+        "chaos run failed ({:?}):\n{}\n{}",
+        out.status,
+        out.stdout,
+        out.stderr
+    );
+    for fault in [
+        "fault: restarting nats-server",
+        "fault: kill -9 relay",
+        "fault: kill -9 billing",
+    ] {
+        assert!(
+            out.stdout.contains(fault),
+            "the schedule never injected `{fault}`:\n{}",
+            out.stdout
+        );
+    }
+    assert!(
+        out.stdout.contains("lost                          0  ok"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains("applied twice                 0  ok"),
+        "{}",
+        out.stdout
+    );
+}
