@@ -198,7 +198,7 @@ async fn cancel_once_then_409_and_404_for_unknown_ids() {
             .unwrap();
     assert_eq!(
         (event_type.as_str(), subject.as_str()),
-        ("subscription.cancelled", "cus_2")
+        ("subscription.cancelled", id)
     );
     assert_eq!(data, json!({"subscription_id": id, "customer_id": "cus_2"}));
 
