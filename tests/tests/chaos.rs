@@ -22,7 +22,7 @@ fn a_seeded_chaos_run_keeps_every_invariant() {
         "--fault-interval",
         "5",
         "--crash-rate",
-        "0.02",
+        "0.005",
         "--settle-timeout",
         "120",
     ]);

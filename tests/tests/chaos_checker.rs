@@ -34,4 +34,12 @@ fn without_dedupe_the_checker_reports_double_invoices() {
         .and_then(|n| n.parse().ok())
         .expect("an applied-twice line");
     assert!(applied_twice > 0, "{}", out.stdout);
+    // A failed run keeps its logs for inspection; this failure was the point.
+    if let Some(dir) = out
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("logs kept in "))
+    {
+        let _ = std::fs::remove_dir_all(dir.trim());
+    }
 }

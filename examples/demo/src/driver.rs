@@ -49,20 +49,28 @@ pub(crate) struct Load {
     pub(crate) rollback_rate: f64,
     pub(crate) cancel_rate: f64,
     pub(crate) seed: u64,
+    /// Requests per second over all clients; `None` as fast as they answer.
+    pub(crate) rate: Option<f64>,
+    /// When the load began (the rate's time base).
+    pub(crate) started: Instant,
 }
 
 impl Load {
-    fn more(&self, progress: &Progress) -> bool {
+    /// Takes the next request slot, waiting for its turn when the load is
+    /// rate-limited; `false` when the load is over.
+    async fn more(&self, progress: &Progress, started: Instant) -> bool {
         if self.until.is_some_and(|t| Instant::now() >= t) {
             return false;
         }
-        match self.requests {
-            Some(n) => progress.issued.fetch_add(1, Ordering::Relaxed) < n,
-            None => {
-                progress.issued.fetch_add(1, Ordering::Relaxed);
-                true
-            }
+        let index = progress.issued.fetch_add(1, Ordering::Relaxed);
+        if self.requests.is_some_and(|n| index >= n) {
+            return false;
         }
+        if let Some(rate) = self.rate.filter(|r| *r > 0.0) {
+            let due = started + Duration::from_secs_f64(index as f64 / rate);
+            tokio::time::sleep_until(due.into()).await;
+        }
+        !self.until.is_some_and(|t| Instant::now() >= t)
     }
 }
 
@@ -109,7 +117,8 @@ async fn worker(
         return;
     }
     let mut active: Vec<String> = Vec::new();
-    while load.more(&progress) {
+    let started = load.started;
+    while load.more(&progress, started).await {
         let customer = &customers[rng.random_range(0..customers.len())];
         let roll: f64 = rng.random();
         if roll < load.invalid_rate {

@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use outbox_testkit::{NatsServer, PgServer};
 use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, PgConnection, PgPool};
@@ -84,6 +85,10 @@ struct Args {
     /// Share of requests that cancel an earlier subscription.
     #[arg(long, default_value_t = 0.10)]
     cancel_rate: f64,
+    /// Requests per second over all clients (default: unlimited for a fixed
+    /// count, 100/s with --duration). 0 means unlimited.
+    #[arg(long)]
+    rate: Option<f64>,
     /// Concurrent HTTP clients.
     #[arg(long, default_value_t = 8)]
     clients: usize,
@@ -263,12 +268,15 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
         rollback_rate: args.rollback_rate,
         cancel_rate: args.cancel_rate,
         seed,
+        rate: args.rate.or(args.duration.map(|_| 100.0)),
+        started: Instant::now(),
     };
     let mut driving = tokio::spawn(driver::drive(load, progress.clone()));
     let mut faults = Faults::default();
     let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
     let mut next_fault = Instant::now() + Duration::from_secs_f64(args.fault_interval.max(1.0));
     let mut fired = 0usize;
+    let mut round: Vec<usize> = Vec::new();
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     let mut last_print = Instant::now();
     let outcomes = loop {
@@ -282,8 +290,16 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
                 (Instant::now() >= next_fault).then(|| {
                     next_fault =
                         Instant::now() + Duration::from_secs_f64(args.fault_interval.max(1.0));
-                    let kinds = if pg.is_some() { 4 } else { 3 };
-                    rng.random_range(0..kinds)
+                    // Rounds of every fault kind once, each round in a seeded order.
+                    if round.is_empty() {
+                        round = if pg.is_some() {
+                            vec![0, 1, 2, 3]
+                        } else {
+                            vec![0, 1, 2]
+                        };
+                        round.shuffle(&mut rng);
+                    }
+                    round.pop().unwrap_or(0)
                 })
             } else {
                 // The standard demo: one of each fault, at 25 %, 50 % and 75 % of the load.
