@@ -70,7 +70,7 @@ impl Load {
             let due = started + Duration::from_secs_f64(index as f64 / rate);
             tokio::time::sleep_until(due.into()).await;
         }
-        !self.until.is_some_and(|t| Instant::now() >= t)
+        self.until.is_none_or(|t| Instant::now() < t)
     }
 }
 
