@@ -52,6 +52,8 @@
 #![doc(test(attr(deny(warnings))))]
 
 mod backoff;
+#[cfg(feature = "cli")]
+pub mod cli;
 mod config;
 mod error;
 pub mod metrics;

@@ -12,12 +12,13 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use example_billing::{
     CrashAfterCommitLayer, StackOptions, connect_consumer, consumer_config, default_schemas_dir,
     service,
 };
 use outbox_core::{Outbox, SchemaRegistry};
+use outbox_publisher::cli::{LogFormat, cancel_on_signal, init_logging};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
@@ -100,12 +101,6 @@ struct Args {
     no_dedupe: bool,
 }
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum LogFormat {
-    Human,
-    Json,
-}
-
 fn probability(s: &str) -> Result<f64, String> {
     let p: f64 = s.parse().map_err(|e| format!("{e}"))?;
     if (0.0..=1.0).contains(&p) {
@@ -120,7 +115,10 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let args = Args::parse();
     init_logging(args.log_format);
     let shutdown = CancellationToken::new();
-    tokio::spawn(cancel_on_signal(shutdown.clone()));
+    tokio::spawn(cancel_on_signal(
+        shutdown.clone(),
+        "draining the consumer, then the relay",
+    ));
 
     if let Some(addr) = args.metrics_addr {
         metrics_exporter_prometheus::PrometheusBuilder::new()
@@ -219,44 +217,4 @@ fn clock_seed() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
         ^ u64::from(std::process::id())
-}
-
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Human => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
-    }
-}
-
-/// Cancels `shutdown` on SIGTERM or ctrl-c.
-async fn cancel_on_signal(shutdown: CancellationToken) {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM; ctrl-c only");
-                let _ = ctrl_c.await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
-    }
-    tracing::info!("shutting down: draining the consumer, then the relay");
-    shutdown.cancel();
 }

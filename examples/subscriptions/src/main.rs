@@ -13,9 +13,10 @@ use std::error::Error;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use example_subscriptions::{AppState, default_schemas_dir, router};
 use outbox_core::{Outbox, SchemaRegistry};
+use outbox_publisher::cli::{LogFormat, cancel_on_signal, init_logging};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
@@ -69,18 +70,15 @@ struct Args {
     log_format: LogFormat,
 }
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum LogFormat {
-    Human,
-    Json,
-}
-
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {
     let args = Args::parse();
     init_logging(args.log_format);
     let shutdown = CancellationToken::new();
-    tokio::spawn(cancel_on_signal(shutdown.clone()));
+    tokio::spawn(cancel_on_signal(
+        shutdown.clone(),
+        "finishing requests in flight and the relay's batch",
+    ));
 
     let schemas = args.schemas.clone().unwrap_or_else(default_schemas_dir);
     let registry = SchemaRegistry::from_dir(&schemas)
@@ -134,44 +132,4 @@ async fn main() -> Result<(), Box<dyn Error>> {
     pool.close().await;
     tracing::info!("subscriptions service stopped");
     Ok(())
-}
-
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Human => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
-    }
-}
-
-/// Cancels `shutdown` on SIGTERM or ctrl-c.
-async fn cancel_on_signal(shutdown: CancellationToken) {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM; ctrl-c only");
-                let _ = ctrl_c.await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
-    }
-    tracing::info!("shutting down: finishing requests in flight and the relay's batch");
-    shutdown.cancel();
 }

@@ -16,6 +16,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use outbox_publisher::cli::{LogFormat, cancel_on_signal, init_logging};
 use outbox_publisher::{Relay, RelayConfig, StorageType, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
@@ -134,12 +135,6 @@ struct Args {
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
-enum LogFormat {
-    Human,
-    Json,
-}
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
 enum Storage {
     File,
     Memory,
@@ -164,18 +159,6 @@ fn main() -> ExitCode {
             error!(error = %e, "outbox-relay failed");
             ExitCode::FAILURE
         }
-    }
-}
-
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Human => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
     }
 }
 
@@ -243,7 +226,10 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
 
     let shutdown = CancellationToken::new();
-    tokio::spawn(wait_for_signal(shutdown.clone()));
+    tokio::spawn(cancel_on_signal(
+        shutdown.clone(),
+        "finishing the current batch",
+    ));
     relay.run(shutdown).await?;
     Ok(ExitCode::SUCCESS)
 }
@@ -277,31 +263,4 @@ async fn nats_options(
         options = options.add_client_certificate(cert.clone(), key.clone());
     }
     Ok(options)
-}
-
-async fn wait_for_signal(shutdown: CancellationToken) {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(e) => {
-                    error!(error = %e, "cannot listen for SIGTERM");
-                    let _ = ctrl_c.await;
-                    shutdown.cancel();
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
-    }
-    info!("shutting down: finishing the current batch");
-    shutdown.cancel();
 }
