@@ -43,6 +43,9 @@ struct Args {
     /// Relay batch size.
     #[arg(long, default_value_t = 500)]
     batch_size: usize,
+    /// Relay worker loops to compare (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    workers: Vec<usize>,
     /// Backlog for the sustained drain (0 skips it).
     #[arg(long, default_value_t = 300_000)]
     drain_rows: usize,
@@ -102,9 +105,14 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let events = make_events(args.events, args.subjects)?;
     let raw = raw_jetstream(&js, &events).await?;
     println!("raw JetStream publish : {:>9.0} events/s", raw);
-    let relay = relay_drain(&pool, client.clone(), &events, args.batch_size).await?;
-    println!("outbox relay          : {:>9.0} events/s", relay);
-    println!("relay / raw           : {:>9.2}", relay / raw);
+    for &workers in &args.workers {
+        let relay = relay_drain(&pool, client.clone(), &events, args.batch_size, workers).await?;
+        println!(
+            "outbox relay, {workers} worker(s): {:>9.0} events/s   relay / raw {:.2}",
+            relay,
+            relay / raw
+        );
+    }
 
     if args.drain_rows > 0 {
         let mut summary = Vec::new();
@@ -197,6 +205,7 @@ async fn relay_drain(
     client: async_nats::Client,
     events: &[Envelope<serde_json::Value>],
     batch_size: usize,
+    workers: usize,
 ) -> Result<f64, Box<dyn Error>> {
     sqlx::query("truncate outbox_events").execute(pool).await?;
     for chunk in events.chunks(1_000) {
@@ -213,7 +222,9 @@ async fn relay_drain(
         pool.clone(),
         client,
         &StreamSpec::new("BENCH", vec![]),
-        RelayConfig::default().batch_size(batch_size),
+        RelayConfig::default()
+            .batch_size(batch_size)
+            .workers(workers),
     )
     .await?;
     let started = Instant::now();

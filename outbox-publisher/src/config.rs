@@ -19,6 +19,7 @@ pub struct RelayConfig {
     pub(crate) lease: Duration,
     pub(crate) publish_timeout: Duration,
     pub(crate) max_in_flight: usize,
+    pub(crate) workers: usize,
     pub(crate) listen: bool,
     pub(crate) stats_interval: Duration,
     pub(crate) retention: Option<Duration>,
@@ -39,6 +40,7 @@ impl Default for RelayConfig {
             lease: Duration::from_secs(30),
             publish_timeout: Duration::from_secs(5),
             max_in_flight: 1_024,
+            workers: 2,
             listen: true,
             stats_interval: Duration::from_secs(5),
             retention: Some(Duration::from_secs(7 * 24 * 3600)),
@@ -106,6 +108,15 @@ impl RelayConfig {
     #[must_use]
     pub fn max_in_flight(mut self, n: usize) -> Self {
         self.max_in_flight = n;
+        self
+    }
+
+    /// Claim → publish → mark loops run concurrently by this relay, so one
+    /// loop's database work overlaps another's publishing. Any number is safe:
+    /// loops coordinate through the table exactly as replicas do. Default 2.
+    #[must_use]
+    pub fn workers(mut self, n: usize) -> Self {
+        self.workers = n;
         self
     }
 
@@ -191,6 +202,9 @@ impl RelayConfig {
                 "lease {:?} must be at least twice the publish timeout {:?}",
                 self.lease, self.publish_timeout
             ));
+        }
+        if !(1..=64).contains(&self.workers) {
+            return bad(format!("workers {} is outside 1..=64", self.workers));
         }
         if self.max_in_flight == 0 {
             return bad("max in flight must be at least 1".into());

@@ -206,7 +206,9 @@ impl<S: Sink> Relay<S> {
             "outbox relay started"
         );
         tokio::join!(
-            self.publish_loop(&wake, &shutdown),
+            futures::future::join_all(
+                (0..self.config.workers).map(|_| self.publish_loop(&wake, &shutdown))
+            ),
             self.listen_loop(&wake, &shutdown),
             self.stats_loop(&shutdown),
             self.prune_loop(&shutdown),
@@ -222,17 +224,19 @@ impl<S: Sink> Relay<S> {
     /// # Errors
     /// [`ErrorKind::Database`](crate::ErrorKind::Database) if a claim or mark fails.
     pub async fn drain(&self) -> Result<BatchReport> {
+        let loops = (0..self.config.workers).map(|_| async {
+            let mut total = BatchReport::default();
+            loop {
+                let report = self.publish_batch().await?;
+                total.add(report);
+                if report.claimed == 0 {
+                    return Ok::<_, crate::Error>(total);
+                }
+            }
+        });
         let mut total = BatchReport::default();
-        loop {
-            let report = self.publish_batch().await?;
-            total.add(report);
-            if report.claimed == 0 {
-                break;
-            }
-            if report.published == 0 && report.failed > 0 {
-                // Everything failed: the rows are in backoff; go on with the rest.
-                continue;
-            }
+        for report in futures::future::join_all(loops).await {
+            total.add(report?);
         }
         if self.config.retention.is_some() {
             self.prune().await?;

@@ -61,6 +61,10 @@ struct Args {
     #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 200)]
     batch_size: usize,
 
+    /// Concurrent claim → publish → mark loops in this process.
+    #[arg(long, env = "OUTBOX_WORKERS", default_value_t = 2)]
+    workers: usize,
+
     /// Poll interval when no notification arrives (e.g. 500ms).
     #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "500ms", value_parser = humantime::parse_duration)]
     poll_interval: Duration,
@@ -174,6 +178,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
 
     let config = RelayConfig::default()
         .batch_size(args.batch_size)
+        .workers(args.workers)
         .poll_interval(args.poll_interval)
         .max_attempts(args.max_attempts)
         .backoff_base(args.backoff_base)
