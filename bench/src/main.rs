@@ -26,7 +26,7 @@ use outbox_core::{Envelope, Outbox};
 use outbox_publisher::{
     OutgoingMessage, PublishAck, PublishFailure, Relay, RelayConfig, Sink, StreamSpec,
 };
-use outbox_testkit::{PgServer, nats};
+use outbox_testkit::{nats, postgres};
 use serde_json::json;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -78,14 +78,8 @@ impl Sink for NullSink {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {
     let args = Args::parse();
-    let (_pg, admin_url) = match std::env::var("DATABASE_URL") {
-        Ok(url) => (None, url),
-        Err(_) => {
-            let server = tokio::task::spawn_blocking(PgServer::start).await??;
-            let url = server.url("postgres");
-            (Some(server), url)
-        }
-    };
+    let pg = postgres().await?;
+    let admin_url = pg.url().to_owned();
     let broker = nats()?;
     let pool = PgPoolOptions::new()
         .max_connections(16)

@@ -8,7 +8,8 @@
 //! - [`TestDb::new`] gives a test its own freshly migrated database, on the server
 //!   named by `DATABASE_URL` when that is set, otherwise on a PostgreSQL server
 //!   shared by the test binary and started on first use.
-//! - [`nats`] gives a test its own nats-server, or the one at `NATS_URL`.
+//! - [`nats`] gives a test its own nats-server, or the one at `NATS_URL`;
+//!   [`postgres`] does the same for PostgreSQL and `DATABASE_URL`.
 //!
 //! PostgreSQL refuses to run as root. Run as root, the harness starts it as the
 //! `postgres` user (override with `OUTBOX_TEST_PG_USER`) through `setpriv`.
@@ -23,5 +24,5 @@ mod process;
 
 pub use error::{Error, Result};
 pub use nats::{NatsHandle, NatsServer, nats};
-pub use pg::{PgServer, TestDb};
+pub use pg::{PgHandle, PgServer, TestDb, postgres};
 pub use process::wait_until;

@@ -315,6 +315,57 @@ fn shared_server_url() -> Result<String> {
         .map_err(Error::new)
 }
 
+/// A PostgreSQL server for a program: its own [`PgServer`], or the one at
+/// `DATABASE_URL`.
+#[derive(Debug)]
+pub struct PgHandle {
+    server: Option<PgServer>,
+    url: String,
+}
+
+impl PgHandle {
+    /// The connection URL (of the `postgres` database when the server is ours).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The owned server, for fault injection; `None` when `DATABASE_URL` is used.
+    pub fn server(&mut self) -> Option<&mut PgServer> {
+        self.server.as_mut()
+    }
+
+    /// Takes the owned server out (to restart it on a blocking thread), leaving
+    /// the URL; give it back with [`PgHandle::put_server`].
+    pub fn take_server(&mut self) -> Option<PgServer> {
+        self.server.take()
+    }
+
+    /// Puts back a server taken with [`PgHandle::take_server`].
+    pub fn put_server(&mut self, server: PgServer) {
+        self.server = Some(server);
+    }
+}
+
+/// The server at `DATABASE_URL` if set, else a new [`PgServer`] (started on a
+/// blocking thread).
+///
+/// # Errors
+/// As [`PgServer::start`].
+pub async fn postgres() -> Result<PgHandle> {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.is_empty() => Ok(PgHandle { server: None, url }),
+        _ => {
+            let server = tokio::task::spawn_blocking(PgServer::start)
+                .await
+                .map_err(|e| Error::new(format!("postgres start-up task failed: {e}")))??;
+            Ok(PgHandle {
+                url: server.url("postgres"),
+                server: Some(server),
+            })
+        }
+    }
+}
+
 /// A freshly created and migrated database for one test.
 #[derive(Debug)]
 pub struct TestDb {

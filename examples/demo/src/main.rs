@@ -37,7 +37,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use outbox_testkit::{NatsServer, PgServer};
+use outbox_testkit::{NatsHandle, PgHandle};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -145,26 +145,11 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
     println!("outbox demo (seed {seed}); logs in {}", run_dir.display());
 
     // --- Servers -----------------------------------------------------------
-    let mut pg: Option<PgServer> = None;
-    let admin_url = match std::env::var("DATABASE_URL") {
-        Ok(url) if !url.is_empty() => url,
-        _ => {
-            let server = tokio::task::spawn_blocking(PgServer::start).await??;
-            let url = server.url("postgres");
-            pg = Some(server);
-            url
-        }
-    };
-    let mut nats: Option<NatsServer> = None;
-    let nats_url = match std::env::var("NATS_URL") {
-        Ok(url) if !url.is_empty() => url,
-        _ => {
-            let server = NatsServer::start()?;
-            let url = server.url();
-            nats = Some(server);
-            url
-        }
-    };
+    let mut pg = outbox_testkit::postgres().await?;
+    let admin_url = pg.url().to_owned();
+    let owns_pg = pg.server().is_some();
+    let mut nats = outbox_testkit::nats()?;
+    let nats_url = nats.url().to_owned();
     let suffix = format!("{}_{}", std::process::id(), seed % 100_000);
     let subs_url = create_database(&admin_url, &format!("demo_subscriptions_{suffix}")).await?;
     let billing_url = create_database(&admin_url, &format!("demo_billing_{suffix}")).await?;
@@ -292,7 +277,7 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
                         Instant::now() + Duration::from_secs_f64(args.fault_interval.max(1.0));
                     // Rounds of every fault kind once, each round in a seeded order.
                     if round.is_empty() {
-                        round = if pg.is_some() {
+                        round = if owns_pg {
                             vec![0, 1, 2, 3]
                         } else {
                             vec![0, 1, 2]
@@ -468,15 +453,15 @@ async fn supervise(subscriptions: &mut Proc, relays: &mut [Proc], billings: &mut
 async fn inject(
     kind: usize,
     faults: &mut Faults,
-    nats: &mut Option<NatsServer>,
-    pg: &mut Option<PgServer>,
+    nats: &mut NatsHandle,
+    pg: &mut PgHandle,
     relays: &mut [Proc],
     billings: &mut [Proc],
     rng: &mut StdRng,
 ) -> Result<(), Box<dyn Error>> {
     match kind {
         0 => {
-            if let Some(server) = nats.as_mut() {
+            if let Some(server) = nats.server() {
                 println!("fault: restarting nats-server");
                 server.restart()?;
                 faults.nats_restarts += 1;
@@ -497,14 +482,14 @@ async fn inject(
             billings[i].start().await?;
         }
         _ => {
-            if let Some(server) = pg.take() {
+            if let Some(server) = pg.take_server() {
                 println!("fault: restarting postgres");
                 let restarted = tokio::task::spawn_blocking(move || {
                     let mut server = server;
                     server.restart().map(|()| server)
                 })
                 .await??;
-                *pg = Some(restarted);
+                pg.put_server(restarted);
                 faults.pg_restarts += 1;
             }
         }

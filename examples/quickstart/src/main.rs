@@ -15,7 +15,7 @@ use async_nats::jetstream::{self, consumer};
 use futures::StreamExt;
 use outbox_core::{Envelope, Outbox, SchemaRegistry};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
-use outbox_testkit::{PgServer, nats};
+use outbox_testkit::{nats, postgres};
 use serde::Serialize;
 use sqlx::PgPool;
 
@@ -30,14 +30,8 @@ struct SubscriptionCreated {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {
     // Real servers: the ones named by DATABASE_URL / NATS_URL, or fresh local ones.
-    let (_pg, database_url) = match std::env::var("DATABASE_URL") {
-        Ok(url) => (None, url),
-        Err(_) => {
-            let server = tokio::task::spawn_blocking(PgServer::start).await??;
-            let url = server.url("postgres");
-            (Some(server), url)
-        }
-    };
+    let pg = postgres().await?;
+    let database_url = pg.url().to_owned();
     let broker = nats()?;
     println!("postgres: {database_url}\nnats:     {}", broker.url());
 
