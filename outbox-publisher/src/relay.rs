@@ -238,6 +238,16 @@ impl<S: Sink> Relay<S> {
         for report in futures::future::join_all(loops).await {
             total.add(report?);
         }
+        // Two loops claiming at the same instant can each see the other's rows
+        // as gaps and both come back empty-handed; one loop alone cannot, so
+        // finish with one.
+        loop {
+            let report = self.publish_batch().await?;
+            total.add(report);
+            if report.claimed == 0 {
+                break;
+            }
+        }
         if self.config.retention.is_some() {
             self.prune().await?;
         }
