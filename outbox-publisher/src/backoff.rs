@@ -36,6 +36,34 @@ impl Backoff {
     }
 }
 
+/// Exponential pause for the loop itself (not per row), without jitter.
+#[derive(Debug)]
+pub(crate) struct LoopBackoff {
+    base: Duration,
+    max: Duration,
+    current: Option<Duration>,
+}
+
+impl LoopBackoff {
+    pub(crate) fn new(base: Duration, max: Duration) -> Self {
+        Self {
+            base,
+            max,
+            current: None,
+        }
+    }
+
+    pub(crate) fn next(&mut self) -> Duration {
+        let next = self.current.map_or(self.base, |d| (d * 2).min(self.max));
+        self.current = Some(next);
+        next
+    }
+
+    pub(crate) fn reset(&mut self) {
+        self.current = None;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -74,5 +102,14 @@ mod tests {
             b().jittered(Duration::from_secs(300), 1.2),
             Duration::from_secs(300)
         );
+    }
+
+    #[test]
+    fn loop_backoff_doubles_to_its_cap_and_resets() {
+        let mut b = LoopBackoff::new(Duration::from_millis(100), Duration::from_millis(350));
+        let seq: Vec<u128> = (0..4).map(|_| b.next().as_millis()).collect();
+        assert_eq!(seq, [100, 200, 350, 350]);
+        b.reset();
+        assert_eq!(b.next().as_millis(), 100);
     }
 }

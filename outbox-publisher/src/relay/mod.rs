@@ -51,19 +51,21 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use outbox_core::{Envelope, EventId};
 use sqlx::PgPool;
-use sqlx::postgres::PgListener;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, info_span, warn};
 use uuid::Uuid;
 
-use crate::backoff::Backoff;
+use crate::backoff::{Backoff, LoopBackoff};
 use crate::config::RelayConfig;
 use crate::error::Result;
 use crate::metrics;
 use crate::sink::{FailureKind, JetStreamSink, OutgoingMessage, PublishFailure, Sink};
 use crate::store::{ClaimedRow, Failure, Store};
 use crate::stream::StreamSpec;
+
+mod listen;
+mod maintenance;
 
 /// The channel the migration's trigger notifies on every insert.
 pub const NOTIFY_CHANNEL: &str = "outbox_events";
@@ -444,131 +446,6 @@ impl<S: Sink> Relay<S> {
             }
         }
     }
-
-    async fn listen_loop(&self, wake: &Notify, shutdown: &CancellationToken) {
-        if !self.config.listen {
-            return;
-        }
-        let mut retry = LoopBackoff::new(Duration::from_millis(200), Duration::from_secs(10));
-        let mut listener: Option<PgListener> = None;
-        while !shutdown.is_cancelled() {
-            let Some(active) = listener.as_mut() else {
-                match PgListener::connect_with(self.store.pool()).await {
-                    Ok(mut l) => match l.listen(NOTIFY_CHANNEL).await {
-                        Ok(()) => {
-                            retry.reset();
-                            listener = Some(l);
-                            // Anything committed while we were not listening.
-                            wake.notify_one();
-                        }
-                        Err(e) => debug!(error = %e, "LISTEN failed"),
-                    },
-                    Err(e) => debug!(error = %e, "LISTEN connection failed"),
-                }
-                if listener.is_none() {
-                    tokio::select! {
-                        () = tokio::time::sleep(retry.next()) => {}
-                        () = shutdown.cancelled() => {}
-                    }
-                }
-                continue;
-            };
-            tokio::select! {
-                received = active.try_recv() => match received {
-                    Ok(Some(_)) => wake.notify_one(),
-                    // The connection was lost; notifications may have been missed.
-                    Ok(None) => wake.notify_one(),
-                    Err(e) => {
-                        debug!(error = %e, "LISTEN connection lost");
-                        listener = None;
-                    }
-                },
-                () = shutdown.cancelled() => {}
-            }
-        }
-    }
-
-    async fn stats_loop(&self, shutdown: &CancellationToken) {
-        while !shutdown.is_cancelled() {
-            match self.store.stats(self.config.max_attempts).await {
-                Ok(stats) => metrics::stats(&stats),
-                Err(e) => debug!(error = %e, "reading backlog failed"),
-            }
-            tokio::select! {
-                () = tokio::time::sleep(self.config.stats_interval) => {}
-                () = shutdown.cancelled() => {}
-            }
-        }
-    }
-
-    /// Vacuums the table once enough rows were marked (see
-    /// [`RelayConfig::vacuum_every`]), so dead index entries do not pile up
-    /// between autovacuum visits.
-    async fn vacuum_loop(&self, shutdown: &CancellationToken) {
-        let Some(threshold) = self.config.vacuum_every else {
-            return;
-        };
-        let mut last: Option<Instant> = None;
-        while !shutdown.is_cancelled() {
-            let due = self.marked_since_vacuum.load(Ordering::Relaxed) >= threshold
-                && last.is_none_or(|t| t.elapsed() >= self.config.vacuum_min_interval);
-            if due {
-                self.marked_since_vacuum.store(0, Ordering::Relaxed);
-                let started = Instant::now();
-                last = Some(started);
-                match self.store.vacuum().await {
-                    Ok(()) => {
-                        metrics::vacuumed(started.elapsed());
-                        debug!(took = ?started.elapsed(), "vacuumed outbox_events");
-                    }
-                    Err(e) => debug!(error = %e, "vacuum failed"),
-                }
-            }
-            tokio::select! {
-                () = tokio::time::sleep(Duration::from_secs(1)) => {}
-                () = shutdown.cancelled() => {}
-            }
-        }
-    }
-
-    async fn prune_loop(&self, shutdown: &CancellationToken) {
-        if self.config.retention.is_none() {
-            return;
-        }
-        while !shutdown.is_cancelled() {
-            if let Err(e) = self.prune().await {
-                debug!(error = %e, "pruning failed");
-            }
-            tokio::select! {
-                () = tokio::time::sleep(self.config.prune_interval) => {}
-                () = shutdown.cancelled() => {}
-            }
-        }
-    }
-
-    /// Deletes published rows older than the retention window, in batches;
-    /// returns how many. Unpublished rows are never deleted.
-    ///
-    /// # Errors
-    /// [`ErrorKind::Database`](crate::ErrorKind::Database) if a delete fails.
-    pub async fn prune(&self) -> Result<u64> {
-        let Some(window) = self.config.retention else {
-            return Ok(0);
-        };
-        let mut total = 0;
-        loop {
-            let n = self.store.prune(window, self.config.prune_batch).await?;
-            total += n;
-            metrics::pruned(n);
-            if n < u64::try_from(self.config.prune_batch).unwrap_or(0) {
-                break;
-            }
-        }
-        if total > 0 {
-            info!(deleted = total, "pruned published outbox rows");
-        }
-        Ok(total)
-    }
 }
 
 /// The outcome of one subject's rows in a batch.
@@ -623,34 +500,6 @@ fn to_message(row: &ClaimedRow) -> std::result::Result<OutgoingMessage, PublishF
     })
 }
 
-/// Exponential pause for the loop itself (not per row), without jitter.
-#[derive(Debug)]
-struct LoopBackoff {
-    base: Duration,
-    max: Duration,
-    current: Option<Duration>,
-}
-
-impl LoopBackoff {
-    fn new(base: Duration, max: Duration) -> Self {
-        Self {
-            base,
-            max,
-            current: None,
-        }
-    }
-
-    fn next(&mut self) -> Duration {
-        let next = self.current.map_or(self.base, |d| (d * 2).min(self.max));
-        self.current = Some(next);
-        next
-    }
-
-    fn reset(&mut self) {
-        self.current = None;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -688,14 +537,5 @@ mod tests {
         assert_eq!(err.kind(), FailureKind::Invalid);
         assert!(err.kind().is_permanent());
         assert!(err.to_string().contains("invalid event type"));
-    }
-
-    #[test]
-    fn loop_backoff_doubles_to_its_cap_and_resets() {
-        let mut b = LoopBackoff::new(Duration::from_millis(100), Duration::from_millis(350));
-        let seq: Vec<u128> = (0..4).map(|_| b.next().as_millis()).collect();
-        assert_eq!(seq, [100, 200, 350, 350]);
-        b.reset();
-        assert_eq!(b.next().as_millis(), 100);
     }
 }
