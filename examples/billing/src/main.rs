@@ -18,7 +18,7 @@ use example_billing::{
     service,
 };
 use outbox_core::{Outbox, SchemaRegistry};
-use outbox_publisher::cli::{LogFormat, cancel_on_signal, init_logging};
+use outbox_publisher::cli::{LogFormat, NatsArgs, cancel_on_signal, init_logging};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
@@ -37,15 +37,14 @@ struct Args {
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: String,
 
-    /// NATS server URL.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    nats_url: String,
+    #[command(flatten)]
+    nats: NatsArgs,
 
     /// Durable consumer name; also the inbox dedupe namespace (keep it stable).
     #[arg(long, default_value = "billing")]
     consumer: String,
 
-    /// Deliveries handled at once (never two of one customer).
+    /// Deliveries handled at once (never two of one subscription).
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
 
@@ -146,13 +145,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
         .map_err(|e| format!("connecting to the database: {e}"))?;
     example_billing::migrate(&pool).await?;
 
-    let nats = async_nats::ConnectOptions::new()
-        .name("billing")
-        .retry_on_initial_connect()
-        .max_reconnects(None)
-        .connect(args.nats_url.as_str())
-        .await
-        .map_err(|e| format!("connecting to NATS at {}: {e}", args.nats_url))?;
+    let nats = args.nats.connect("billing").await?;
     let relay = (!args.no_relay).then(|| {
         tokio::spawn(Relay::run_jetstream(
             pool.clone(),

@@ -16,7 +16,7 @@ use std::time::Duration;
 use clap::Parser;
 use example_subscriptions::{AppState, default_schemas_dir, router};
 use outbox_core::{Outbox, SchemaRegistry};
-use outbox_publisher::cli::{LogFormat, cancel_on_signal, init_logging};
+use outbox_publisher::cli::{LogFormat, NatsArgs, cancel_on_signal, init_logging};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
@@ -36,9 +36,8 @@ struct Args {
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: String,
 
-    /// NATS server URL for the in-process relay.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    nats_url: String,
+    #[command(flatten)]
+    nats: NatsArgs,
 
     /// Do not run the in-process relay (publish with a separate outbox-relay).
     #[arg(long)]
@@ -99,13 +98,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let relay = if args.no_relay {
         None
     } else {
-        let nats = async_nats::ConnectOptions::new()
-            .name("subscriptions")
-            .retry_on_initial_connect()
-            .max_reconnects(None)
-            .connect(args.nats_url.as_str())
-            .await
-            .map_err(|e| format!("connecting to NATS at {}: {e}", args.nats_url))?;
+        let nats = args.nats.connect("subscriptions").await?;
         let stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());
         Some(tokio::spawn(Relay::run_jetstream(
             pool.clone(),

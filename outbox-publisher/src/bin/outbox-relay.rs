@@ -11,12 +11,11 @@
 //! backoff).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use outbox_publisher::cli::{LogFormat, cancel_on_signal, init_logging};
+use outbox_publisher::cli::{LogFormat, NatsArgs, cancel_on_signal, init_logging};
 use outbox_publisher::{Relay, RelayConfig, StorageType, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
@@ -33,9 +32,8 @@ struct Args {
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: String,
 
-    /// NATS server URL(s), comma-separated.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    nats_url: String,
+    #[command(flatten)]
+    nats: NatsArgs,
 
     /// JetStream stream to publish into (created if missing and --subjects is given).
     #[arg(long, env = "OUTBOX_STREAM", default_value = "OUTBOX")]
@@ -104,38 +102,6 @@ struct Args {
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Human)]
     log_format: LogFormat,
-
-    /// NATS user (with --nats-password).
-    #[arg(long, env = "NATS_USER")]
-    nats_user: Option<String>,
-
-    /// NATS password.
-    #[arg(long, env = "NATS_PASSWORD", hide_env_values = true)]
-    nats_password: Option<String>,
-
-    /// NATS token.
-    #[arg(long, env = "NATS_TOKEN", hide_env_values = true)]
-    nats_token: Option<String>,
-
-    /// NATS nkey seed.
-    #[arg(long, env = "NATS_NKEY", hide_env_values = true)]
-    nats_nkey: Option<String>,
-
-    /// NATS credentials file (JWT + nkey).
-    #[arg(long, env = "NATS_CREDS")]
-    nats_creds: Option<PathBuf>,
-
-    /// CA certificate (PEM) to verify the NATS server's TLS certificate; requires TLS.
-    #[arg(long, env = "NATS_TLS_CA")]
-    nats_tls_ca: Option<PathBuf>,
-
-    /// Client certificate (PEM) for TLS client authentication, with --nats-tls-key.
-    #[arg(long, env = "NATS_TLS_CERT")]
-    nats_tls_cert: Option<PathBuf>,
-
-    /// Client key (PEM) for TLS client authentication.
-    #[arg(long, env = "NATS_TLS_KEY")]
-    nats_tls_key: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -194,11 +160,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .connect(&args.database_url)
         .await
         .map_err(|e| format!("connecting to the database: {e}"))?;
-    let nats = nats_options(&args)
-        .await?
-        .connect(args.nats_url.as_str())
-        .await
-        .map_err(|e| format!("connecting to NATS at {}: {e}", args.nats_url))?;
+    let nats = args.nats.connect("outbox-relay").await?;
 
     let mut stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());
     if let Some(storage) = args.stream_storage {
@@ -237,35 +199,4 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     ));
     relay.run(shutdown).await?;
     Ok(ExitCode::SUCCESS)
-}
-
-async fn nats_options(
-    args: &Args,
-) -> Result<async_nats::ConnectOptions, Box<dyn std::error::Error>> {
-    let mut options = async_nats::ConnectOptions::new()
-        .name("outbox-relay")
-        .retry_on_initial_connect()
-        .max_reconnects(None);
-    if let (Some(user), Some(password)) = (&args.nats_user, &args.nats_password) {
-        options = options.user_and_password(user.clone(), password.clone());
-    }
-    if let Some(token) = &args.nats_token {
-        options = options.token(token.clone());
-    }
-    if let Some(seed) = &args.nats_nkey {
-        options = options.nkey(seed.clone());
-    }
-    if let Some(path) = &args.nats_creds {
-        options = options
-            .credentials_file(path)
-            .await
-            .map_err(|e| format!("reading NATS credentials {}: {e}", path.display()))?;
-    }
-    if let Some(ca) = &args.nats_tls_ca {
-        options = options.add_root_certificates(ca.clone()).require_tls(true);
-    }
-    if let (Some(cert), Some(key)) = (&args.nats_tls_cert, &args.nats_tls_key) {
-        options = options.add_client_certificate(cert.clone(), key.clone());
-    }
-    Ok(options)
 }
