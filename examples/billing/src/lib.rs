@@ -27,6 +27,7 @@
 //! | --- | --- | --- |
 //! | `--database-url` (`DATABASE_URL`) | required | billing's database |
 //! | `--nats-url` (`NATS_URL`) | `nats://127.0.0.1:4222` | |
+//! | `--nats-user`/`--nats-password`, `--nats-token`, `--nats-nkey`, `--nats-creds`, `--nats-tls-ca`, `--nats-tls-cert`/`--nats-tls-key` | | credentials and TLS, as for `outbox-relay` |
 //! | `--consumer` | `billing` | durable name and inbox dedupe namespace |
 //! | `--concurrency` | 16 | deliveries handled at once (never two of one subscription) |
 //! | `--stream` | `OUTBOX` | |

@@ -29,6 +29,7 @@
 //! | `--database-url` (`DATABASE_URL`) | required | this service's database |
 //! | `--listen` | `127.0.0.1:8080` | port 0 picks a free port; stdout says `listening on http://ADDR` |
 //! | `--nats-url` (`NATS_URL`) | `nats://127.0.0.1:4222` | for the in-process relay |
+//! | `--nats-user`/`--nats-password`, `--nats-token`, `--nats-nkey`, `--nats-creds`, `--nats-tls-ca`, `--nats-tls-cert`/`--nats-tls-key` | | credentials and TLS, as for `outbox-relay` |
 //! | `--no-relay` | | publish with a separate `outbox-relay` instead |
 //! | `--stream` | `OUTBOX` | |
 //! | `--subjects` | `subscription.>,invoice.>` | the stream's subjects, if the relay creates it |
