@@ -125,6 +125,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
             .install()
             .map_err(|e| format!("serving metrics on {addr}: {e}"))?;
         outbox_publisher::metrics::describe();
+        inbox_consumer::metrics::describe();
         tracing::info!(%addr, "serving Prometheus metrics on /metrics");
     }
 

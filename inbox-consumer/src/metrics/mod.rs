@@ -44,6 +44,28 @@ pub mod names {
     pub const HANDLER_DURATION: &str = "inbox_handler_duration_seconds";
 }
 
+/// Registers descriptions and units of the metrics above with the installed
+/// recorder. Call once after installing it; recording works without this.
+pub fn describe() {
+    use metrics::{Unit, describe_counter, describe_histogram};
+    describe_counter!(names::HANDLED, "Deliveries whose effects committed");
+    describe_counter!(
+        names::STALE,
+        "Deliveries skipped as older than an applied event of their subject"
+    );
+    describe_counter!(names::FAILED, "Deliveries that failed and rolled back");
+    describe_counter!(
+        names::DUPLICATES,
+        "Deliveries of events the inbox already held (skipped)"
+    );
+    describe_counter!(names::DEAD_LETTERED, "Messages dead-lettered, by reason");
+    describe_histogram!(
+        names::HANDLER_DURATION,
+        Unit::Seconds,
+        "From the start of a delivery's handling to its commit or failure"
+    );
+}
+
 /// Records counts and latency of the inner service. See the [module docs](self).
 #[derive(Debug, Clone)]
 pub struct Metrics<S> {
