@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use super::Relay;
 use crate::error::Result;
@@ -62,7 +62,7 @@ impl<S: Sink> Relay<S> {
         }
         while !shutdown.is_cancelled() {
             if let Err(e) = self.prune().await {
-                debug!(error = %e, "pruning failed");
+                warn!(error = %e, "pruning published outbox rows failed; retrying at the next interval");
             }
             tokio::select! {
                 () = tokio::time::sleep(self.config.prune_interval) => {}
