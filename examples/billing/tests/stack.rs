@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use example_billing::{NotInvoicedYet, StackOptions, default_schemas_dir, migrate, service};
-use inbox_consumer::{Action, BoxError, Delivery, DeliveryInfo, HandlerError, Outcome};
+use inbox_consumer::{Action, BoxError, Delivery, DeliveryInfo, HandlerError, InTx, Outcome};
 use outbox_core::{Envelope, Outbox, SchemaRegistry};
 use outbox_testkit::TestDb;
 use serde_json::{Value, json};
@@ -182,5 +182,132 @@ async fn a_payload_the_invoice_schema_refuses_is_rejected_with_nothing_written()
     assert_eq!(
         count(&db.pool, "select count(*) from outbox_events").await,
         0
+    );
+}
+
+/// The inner stack of one replica, holding its transaction open (handler done,
+/// not yet committed) until released: a creation caught between its insert and
+/// its commit.
+#[derive(Clone)]
+struct HoldBeforeCommit {
+    inner: example_billing::Handlers,
+    holding: std::sync::Arc<tokio::sync::Notify>,
+    release: std::sync::Arc<tokio::sync::Notify>,
+}
+
+impl tower::Service<InTx<Delivery>> for HoldBeforeCommit {
+    type Response = InTx<Outcome>;
+    type Error = BoxError;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<InTx<Outcome>, BoxError>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), BoxError>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: InTx<Delivery>) -> Self::Future {
+        let inner = self.inner.clone();
+        let (holding, release) = (self.holding.clone(), self.release.clone());
+        Box::pin(async move {
+            let out = inner.oneshot(request).await?;
+            holding.notify_one();
+            release.notified().await;
+            Ok(out)
+        })
+    }
+}
+
+/// Waits (bounded) until a backend of this database waits on an advisory lock.
+async fn until_a_backend_waits_on_a_lock(pool: &PgPool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "select count(*) from pg_stat_activity
+              where datname = current_database()
+                and wait_event_type = 'Lock' and wait_event = 'advisory'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the cancellation never waited for the creation in flight"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_cancellation_racing_its_creation_on_another_replica_voids_the_invoice_every_time() {
+    // The interleaving that once left invoices valid: replica A has inserted the
+    // invoice but not committed; replica B handles the cancellation; A commits
+    // while B is in the middle of its transaction (inbox row inserted, decision
+    // not yet made). B must void the invoice, not retry it away or ack it.
+    let (db, outbox) = db().await;
+    let replica_a = PgPool::connect(db.url()).await.unwrap();
+    let replica_b = PgPool::connect(db.url()).await.unwrap();
+    let holding = std::sync::Arc::new(tokio::sync::Notify::new());
+    let release = std::sync::Arc::new(tokio::sync::Notify::new());
+    let creator = inbox_consumer::Dedupe::new(
+        HoldBeforeCommit {
+            inner: example_billing::handlers(outbox.clone()),
+            holding: holding.clone(),
+            release: release.clone(),
+        },
+        replica_a.clone(),
+    );
+
+    let rounds = 20;
+    for round in 0..rounds {
+        let subscription = format!("sub_race_{round}");
+        let create = Delivery::new(
+            created(&subscription, "cus_1", 900),
+            DeliveryInfo::new("billing"),
+        );
+        let cancel = Delivery::new(
+            cancelled(&subscription, "cus_1"),
+            DeliveryInfo::new("billing"),
+        );
+
+        let creation = tokio::spawn(creator.clone().oneshot(create));
+        holding.notified().await; // A: invoice inserted, transaction open
+        let cancellation = tokio::spawn(
+            service(replica_b.clone(), outbox.clone(), StackOptions::default()).oneshot(cancel),
+        );
+        until_a_backend_waits_on_a_lock(&db.pool).await; // B: mid-transaction, waiting
+        release.notify_one(); // A commits now, between B's steps
+        assert_eq!(creation.await.unwrap().unwrap(), Outcome::Handled);
+        assert_eq!(
+            cancellation.await.unwrap().unwrap(),
+            Outcome::Handled,
+            "round {round}: the cancellation must apply once the creation committed"
+        );
+        let voided: bool = sqlx::query_scalar(
+            "select bool_and(voided_at is not null) from invoices where subscription_id = $1",
+        )
+        .bind(&subscription)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        assert!(voided, "round {round}: the invoice stayed valid");
+    }
+    assert_eq!(
+        count(
+            &db.pool,
+            "select count(*) from invoices where voided_at is null"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(&db.pool, "select count(*) from inbox_events").await,
+        2 * rounds
     );
 }

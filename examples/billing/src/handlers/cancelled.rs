@@ -9,7 +9,6 @@ use sqlx::PgTransaction;
 use crate::events::SubscriptionCancelled;
 
 const VOID: &str = include_str!("../../queries/void_invoices.sql");
-const EXISTS: &str = include_str!("../../queries/invoice_exists.sql");
 
 /// How long a cancellation waits before it is tried again when its
 /// subscription has no invoice yet.
@@ -28,12 +27,25 @@ pub struct NotInvoicedYet {
 ///
 /// Order matters here: a cancellation applied before the invoice exists would
 /// void nothing and the invoice raised afterwards would stay valid. The events
-/// share a subject (the subscription), so they normally arrive in order; when they
-/// do not — the creation failed once and waits for its retry, or went to the
-/// other replica — the cancellation finds no invoice and asks to be retried
-/// after [`CANCEL_RETRY_AFTER`] (the contract's rule 3), its transaction and inbox
-/// row rolled back. Once the invoice exists the retry voids it. A cancellation
-/// of an invoice already voided does nothing.
+/// share a subject (the subscription). With the consumer's ordered mode (the
+/// `billing` default) they are handled one after the other in stream order,
+/// whichever replica holds them. Without it — or if the creation was
+/// dead-lettered and replayed by hand later — the cancellation can come first,
+/// and this handler must stay right under any interleaving with a creation
+/// running on another replica:
+///
+/// 1. it takes the subscription's lock, which [`InvoiceSubscription`]
+///    holds from before its insert until its commit, so a creation in flight
+///    is waited for, never seen half-way;
+/// 2. one statement voids the invoice and tells whether one exists, from one
+///    snapshot.
+///
+/// No invoice yet: the cancellation asks to be retried after
+/// [`CANCEL_RETRY_AFTER`] (the contract's rule 3), its transaction and inbox
+/// row rolled back; once the invoice exists the retry voids it. An invoice
+/// already voided: nothing to do.
+///
+/// [`InvoiceSubscription`]: crate::InvoiceSubscription
 #[derive(Debug, Clone, Default)]
 pub struct VoidInvoices {
     _private: (),
@@ -55,19 +67,15 @@ impl Handler for VoidInvoices {
         tx: &mut PgTransaction<'static>,
     ) -> Result<(), HandlerError> {
         let subscription_id = &event.data().subscription_id;
-        let voided = sqlx::query(VOID)
+        super::lock_subscription(tx, subscription_id).await?;
+        let (voided, invoiced): (i64, bool) = sqlx::query_as(VOID)
             .bind(subscription_id)
-            .execute(&mut **tx)
-            .await?
-            .rows_affected();
+            .fetch_one(&mut **tx)
+            .await?;
         if voided > 0 {
             tracing::info!(%subscription_id, voided, event_id = %event.id(), "invoice voided");
             return Ok(());
         }
-        let invoiced: bool = sqlx::query_scalar(EXISTS)
-            .bind(subscription_id)
-            .fetch_one(&mut **tx)
-            .await?;
         if invoiced {
             tracing::debug!(%subscription_id, "invoice already voided");
             Ok(())

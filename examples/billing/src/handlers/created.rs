@@ -12,6 +12,10 @@ const INSERT: &str = include_str!("../../queries/insert_invoice.sql");
 /// Raises one invoice per `subscription.created`, and writes `invoice.created`
 /// (subject: the subscription) through the outbox in the same transaction.
 ///
+/// The insert happens under the subscription's lock (held until commit), so a
+/// cancellation handled at the same moment on another replica waits for this
+/// transaction and then sees its invoice ([`VoidInvoices`]).
+///
 /// Nothing in the handler or the `invoices` table prevents a second invoice
 /// for the same subscription: the inbox row, committed in the same
 /// transaction, is what makes a redelivery a no-op.
@@ -36,6 +40,7 @@ impl Handler for InvoiceSubscription {
         tx: &mut PgTransaction<'static>,
     ) -> Result<(), HandlerError> {
         let data = event.data();
+        super::lock_subscription(tx, &data.subscription_id).await?;
         let invoice_id = Uuid::now_v7();
         sqlx::query(INSERT)
             .bind(invoice_id)

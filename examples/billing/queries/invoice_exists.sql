@@ -1,1 +1,0 @@
-select exists (select 1 from invoices where subscription_id = $1)
