@@ -863,6 +863,107 @@ async fn a_stale_event_is_skipped_for_order_dependent_handlers() {
     running.shutdown().await;
 }
 
+/// An order-dependent effect: the subject's current value, and every value it
+/// took, in commit order (the row lock orders the updates).
+#[derive(Clone)]
+struct SetCurrent;
+
+impl Handler for SetCurrent {
+    type Message = Payload;
+
+    async fn handle(
+        &self,
+        event: Envelope<Payload>,
+        tx: &mut PgTransaction<'static>,
+    ) -> Result<(), HandlerError> {
+        // Widen the window between SkipStale's read and this write.
+        sqlx::query("select pg_sleep(0.005)")
+            .execute(&mut **tx)
+            .await?;
+        sqlx::query(
+            "insert into current (subject, seq, history) values ($1, $2, array[$2])
+             on conflict (subject) do update
+               set seq = excluded.seq, history = current.history || excluded.seq",
+        )
+        .bind(event.subject())
+        .bind(event.data().seq)
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn two_replicas_hammering_one_subject_never_apply_an_older_event_after_a_newer_one() {
+    let w = world("INBOX_STALE_RACE").await;
+    sqlx::query("create table current (subject text primary key, seq bigint not null, history bigint[] not null)")
+        .execute(&w.db.pool)
+        .await
+        .unwrap();
+    let service = || {
+        ServiceBuilder::new()
+            .layer(DedupeLayer::new(w.db.pool.clone()))
+            .service(
+                Router::new().route(
+                    "t.ok",
+                    ServiceBuilder::new()
+                        .layer(SkipStaleLayer::new())
+                        .service(HandlerService::new(SetCurrent)),
+                ),
+            )
+    };
+    let config = config(&w, "stale_race").concurrency(4).batch(1);
+    let ra = start(&w, config.clone(), service()).await;
+    let rb = start(&w, config, service()).await;
+
+    let n = 300;
+    let t0 = chrono::Utc::now();
+    let mut acks = Vec::new();
+    for seq in 0..n {
+        let e = event("t.ok", "sub_hot", json!({"seq": seq}))
+            .with_time(t0 + chrono::Duration::milliseconds(seq));
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", e.id().to_string().as_str());
+        acks.push(
+            w.js.publish_with_headers("t.ok", headers, e.to_json().unwrap().into())
+                .await
+                .unwrap(),
+        );
+    }
+    for ack in acks {
+        ack.await.unwrap();
+    }
+    w.wait_count(
+        "every event in the inbox",
+        "select count(*) from inbox_events",
+        n,
+    )
+    .await;
+    w.wait_settled("stale_race").await;
+
+    let (seq, history): (i64, Vec<i64>) =
+        sqlx::query_as("select seq, history from current where subject = 'sub_hot'")
+            .fetch_one(&w.db.pool)
+            .await
+            .unwrap();
+    let inversion = history.windows(2).find(|pair| pair[0] >= pair[1]);
+    assert_eq!(
+        inversion,
+        None,
+        "an older event was applied after a newer one ({} effects)",
+        history.len()
+    );
+    assert_eq!(seq, n - 1, "the newest event's effect was lost");
+    let stale = counter("inbox_stale_total", "stale_race");
+    assert_eq!(
+        history.len() as u64 + stale,
+        n as u64,
+        "every event applied or skipped as stale, once"
+    );
+    ra.shutdown().await;
+    rb.shutdown().await;
+}
+
 #[tokio::test]
 async fn graceful_shutdown_finishes_commits_and_acks_in_flight_work() {
     let w = world("INBOX_SHUTDOWN").await;

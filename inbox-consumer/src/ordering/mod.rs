@@ -13,10 +13,20 @@
 //! [`Outcome::Stale`]; the inbox row still commits, so a redelivery of the stale
 //! event is a plain duplicate. Equal times are applied.
 //!
-//! The check reads committed rows, so it orders events handled one after the
-//! other, which the runtime guarantees per subject within one process. Handlers
-//! that need more (a merge rather than a skip) can call [`last_applied`]
-//! themselves from [`Handler::handle`](crate::Handler::handle).
+//! The read and the record share one lock: before reading, [`SkipStale`]
+//! takes the subject's lock ([`lock_subject`]), held until the transaction
+//! ends. Two replicas handling events of one subject at the same moment
+//! therefore run one after the other: the second reads after the first has
+//! committed its inbox row, so it sees the first's time and skips itself if it
+//! is older. Without the lock both would read "nothing newer", both apply, and
+//! the older could commit last.
+//!
+//! Handlers that need more (a merge rather than a skip) call [`lock_subject`]
+//! and then [`last_applied`] themselves from
+//! [`Handler::handle`](crate::Handler::handle), in that order.
+//!
+//! To keep replicas from handling a subject's events concurrently at all, and
+//! in stream order, see [`ConsumerConfig::ordered`](crate::ConsumerConfig::ordered).
 
 pub mod future;
 mod layer;
@@ -35,6 +45,31 @@ use crate::error::{BoxError, Error};
 pub use layer::SkipStaleLayer;
 
 const LAST_APPLIED: &str = include_str!("../../queries/last_applied.sql");
+const LOCK_SUBJECT: &str = include_str!("../../queries/lock_subject.sql");
+
+/// Takes `consumer`'s lock on `subject`, held until `conn`'s transaction
+/// commits or rolls back; waits while another transaction holds it.
+///
+/// Every transaction of `consumer` that reads state of `subject` to decide
+/// what to write (an "apply only if newer" check, a merge) should take it
+/// before that read, so that the read and the write are not split by another
+/// replica's commit. Outside a transaction the lock is released at once.
+///
+/// # Errors
+/// [`ErrorKind::Database`](crate::ErrorKind::Database) if the statement fails.
+pub async fn lock_subject(
+    conn: &mut PgConnection,
+    consumer: &str,
+    subject: &str,
+) -> Result<(), Error> {
+    sqlx::query(LOCK_SUBJECT)
+        .bind(consumer)
+        .bind(subject)
+        .execute(conn)
+        .await
+        .map_err(|e| Error::database("taking the subject's lock", e))?;
+    Ok(())
+}
 
 /// The latest event time `consumer` has recorded for `subject`, other than
 /// `except` (the event being handled, whose inbox row is already inserted).
@@ -104,6 +139,7 @@ where
         let mut inner = mem::replace(&mut self.inner, clone);
         future::ResponseFuture::new(async move {
             let (tx, delivery) = request.parts_mut();
+            lock_subject(tx, delivery.consumer(), delivery.subject()).await?;
             let last =
                 last_applied(tx, delivery.consumer(), delivery.subject(), delivery.id()).await?;
             if let Some(last) = last.filter(|last| *last > delivery.envelope().time()) {
