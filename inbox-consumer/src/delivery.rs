@@ -79,6 +79,7 @@ pub struct Delivery {
     info: DeliveryInfo,
     traceparent: Option<String>,
     tracestate: Option<String>,
+    leader_epoch: Option<i64>,
 }
 
 impl Delivery {
@@ -89,6 +90,7 @@ impl Delivery {
             info,
             traceparent: None,
             tracestate: None,
+            leader_epoch: None,
         }
     }
 
@@ -115,7 +117,23 @@ impl Delivery {
             tracestate: header(TRACESTATE_HEADER),
             envelope,
             info,
+            leader_epoch: None,
         })
+    }
+
+    /// Marks the delivery as handled by the leader of an ordered consumer in
+    /// `epoch` (the runtime does this): [`Dedupe`](crate::Dedupe) then checks,
+    /// just before it commits, that the epoch is still current, and rolls back
+    /// with [`ErrorKind::LeaseLost`] if another replica took the lead.
+    #[must_use]
+    pub fn with_leader_epoch(mut self, epoch: i64) -> Self {
+        self.leader_epoch = Some(epoch);
+        self
+    }
+
+    /// The leader epoch this delivery is fenced by, if any.
+    pub fn leader_epoch(&self) -> Option<i64> {
+        self.leader_epoch
     }
 
     /// Overrides the trace context (normally read from the message headers).

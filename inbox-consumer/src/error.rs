@@ -28,6 +28,10 @@ pub enum ErrorKind {
     Database,
     /// NATS or JetStream reported an error (consumer set-up, fetch, ack, DLQ publish).
     Nats,
+    /// An ordered consumer's replica is no longer the leader: another replica
+    /// took the lead, so this replica's transaction rolled back and its message
+    /// is left for the new leader (neither acked nor nak'ed).
+    LeaseLost,
 }
 
 impl fmt::Display for ErrorKind {
@@ -39,6 +43,7 @@ impl fmt::Display for ErrorKind {
             Self::Unroutable => "no route for event type",
             Self::Database => "database error",
             Self::Nats => "NATS error",
+            Self::LeaseLost => "leadership lost",
         })
     }
 }

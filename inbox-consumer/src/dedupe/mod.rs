@@ -15,7 +15,10 @@
 //!    which hands the transaction back,
 //! 5. checks that the transaction is not aborted (a handler that swallowed a
 //!    failed statement and returned `Ok` would otherwise "commit" a rollback
-//!    and the event would be acked without its effect), commits, and only then
+//!    and the event would be acked without its effect), checks the leader
+//!    fence when the delivery carries a [`leader_epoch`](Delivery::leader_epoch)
+//!    (an ordered consumer; a deposed leader rolls back with
+//!    [`ErrorKind::LeaseLost`](crate::ErrorKind::LeaseLost)), commits, and only then
 //!    resolves. The runtime acks after this future
 //!    resolves `Ok`, so an ack always follows a commit; a failed commit is an
 //!    error, and an error is never acked.
@@ -41,6 +44,7 @@ use tower::Service;
 use crate::delivery::{Delivery, InTx, Outcome};
 use crate::error::{BoxError, Error};
 use crate::metrics::names;
+use crate::runtime::lease::check_fence;
 
 pub use layer::DedupeLayer;
 
@@ -148,6 +152,7 @@ where
                 );
                 return Ok(Outcome::Duplicate);
             }
+            let (consumer, epoch) = (delivery.consumer().to_owned(), delivery.leader_epoch());
             let (mut tx, outcome) = inner
                 .call(InTx::new(tx, delivery))
                 .await
@@ -162,6 +167,9 @@ where
                     e,
                 )
             })?;
+            if let Some(epoch) = epoch {
+                check_fence(&mut tx, &consumer, epoch).await?;
+            }
             tx.commit()
                 .await
                 .map_err(|e| Error::database("committing the handler's transaction", e))?;

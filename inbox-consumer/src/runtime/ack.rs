@@ -6,6 +6,7 @@
 //! | retryable error (rolled back) | `-NAK {delay}`, delay from [`RetryPolicy`] or [`HandlerError::retry_after`] |
 //! | retryable error on the last allowed delivery | dead letter (`max_deliveries`), then `+TERM` |
 //! | reject, undecodable payload, no route | dead letter, then `+TERM` |
+//! | [`ErrorKind::LeaseLost`] (an ordered consumer's deposed leader) | nothing: the new leader gets it |
 //!
 //! An error this crate does not know (from a third-party layer) is retried.
 
@@ -65,6 +66,8 @@ pub(crate) enum Decision {
     Ack(Outcome),
     Nak(Duration),
     DeadLetter(Reason),
+    /// Another replica leads now: leave the message to it, neither ack nor nak.
+    Abandon,
 }
 
 /// Decides the acknowledgement for a delivery's result.
@@ -80,6 +83,7 @@ pub(crate) fn decide(
     };
     match classify(error.as_ref()) {
         Classified::Reject(reason) => Decision::DeadLetter(reason),
+        Classified::Abandon => Decision::Abandon,
         Classified::Retry(after) => {
             let last = u64::try_from(max_deliver).is_ok_and(|max| max > 0 && delivered >= max);
             if last {
@@ -94,9 +98,16 @@ pub(crate) fn decide(
 enum Classified {
     Retry(Option<Duration>),
     Reject(Reason),
+    Abandon,
 }
 
 fn classify(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Classified {
+    if error
+        .downcast_ref::<Error>()
+        .is_some_and(|e| e.kind() == ErrorKind::LeaseLost)
+    {
+        return Classified::Abandon;
+    }
     if let Some(handler) = error.downcast_ref::<HandlerError>() {
         return match handler.action() {
             Action::Retry { after } => Classified::Retry(after),
@@ -229,6 +240,14 @@ mod tests {
             decide(&unroutable, 1, 3, &p),
             Decision::DeadLetter(Reason::Unroutable)
         );
+    }
+
+    #[test]
+    fn a_deposed_leader_abandons_the_message() {
+        let p = RetryPolicy::default();
+        let fenced = err(Error::new(ErrorKind::LeaseLost, "new leader"));
+        assert_eq!(decide(&fenced, 1, 3, &p), Decision::Abandon);
+        assert_eq!(decide(&fenced, 3, 3, &p), Decision::Abandon);
     }
 
     #[test]

@@ -29,6 +29,8 @@ pub struct ConsumerConfig {
     pub(crate) dead_letter_subject: Option<String>,
     pub(crate) retention: Retention,
     pub(crate) prune: bool,
+    pub(crate) ordered: bool,
+    pub(crate) lease_timeout: Duration,
 }
 
 impl ConsumerConfig {
@@ -52,6 +54,8 @@ impl ConsumerConfig {
             dead_letter_subject: None,
             retention: Retention::default(),
             prune: true,
+            ordered: false,
+            lease_timeout: Duration::from_secs(15),
         }
     }
 
@@ -166,6 +170,39 @@ impl ConsumerConfig {
     #[must_use]
     pub fn prune(mut self, prune: bool) -> Self {
         self.prune = prune;
+        self
+    }
+
+    /// Per-subject order across every replica of this consumer: no two events
+    /// of one subject are ever handled at once, anywhere, and they are applied
+    /// in stream order. Default: false.
+    ///
+    /// One replica at a time leads and fetches; the others stand by and take
+    /// over when it dies (at once when its process exits; after
+    /// [`lease_timeout`](Self::lease_timeout) when it hangs or loses the
+    /// database). Within the leader, up to [`concurrency`](Self::concurrency)
+    /// subjects still run at once, and a failing delivery is retried in
+    /// place, holding back its subject, instead of being nak'ed past.
+    /// A new leader first finds the events its predecessor left unfinished
+    /// and holds back later events of their subjects until they are done.
+    /// Every handler transaction is fenced: a deposed leader's commits roll
+    /// back. The cost: the consumer's throughput is one process's, whatever
+    /// the replica count (see the crate's `BENCHMARKS.md`). Every replica of
+    /// the durable must use the same setting. Needs PostgreSQL 14 or later.
+    /// See [`runtime`](crate::runtime#ordered-consumption).
+    #[must_use]
+    pub fn ordered(mut self, ordered: bool) -> Self {
+        self.ordered = ordered;
+        self
+    }
+
+    /// How long a leader may stay silent towards the database before a standby
+    /// takes over (it is also the leadership session's
+    /// `idle_session_timeout`). A leader that cannot confirm its session for
+    /// half of it steps down by itself. At least 3 s. Default: 15 s.
+    #[must_use]
+    pub fn lease_timeout(mut self, timeout: Duration) -> Self {
+        self.lease_timeout = timeout.max(Duration::from_secs(3));
         self
     }
 

@@ -54,15 +54,19 @@
 pub(crate) mod ack;
 mod config;
 mod dispatch;
+pub(crate) mod lease;
 mod process;
+mod takeover;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::PullConsumer};
+use async_nats::jetstream::{self, AckKind, consumer::PullConsumer};
 use futures::StreamExt;
+use outbox_core::EventId;
 use sqlx::PgPool;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -76,7 +80,9 @@ pub use ack::RetryPolicy;
 pub use config::ConsumerConfig;
 
 use dispatch::Dispatcher;
+use lease::Tenure;
 use process::Shared;
+use takeover::Backlog;
 
 /// How long to wait before re-opening a failed message stream.
 const REOPEN_DELAY: Duration = Duration::from_secs(1);
@@ -89,7 +95,8 @@ const PULL_EXPIRES: Duration = Duration::from_secs(10);
 ///
 /// Build it with [`Consumer::new`], then [`run`](Consumer::run) a service stack
 /// on it. Several processes may run the same durable: JetStream shares the
-/// messages, the inbox keeps one effect per event.
+/// messages (or, [`ordered`](ConsumerConfig::ordered), one leads and the
+/// others stand by), the inbox keeps one effect per event.
 #[derive(Debug)]
 pub struct Consumer {
     shared: Arc<Shared>,
@@ -152,7 +159,9 @@ impl Consumer {
     /// Runs `service` on every message until `shutdown` resolves, then drains.
     ///
     /// `service` is cloned per message and driven with `oneshot` (ready, then
-    /// call), so every layer sees tower's usual contract.
+    /// call), so every layer sees tower's usual contract. An
+    /// [`ordered`](ConsumerConfig::ordered) consumer first waits to lead (or
+    /// for `shutdown`), and goes back to standing by if it loses the lead.
     ///
     /// # Errors
     /// None today: fetch and ack failures are logged and retried, and handler
@@ -165,41 +174,112 @@ impl Consumer {
         S::Future: Send + 'static,
         F: Future<Output = ()> + Send,
     {
-        let shared = self.shared;
+        let shared = Arc::clone(&self.shared);
         let config = &shared.config;
         let _pruner = config
             .prune
             .then(|| AbortOnDrop(tokio::spawn(prune_periodically(Arc::clone(&shared)))));
         let mut shutdown = std::pin::pin!(shutdown);
-        let mut messages = None;
-        let mut reopen_at = Instant::now();
-        let mut tasks: JoinSet<()> = JoinSet::new();
-        let mut keys: TaskKeys = HashMap::new();
-        let mut dispatcher: Dispatcher<Job> = Dispatcher::new();
-        let mut stopping = false;
         tracing::info!(
             consumer = %config.durable, stream = %config.stream, concurrency = config.concurrency,
-            "inbox consumer started",
+            ordered = config.ordered, "inbox consumer started",
         );
+        if config.ordered {
+            loop {
+                let tenure = tokio::select! {
+                    biased;
+                    () = shutdown.as_mut() => break,
+                    tenure = lease::acquire(&shared.pool, &config.durable, config.lease_timeout) => tenure,
+                };
+                match self
+                    .serve(service.clone(), shutdown.as_mut(), Some(tenure))
+                    .await
+                {
+                    Served::Shutdown(tenure) => {
+                        if let Some(tenure) = tenure {
+                            tenure.release().await;
+                        }
+                        break;
+                    }
+                    Served::Deposed => {}
+                }
+            }
+        } else {
+            self.serve(service, shutdown.as_mut(), None).await;
+        }
+        tracing::info!(consumer = %config.durable, "inbox consumer stopped");
+        Ok(())
+    }
+
+    /// Fetches and handles messages until `shutdown` (then drains) or, when
+    /// leading, until the lead is lost (then drops everything it holds: the new
+    /// leader gets it all back from JetStream).
+    async fn serve<S, F>(
+        &self,
+        service: S,
+        mut shutdown: Pin<&mut F>,
+        mut tenure: Option<Tenure>,
+    ) -> Served
+    where
+        S: Service<Delivery, Response = Outcome> + Clone + Send + 'static,
+        S::Error: Into<BoxError>,
+        S::Future: Send + 'static,
+        F: Future<Output = ()> + Send,
+    {
+        let shared = &self.shared;
+        let config = &shared.config;
+        let mut backlog: Backlog<Job> = Backlog::default();
+        if tenure.is_some() {
+            // Before fetching anything: what did earlier leaders leave unfinished?
+            loop {
+                tokio::select! {
+                    biased;
+                    () = shutdown.as_mut() => return Served::Shutdown(tenure),
+                    () = lost(&mut tenure) => return Served::Deposed,
+                    scanned = takeover::scan(shared, &self.consumer) => match scanned {
+                        Ok(found) => {
+                            backlog = found;
+                            break;
+                        }
+                        Err(e) => {
+                            tracing::warn!(consumer = %config.durable, error = %e, "cannot read what earlier leaders left; retrying");
+                        }
+                    },
+                }
+                tokio::time::sleep(REOPEN_DELAY).await;
+            }
+        }
+        let epoch = tenure.as_ref().map(Tenure::epoch);
+        let mut messages: Option<Messages> = None;
+        let mut reopen_at = Instant::now();
+        let mut tasks: JoinSet<bool> = JoinSet::new();
+        let mut keys: TaskKeys = HashMap::new();
+        let mut dispatcher: Dispatcher<Job> = Dispatcher::new();
+        // Jobs cleared to run, in arrival order, waiting for a free slot.
+        let mut ready: VecDeque<Job> = VecDeque::new();
+        let mut progress_at = Instant::now() + config.progress_every();
+        let mut stopping = false;
 
         loop {
+            while tasks.len() < config.concurrency
+                && let Some(job) = ready.pop_front()
+            {
+                let key = job.1.subject().to_owned();
+                if let Some(job) = dispatcher.offer(&key, job) {
+                    spawn_delivery(&mut tasks, &mut keys, shared, &service, key, job);
+                }
+            }
             if stopping && tasks.is_empty() {
                 break;
             }
             let room = !stopping
+                && ready.is_empty()
                 && tasks.len() < config.concurrency
-                && tasks.len() + dispatcher.queued() < config.max_buffered;
+                && tasks.len() + dispatcher.queued() < config.max_buffered
+                && tenure.as_ref().is_none_or(Tenure::valid);
             if room && messages.is_none() && Instant::now() >= reopen_at {
-                match self
-                    .consumer
-                    .stream()
-                    .max_messages_per_batch(config.batch)
-                    .heartbeat(HEARTBEAT)
-                    .expires(PULL_EXPIRES)
-                    .messages()
-                    .await
-                {
-                    Ok(stream) => messages = Some(stream),
+                match Messages::open(&self.consumer, config).await {
+                    Ok(opened) => messages = Some(opened),
                     Err(e) => {
                         tracing::warn!(consumer = %config.durable, error = %e, "cannot open the message stream; retrying");
                         reopen_at = Instant::now() + REOPEN_DELAY;
@@ -208,7 +288,7 @@ impl Consumer {
             }
             tokio::select! {
                 biased;
-                () = &mut shutdown, if !stopping => {
+                () = shutdown.as_mut(), if !stopping => {
                     tracing::info!(
                         consumer = %config.durable, in_flight = tasks.len(), queued = dispatcher.queued(),
                         "shutting down: fetching stopped, finishing held messages",
@@ -216,72 +296,102 @@ impl Consumer {
                     stopping = true;
                     messages = None;
                 }
+                () = lost(&mut tenure), if tenure.is_some() => {
+                    tracing::warn!(
+                        consumer = %config.durable, in_flight = tasks.len(), queued = dispatcher.queued() + ready.len(),
+                        "lost the lead: dropping every held message for the new leader",
+                    );
+                    // Dropping the tasks aborts them: their transactions roll back.
+                    return if stopping { Served::Shutdown(None) } else { Served::Deposed };
+                }
                 Some(joined) = tasks.join_next_with_id(), if !tasks.is_empty() => {
-                    let id = match joined {
-                        Ok((id, ())) => id,
+                    let (id, finished) = match joined {
+                        Ok((id, finished)) => (id, finished),
                         Err(e) => {
                             tracing::error!(
                                 consumer = %config.durable, error = %e,
                                 "a delivery task failed without acking; the message will be redelivered",
                             );
-                            e.id()
+                            (e.id(), false)
                         }
                     };
-                    if let Some(Some(key)) = keys.remove(&id)
-                        && let Some(job) = dispatcher.finish(&key)
-                    {
-                        spawn_delivery(&mut tasks, &mut keys, &shared, &service, key, job);
+                    if let Some(Some((key, event))) = keys.remove(&id) {
+                        if let Some(job) = dispatcher.finish(&key) {
+                            spawn_delivery(&mut tasks, &mut keys, shared, &service, key.clone(), job);
+                        }
+                        if finished {
+                            ready.extend(backlog.finished(&key, event));
+                        }
                     }
                 }
                 next = next_message(&mut messages), if room && messages.is_some() => match next {
                     Some(Ok(message)) => match Delivery::from_message(&message) {
                         Ok(delivery) => {
-                            let key = delivery.subject().to_owned();
-                            if let Some(job) = dispatcher.offer(&key, (message, delivery)) {
-                                spawn_delivery(&mut tasks, &mut keys, &shared, &service, key, job);
-                            }
+                            let delivery = match epoch {
+                                Some(epoch) => delivery.with_leader_epoch(epoch),
+                                None => delivery,
+                            };
+                            ready.extend(backlog.admit((message, delivery)));
                         }
                         Err(poison) => {
-                            let handle = tasks.spawn(process::poison(Arc::clone(&shared), message, poison));
+                            let handle = tasks.spawn(process::poison(Arc::clone(shared), message, poison));
                             keys.insert(handle.id(), None);
                         }
                     },
-                    Some(Err(e)) => {
-                        use jetstream::consumer::pull::MessagesErrorKind as Kind;
-                        match e.kind() {
-                            // The stream recovers by itself (re-issues its pull).
-                            Kind::MissingHeartbeat => {
-                                tracing::debug!(consumer = %config.durable, error = %e, "missed heartbeat");
-                            }
-                            // Anything else: start over with a fresh stream, after a pause,
-                            // so a broker outage is not a hot loop.
-                            _ => {
-                                tracing::warn!(consumer = %config.durable, error = %e, "message stream failed; reopening");
-                                messages = None;
-                                reopen_at = Instant::now() + REOPEN_DELAY;
-                            }
-                        }
+                    Some(Err(e)) if e.missed_heartbeat => {
+                        // The stream recovers by itself (re-issues its pull).
+                        tracing::debug!(consumer = %config.durable, error = %e.text, "missed heartbeat");
                     }
-                    None => {
-                        tracing::debug!(consumer = %config.durable, "message stream ended; reopening");
+                    Some(Err(e)) => {
+                        // Start over with a fresh stream, after a pause, so a
+                        // broker outage is not a hot loop.
+                        tracing::warn!(consumer = %config.durable, error = %e.text, "message stream failed; reopening");
                         messages = None;
                         reopen_at = Instant::now() + REOPEN_DELAY;
                     }
+                    None => {
+                        // A leader's batch ends after each pull; a plain stream only when it breaks.
+                        tracing::trace!(consumer = %config.durable, "message stream ended; reopening");
+                        messages = None;
+                        reopen_at = if config.ordered { Instant::now() } else { Instant::now() + REOPEN_DELAY };
+                    }
                 },
                 () = tokio::time::sleep_until(reopen_at), if room && messages.is_none() => {}
+                () = tokio::time::sleep_until(progress_at), if !backlog.is_empty() => {
+                    // Held-back messages keep their place with in-progress acks.
+                    let held: Vec<jetstream::Message> = backlog.held().map(|job| job.0.clone()).collect();
+                    let timeout = config.ack_timeout;
+                    tokio::spawn(async move {
+                        for message in held {
+                            if let Err(e) = ack::send(&message, AckKind::Progress, timeout).await {
+                                tracing::debug!(error = %e, "in-progress ack of a held message failed");
+                            }
+                        }
+                    });
+                    ready.extend(backlog.expire(&config.durable, Instant::now()));
+                    progress_at = Instant::now() + config.progress_every();
+                }
             }
         }
-        tracing::info!(consumer = %config.durable, "inbox consumer stopped");
-        Ok(())
+        Served::Shutdown(tenure)
     }
 }
 
+/// How [`Consumer::serve`] ended.
+enum Served {
+    /// Shut down and drained; the tenure, if still leading, to release.
+    Shutdown(Option<Tenure>),
+    /// The lead was lost: stand by again.
+    Deposed,
+}
+
 type Job = (jetstream::Message, Delivery);
-type TaskKeys = HashMap<tokio::task::Id, Option<String>>;
+/// Each delivery task's subject and event, to free the subject when it ends.
+type TaskKeys = HashMap<tokio::task::Id, Option<(String, EventId)>>;
 
 /// Starts the delivery task of `job`, remembering its subject key.
 fn spawn_delivery<S>(
-    tasks: &mut JoinSet<()>,
+    tasks: &mut JoinSet<bool>,
     keys: &mut TaskKeys,
     shared: &Arc<Shared>,
     service: &S,
@@ -292,20 +402,78 @@ fn spawn_delivery<S>(
     S::Error: Into<BoxError>,
     S::Future: Send + 'static,
 {
+    let event = delivery.id();
     let handle = tasks.spawn(process::deliver(
         Arc::clone(shared),
         service.clone(),
         message,
         delivery,
     ));
-    keys.insert(handle.id(), Some(key));
+    keys.insert(handle.id(), Some((key, event)));
+}
+
+/// Where messages come from: a long-lived pull stream, or, for a leader, one
+/// pull at a time so that each is issued only while the lead is confirmed.
+enum Messages {
+    Stream(jetstream::consumer::pull::Stream),
+    Batch(jetstream::consumer::pull::Batch),
+}
+
+/// A failed read from [`Messages`].
+struct FetchError {
+    missed_heartbeat: bool,
+    text: String,
+}
+
+impl Messages {
+    async fn open(consumer: &PullConsumer, config: &ConsumerConfig) -> Result<Self, BoxError> {
+        if config.ordered {
+            // Short pulls: a pull outlives a deposed leader by at most this.
+            let expires = (config.lease_timeout / 3).min(PULL_EXPIRES);
+            let batch = consumer
+                .batch()
+                .max_messages(config.batch)
+                .expires(expires)
+                .messages()
+                .await?;
+            return Ok(Self::Batch(batch));
+        }
+        let stream = consumer
+            .stream()
+            .max_messages_per_batch(config.batch)
+            .heartbeat(HEARTBEAT)
+            .expires(PULL_EXPIRES)
+            .messages()
+            .await?;
+        Ok(Self::Stream(stream))
+    }
 }
 
 async fn next_message(
-    messages: &mut Option<jetstream::consumer::pull::Stream>,
-) -> Option<Result<jetstream::Message, jetstream::consumer::pull::MessagesError>> {
+    messages: &mut Option<Messages>,
+) -> Option<Result<jetstream::Message, FetchError>> {
+    use jetstream::consumer::pull::MessagesErrorKind;
     match messages {
-        Some(stream) => stream.next().await,
+        Some(Messages::Stream(stream)) => stream.next().await.map(|next| {
+            next.map_err(|e| FetchError {
+                missed_heartbeat: e.kind() == MessagesErrorKind::MissingHeartbeat,
+                text: e.to_string(),
+            })
+        }),
+        Some(Messages::Batch(batch)) => batch.next().await.map(|next| {
+            next.map_err(|e| FetchError {
+                missed_heartbeat: false,
+                text: e.to_string(),
+            })
+        }),
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves when a held tenure is lost; never without one.
+async fn lost(tenure: &mut Option<Tenure>) {
+    match tenure {
+        Some(tenure) => tenure.lost().await,
         None => std::future::pending().await,
     }
 }

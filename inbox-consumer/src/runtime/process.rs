@@ -26,27 +26,49 @@ pub(crate) struct Shared {
     pub(crate) max_deliver: i64,
 }
 
-/// Handles one decoded delivery: service (→ commit) → ack, or nak, or dead letter.
+/// Handles one decoded delivery: service (→ commit) → ack, or nak, or dead
+/// letter. An ordered consumer retries in place instead of nak'ing, so that
+/// nothing later of the subject overtakes it. Returns whether the message is
+/// finished (acked, or dead-lettered and terminated).
 pub(crate) async fn deliver<S>(
     shared: Arc<Shared>,
     service: S,
     message: jetstream::Message,
     delivery: Delivery,
-) where
-    S: Service<Delivery, Response = Outcome>,
+) -> bool
+where
+    S: Service<Delivery, Response = Outcome> + Clone,
     S::Error: Into<BoxError>,
 {
     let info = delivery.info().clone();
     let event_id = delivery.id();
     let event_type = delivery.event_type().as_str().to_owned();
-    let call = async { service.oneshot(delivery).await.map_err(Into::into) };
-    let result = with_progress(call, &message, &shared.config).await;
-    let decision = ack::decide(
-        &result,
-        info.delivered,
-        shared.max_deliver,
-        &shared.config.retry,
-    );
+    let mut attempt = info.delivered;
+    let (result, decision) = loop {
+        let (attempt_service, attempt_delivery) = (service.clone(), delivery.clone());
+        let call = async move {
+            attempt_service
+                .oneshot(attempt_delivery)
+                .await
+                .map_err(Into::into)
+        };
+        let result = with_progress(call, &message, &shared.config).await;
+        let decision = ack::decide(&result, attempt, shared.max_deliver, &shared.config.retry);
+        match decision {
+            Decision::Nak(delay) if shared.config.ordered => {
+                let error = result.err().map(|e| e.to_string()).unwrap_or_default();
+                tracing::warn!(
+                    consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
+                    subject = delivery.subject(), stream_sequence = info.stream_sequence,
+                    attempt, retry_in = ?delay, error = %error,
+                    "delivery failed and rolled back; retried in place, its subject waits",
+                );
+                with_progress(tokio::time::sleep(delay), &message, &shared.config).await;
+                attempt = attempt.saturating_add(1);
+            }
+            decision => break (result, decision),
+        }
+    };
     match decision {
         Decision::Ack(_) => {
             // The transaction has committed: only now is the message acked.
@@ -57,6 +79,7 @@ pub(crate) async fn deliver<S>(
                     "ack failed after commit; the redelivery will be a duplicate",
                 );
             }
+            true
         }
         Decision::Nak(delay) => {
             let error = result.err().map(|e| e.to_string()).unwrap_or_default();
@@ -67,24 +90,36 @@ pub(crate) async fn deliver<S>(
                 "delivery failed and rolled back; it will be redelivered",
             );
             nak(&message, &info, delay, &shared.config).await;
+            false
         }
         Decision::DeadLetter(reason) => {
             let error = result
                 .err()
                 .map(|e| error_chain(e.as_ref()))
                 .unwrap_or_default();
-            dead_letter(&shared, &message, &info, Some(event_id), reason, error).await;
+            dead_letter(&shared, &message, &info, Some(event_id), reason, error).await
+        }
+        Decision::Abandon => {
+            tracing::info!(
+                consumer = %info.consumer, event_id = %event_id, stream_sequence = info.stream_sequence,
+                "another replica leads now: rolled back, left for it",
+            );
+            false
         }
     }
 }
 
 /// Dead-letters a message that failed to decode.
-pub(crate) async fn poison(shared: Arc<Shared>, message: jetstream::Message, poison: Poison) {
+pub(crate) async fn poison(
+    shared: Arc<Shared>,
+    message: jetstream::Message,
+    poison: Poison,
+) -> bool {
     let info = match DeliveryInfo::from_message(&message) {
         Ok(info) => info,
         Err(e) => {
             tracing::error!(error = %e, subject = %message.subject, "not a JetStream message; ignored");
-            return;
+            return false;
         }
     };
     let error = error_chain(&poison);
@@ -96,11 +131,12 @@ pub(crate) async fn poison(shared: Arc<Shared>, message: jetstream::Message, poi
         poison.reason(),
         error,
     )
-    .await;
+    .await
 }
 
 /// Records a dead letter, then terminates the message; if recording fails,
-/// naks it so that dead-lettering is tried again.
+/// naks it so that dead-lettering is tried again. Returns whether it was
+/// recorded.
 async fn dead_letter(
     shared: &Shared,
     message: &jetstream::Message,
@@ -108,7 +144,7 @@ async fn dead_letter(
     event_id: Option<EventId>,
     reason: Reason,
     error: String,
-) {
+) -> bool {
     let letter = DeadLetter {
         info,
         event_id,
@@ -148,6 +184,7 @@ async fn dead_letter(
                     "term failed after dead-lettering; a redelivery will be dead-lettered again",
                 );
             }
+            true
         }
         Err(e) => {
             tracing::error!(
@@ -162,6 +199,7 @@ async fn dead_letter(
                 &shared.config,
             )
             .await;
+            false
         }
     }
 }

@@ -1,0 +1,5 @@
+-- The fence of one consumer's leadership. A handler transaction takes it shared
+-- just before it reads the epoch and commits; a new leader takes it exclusive
+-- while it bumps the epoch. So a new epoch waits for the commits already past
+-- their check, and every check after it sees the new epoch.
+select pg_advisory_xact_lock_shared(hashtext('inbox_consumer.fence'), hashtext($1))

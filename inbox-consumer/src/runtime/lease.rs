@@ -1,0 +1,286 @@
+//! Leadership of an ordered consumer: who may fetch, and the fence that keeps a
+//! deposed leader from committing.
+//!
+//! - **Leadership** is a session-level advisory lock on a connection of its
+//!   own. Standbys try it every [`poll_every`]. The server releases it when the
+//!   leader's session ends: at once when the process dies (its socket closes),
+//!   or after `idle_session_timeout` (the lease timeout) when the leader stops
+//!   talking to the database (frozen, or cut off). A keeper task pings every
+//!   fifth of the timeout. A failed ping (the session is gone, and the lock
+//!   with it) steps down at once; a ping that hangs steps down once nothing is
+//!   confirmed for half the timeout, before the server can hand the lock on.
+//!   The runtime also checks that confirmation before each fetch
+//!   ([`Tenure::valid`]), so a leader resuming from a long pause fetches
+//!   nothing more before it notices.
+//! - **The fence.** Each new leader bumps `inbox_leases.epoch` while holding
+//!   the fence lock exclusively. Each handler transaction of a leader, just
+//!   before its commit, takes the fence lock shared and reads the epoch
+//!   ([`check_fence`]): a mismatch rolls it back. A new epoch therefore waits
+//!   for the commits that already passed their check, and no transaction of a
+//!   deposed leader commits after it.
+
+use std::time::Duration;
+
+use sqlx::{Connection, PgConnection, PgPool};
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::error::{Error, ErrorKind};
+
+const TRY_LOCK: &str = include_str!("../../queries/lease_try_lock.sql");
+const FENCE_EXCLUSIVE: &str = include_str!("../../queries/lease_fence_exclusive.sql");
+const FENCE_SHARED: &str = include_str!("../../queries/lease_fence_shared.sql");
+const EPOCH: &str = include_str!("../../queries/lease_epoch.sql");
+const TAKE: &str = include_str!("../../queries/lease_take.sql");
+const RELEASE: &str = include_str!("../../queries/lease_release.sql");
+
+/// How often a standby tries to take the lead.
+pub(crate) fn poll_every(timeout: Duration) -> Duration {
+    (timeout / 20).clamp(Duration::from_millis(100), Duration::from_secs(1))
+}
+
+/// How often the leader pings its session.
+fn ping_every(timeout: Duration) -> Duration {
+    timeout / 5
+}
+
+/// Checks, inside a leader's handler transaction and just before its commit,
+/// that `epoch` is still the consumer's leader epoch.
+///
+/// # Errors
+/// [`ErrorKind::LeaseLost`] if another replica has taken the lead since;
+/// [`ErrorKind::Database`] if a statement fails.
+pub(crate) async fn check_fence(
+    conn: &mut PgConnection,
+    consumer: &str,
+    epoch: i64,
+) -> Result<(), Error> {
+    sqlx::query(FENCE_SHARED)
+        .bind(consumer)
+        .execute(&mut *conn)
+        .await
+        .map_err(|e| Error::database("taking the leadership fence", e))?;
+    let current: Option<i64> = sqlx::query_scalar(EPOCH)
+        .bind(consumer)
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(|e| Error::database("reading the leader epoch", e))?;
+    if current == Some(epoch) {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::LeaseLost,
+        format!(
+            "consumer `{consumer}` has a new leader (epoch {}); this transaction of epoch {epoch} rolls back",
+            current.map_or_else(|| "none".to_owned(), |e| e.to_string()),
+        ),
+    ))
+}
+
+/// This replica leads the consumer until [`Tenure::lost`] fires.
+#[derive(Debug)]
+pub(crate) struct Tenure {
+    epoch: i64,
+    timeout: Duration,
+    /// When the session was last confirmed; `None` once the lead is lost.
+    confirmed: watch::Receiver<Option<Instant>>,
+    release: Option<oneshot::Sender<()>>,
+    keeper: JoinHandle<()>,
+}
+
+impl Tenure {
+    /// The fencing epoch of this tenure.
+    pub(crate) fn epoch(&self) -> i64 {
+        self.epoch
+    }
+
+    /// Whether the session was confirmed within half the lease timeout: only
+    /// then may the leader fetch.
+    pub(crate) fn valid(&self) -> bool {
+        self.confirmed
+            .borrow()
+            .is_some_and(|at| at.elapsed() < self.timeout / 2)
+    }
+
+    /// Resolves once the lead is lost (the session failed, or went unconfirmed
+    /// for half the lease timeout).
+    pub(crate) async fn lost(&mut self) {
+        // An error means the keeper is gone: lost as well.
+        let _ = self.confirmed.wait_for(Option::is_none).await;
+    }
+
+    /// Gives up the lead (clean shutdown): unlocks and closes the session.
+    pub(crate) async fn release(mut self) {
+        if let Some(release) = self.release.take() {
+            let _ = release.send(());
+        }
+        if tokio::time::timeout(Duration::from_secs(5), &mut self.keeper)
+            .await
+            .is_err()
+        {
+            self.keeper.abort();
+        }
+    }
+}
+
+impl Drop for Tenure {
+    fn drop(&mut self) {
+        // Dropping without release (step-down, abort): the session closes with
+        // the keeper, which releases the lock server-side.
+        if self.release.is_some() {
+            self.keeper.abort();
+        }
+    }
+}
+
+/// Waits until this replica leads `consumer`, retrying every [`poll_every`]
+/// (and across database errors, which it logs). Cancel it by dropping.
+pub(crate) async fn acquire(pool: &PgPool, consumer: &str, timeout: Duration) -> Tenure {
+    let holder = format!("pid {} ({})", std::process::id(), uuid::Uuid::now_v7());
+    let mut conn: Option<PgConnection> = None;
+    let mut logged_standby = false;
+    loop {
+        match try_lead(pool, &mut conn, consumer, &holder, timeout).await {
+            Ok(Some(epoch)) => {
+                let Some(conn) = conn.take() else {
+                    continue;
+                };
+                tracing::info!(consumer, epoch, %holder, "this replica leads the ordered consumer");
+                let (confirm, confirmed) = watch::channel(Some(Instant::now()));
+                let (release, release_rx) = oneshot::channel();
+                let keeper = tokio::spawn(keep(
+                    conn,
+                    consumer.to_owned(),
+                    timeout,
+                    confirm,
+                    release_rx,
+                ));
+                return Tenure {
+                    epoch,
+                    timeout,
+                    confirmed,
+                    release: Some(release),
+                    keeper,
+                };
+            }
+            Ok(None) => {
+                if !logged_standby {
+                    tracing::info!(
+                        consumer,
+                        "standby: another replica leads the ordered consumer"
+                    );
+                    logged_standby = true;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(consumer, error = %e, "cannot try for the lead; retrying");
+                conn = None;
+            }
+        }
+        tokio::time::sleep(poll_every(timeout)).await;
+    }
+}
+
+/// One try: `Some(epoch)` if the lock was free and the epoch is bumped.
+async fn try_lead(
+    pool: &PgPool,
+    conn: &mut Option<PgConnection>,
+    consumer: &str,
+    holder: &str,
+    timeout: Duration,
+) -> Result<Option<i64>, Error> {
+    let conn = match conn {
+        Some(conn) => conn,
+        None => {
+            // A session of its own, which the server ends when it goes silent
+            // for the lease timeout (PostgreSQL 14+: idle_session_timeout).
+            let options = (*pool.connect_options())
+                .clone()
+                .options([("idle_session_timeout", format!("{}ms", timeout.as_millis()))]);
+            conn.insert(
+                PgConnection::connect_with(&options)
+                    .await
+                    .map_err(|e| Error::database("opening the leadership session", e))?,
+            )
+        }
+    };
+    let locked: bool = sqlx::query_scalar(TRY_LOCK)
+        .bind(consumer)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| Error::database("trying the leadership lock", e))?;
+    if !locked {
+        return Ok(None);
+    }
+    let mut tx = conn
+        .begin()
+        .await
+        .map_err(|e| Error::database("beginning the epoch bump", e))?;
+    sqlx::query(FENCE_EXCLUSIVE)
+        .bind(consumer)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| Error::database("taking the leadership fence", e))?;
+    let epoch: i64 = sqlx::query_scalar(TAKE)
+        .bind(consumer)
+        .bind(holder)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| Error::database("bumping the leader epoch", e))?;
+    tx.commit()
+        .await
+        .map_err(|e| Error::database("committing the leader epoch", e))?;
+    Ok(Some(epoch))
+}
+
+/// Keeps the leadership session alive, and says when it cannot.
+async fn keep(
+    mut conn: PgConnection,
+    consumer: String,
+    timeout: Duration,
+    confirm: watch::Sender<Option<Instant>>,
+    mut release: oneshot::Receiver<()>,
+) {
+    let every = ping_every(timeout);
+    let mut confirmed = Instant::now();
+    loop {
+        tokio::select! {
+            _ = &mut release => {
+                let unlocked = sqlx::query(RELEASE).bind(&consumer).execute(&mut conn);
+                if let Err(e) = tokio::time::timeout(every, unlocked).await.map_err(|_| "timed out".to_owned())
+                    .and_then(|r| r.map_err(|e| e.to_string()))
+                {
+                    tracing::debug!(%consumer, error = %e, "unlocking the lead failed; closing the session releases it");
+                }
+                let _ = tokio::time::timeout(every, conn.close()).await;
+                tracing::info!(%consumer, "released the lead of the ordered consumer");
+                return;
+            }
+            () = tokio::time::sleep(every) => {
+                let started = Instant::now();
+                match tokio::time::timeout(every, conn.ping()).await {
+                    Ok(Ok(())) => {
+                        confirmed = started;
+                        let _ = confirm.send(Some(confirmed));
+                    }
+                    Ok(Err(e)) => {
+                        // The session, and the lock with it, may be gone already.
+                        tracing::warn!(%consumer, error = %e, "stepping down: the leadership session failed");
+                        let _ = confirm.send(None);
+                        return;
+                    }
+                    Err(_) => tracing::warn!(%consumer, "leadership session ping timed out"),
+                }
+                if confirmed.elapsed() > timeout / 2 {
+                    tracing::warn!(
+                        %consumer, unconfirmed_for = ?confirmed.elapsed(),
+                        "stepping down: the leadership session is not confirmed",
+                    );
+                    let _ = confirm.send(None);
+                    return;
+                }
+            }
+        }
+    }
+}

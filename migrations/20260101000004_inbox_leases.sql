@@ -1,0 +1,14 @@
+-- Ordered consumption (ConsumerConfig::ordered): one replica of a consumer at a
+-- time is its leader and the only one that fetches. Leadership itself is a
+-- session-level advisory lock (released by the server the moment the leader's
+-- session ends); this row carries the fencing epoch, bumped by every new
+-- leader, which each handler transaction checks just before it commits so that
+-- a deposed leader's late transactions roll back instead of committing out of
+-- order.
+create table if not exists inbox_leases (
+  consumer    text        primary key,
+  epoch       bigint      not null,
+  -- who took it last (host:pid), for operators
+  holder      text        not null,
+  acquired_at timestamptz not null default now()
+);
