@@ -1,0 +1,543 @@
+//! Ordered consumption (`ConsumerConfig::ordered`) against a real nats-server
+//! and PostgreSQL: replicas of one durable never handle two events of a
+//! subject at once, apply them in stream order, and fail over when the leader
+//! dies, losing and repeating nothing.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, stream};
+use inbox_consumer::{
+    BoxError, Consumer, ConsumerConfig, DedupeLayer, Delivery, Handler, HandlerError,
+    HandlerService, Outcome, RetryPolicy, Router,
+};
+use outbox_core::{Envelope, Outbox, SchemaRegistry};
+use outbox_testkit::{NatsHandle, TestDb, wait_until};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sqlx::{PgPool, PgTransaction};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tower::{Service, ServiceBuilder};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+struct World {
+    db: TestDb,
+    _nats: NatsHandle,
+    js: jetstream::Context,
+}
+
+async fn world(stream: &str, subjects: &[&str]) -> World {
+    let db = TestDb::new().await.unwrap();
+    outbox_core::migrate(&db.pool).await.unwrap();
+    let nats = outbox_testkit::nats().unwrap();
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    js.create_stream(stream::Config {
+        name: stream.into(),
+        subjects: subjects.iter().map(|s| (*s).to_owned()).collect(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    World {
+        db,
+        _nats: nats,
+        js,
+    }
+}
+
+impl World {
+    async fn count(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sql)
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+    }
+
+    /// Publishes every event as the relay does (body = envelope, `Nats-Msg-Id` = id),
+    /// then waits for all the acks.
+    async fn publish_all(&self, events: &[Envelope<Value>]) {
+        let mut acks = Vec::new();
+        for event in events {
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", event.id().to_string().as_str());
+            acks.push(
+                self.js
+                    .publish_with_headers(
+                        event.event_type().as_str().to_owned(),
+                        headers,
+                        event.to_json().unwrap().into(),
+                    )
+                    .await
+                    .unwrap(),
+            );
+        }
+        for ack in acks {
+            ack.await.unwrap();
+        }
+    }
+
+    async fn wait_settled(&self, stream: &str, durable: &str) {
+        wait_until("every message acked", WAIT, || async {
+            let stream = self.js.get_stream(stream).await.unwrap();
+            let info = stream.consumer_info(durable).await.unwrap();
+            info.num_pending == 0 && info.num_ack_pending == 0
+        })
+        .await
+        .unwrap();
+    }
+}
+
+/// One replica: its own pool (as its own process would have), its run task.
+struct Replica {
+    name: &'static str,
+    pool: PgPool,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<inbox_consumer::Result<()>>,
+}
+
+impl Replica {
+    async fn start<S>(
+        name: &'static str,
+        w: &World,
+        config: ConsumerConfig,
+        service: impl FnOnce(PgPool) -> S,
+    ) -> Self
+    where
+        S: Service<Delivery, Response = Outcome> + Clone + Send + 'static,
+        S::Error: Into<BoxError>,
+        S::Future: Send + 'static,
+    {
+        let pool = PgPool::connect(w.db.url()).await.unwrap();
+        let consumer = Consumer::new(w.js.clone(), pool.clone(), config)
+            .await
+            .unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(consumer.run(service(pool.clone()), async {
+            let _ = stopped.await;
+        }));
+        Self {
+            name,
+            pool,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    /// Dies like a killed process: everything in flight is dropped unacked,
+    /// its transactions roll back, its sessions close.
+    async fn crash(self) {
+        self.task.abort();
+        let _ = self.task.await;
+        self.pool.close().await;
+    }
+
+    async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        tokio::time::timeout(WAIT, self.task)
+            .await
+            .expect("graceful shutdown finishes")
+            .unwrap()
+            .unwrap();
+    }
+}
+
+/// Counts, across every replica, the deliveries of each subject running at
+/// once: the outermost layer, around the transaction and its commit.
+#[derive(Clone, Default)]
+struct InFlight {
+    running: Arc<Mutex<HashMap<String, usize>>>,
+    max: Arc<AtomicUsize>,
+    handled: Arc<Mutex<HashMap<&'static str, usize>>>,
+}
+
+impl InFlight {
+    fn max(&self) -> usize {
+        self.max.load(Ordering::SeqCst)
+    }
+
+    fn handled_by(&self, replica: &'static str) -> usize {
+        self.handled
+            .lock()
+            .unwrap()
+            .get(replica)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn wrap<S>(&self, replica: &'static str, inner: S) -> Tracked<S> {
+        Tracked {
+            inner,
+            replica,
+            state: self.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Tracked<S> {
+    inner: S,
+    replica: &'static str,
+    state: InFlight,
+}
+
+impl<S> Service<Delivery> for Tracked<S>
+where
+    S: Service<Delivery, Response = Outcome> + Clone + Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+{
+    type Response = Outcome;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Outcome, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, delivery: Delivery) -> Self::Future {
+        let subject = delivery.subject().to_owned();
+        let state = self.state.clone();
+        let replica = self.replica;
+        let now = {
+            let mut running = state.running.lock().unwrap();
+            let n = running.entry(subject.clone()).or_default();
+            *n += 1;
+            *n
+        };
+        state.max.fetch_max(now, Ordering::SeqCst);
+        let fut = self.inner.call(delivery);
+        Box::pin(async move {
+            // Leave the count even when the future is dropped (a crash).
+            struct Leave(InFlight, String);
+            impl Drop for Leave {
+                fn drop(&mut self) {
+                    if let Some(n) = self.0.running.lock().unwrap().get_mut(&self.1) {
+                        *n -= 1;
+                    }
+                }
+            }
+            let _leave = Leave(state.clone(), subject);
+            let out = fut.await.map_err(Into::into);
+            if out.is_ok() {
+                *state.handled.lock().unwrap().entry(replica).or_default() += 1;
+            }
+            out
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------
+
+#[derive(Deserialize)]
+struct Step {
+    seq: i64,
+}
+
+/// Appends `(subject, seq)` to `effects`; slow enough that events overlap.
+#[derive(Clone)]
+struct Append;
+
+impl Handler for Append {
+    type Message = Step;
+
+    async fn handle(
+        &self,
+        event: Envelope<Step>,
+        tx: &mut PgTransaction<'static>,
+    ) -> Result<(), HandlerError> {
+        sqlx::query("select pg_sleep(0.002)")
+            .execute(&mut **tx)
+            .await?;
+        sqlx::query("insert into effects (subject, seq) values ($1, $2)")
+            .bind(event.subject())
+            .bind(event.data().seq)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+fn ordered_config(stream: &str, durable: &str) -> ConsumerConfig {
+    ConsumerConfig::new(stream, durable)
+        .ordered(true)
+        .lease_timeout(Duration::from_secs(6))
+        .concurrency(8)
+        .ack_wait(Duration::from_secs(3))
+        .max_deliver(20)
+        .retry(
+            RetryPolicy::default()
+                .base(Duration::from_millis(50))
+                .max(Duration::from_millis(500)),
+        )
+}
+
+/// Which replica leads: the one that has handled something.
+async fn leader(a: &InFlight, names: [&'static str; 2]) -> &'static str {
+    wait_until("a leader handles events", WAIT, || async {
+        names.iter().any(|n| a.handled_by(n) > 0)
+    })
+    .await
+    .unwrap();
+    let [first, second] = names;
+    assert!(
+        a.handled_by(first) == 0 || a.handled_by(second) == 0,
+        "both replicas handled events before any failover"
+    );
+    if a.handled_by(first) > 0 {
+        first
+    } else {
+        second
+    }
+}
+
+#[tokio::test]
+async fn ordered_replicas_handle_a_subject_one_event_at_a_time_in_stream_order_across_a_leader_crash()
+ {
+    let w = world("ORDERED", &["o.>"]).await;
+    sqlx::query("create table effects (n bigserial primary key, subject text not null, seq bigint not null)")
+        .execute(&w.db.pool)
+        .await
+        .unwrap();
+    let tracker = InFlight::default();
+    let service = |name: &'static str| {
+        let tracker = tracker.clone();
+        move |pool: PgPool| {
+            tracker.wrap(
+                name,
+                ServiceBuilder::new()
+                    .layer(DedupeLayer::new(pool))
+                    .service(Router::new().route("o.step", HandlerService::new(Append))),
+            )
+        }
+    };
+    let a = Replica::start("a", &w, ordered_config("ORDERED", "ordered"), service("a")).await;
+    let b = Replica::start("b", &w, ordered_config("ORDERED", "ordered"), service("b")).await;
+
+    let (subjects, per_subject) = (100, 20);
+    let events: Vec<Envelope<Value>> = (0..per_subject)
+        .flat_map(|seq| {
+            (0..subjects).map(move |s| {
+                Envelope::new("o.step", "tests", format!("sub_{s}"), json!({"seq": seq})).unwrap()
+            })
+        })
+        .collect();
+    w.publish_all(&events).await;
+
+    // Crash the leader a third of the way through.
+    let lead = leader(&tracker, ["a", "b"]).await;
+    wait_until("a third handled", WAIT, || async {
+        w.count("select count(*) from effects").await >= 600
+    })
+    .await
+    .unwrap();
+    let (crashed, survivor) = if lead == "a" { (a, b) } else { (b, a) };
+    assert_eq!(crashed.name, lead);
+    let before = tracker.handled_by(survivor.name);
+    crashed.crash().await;
+
+    let total = i64::from(subjects * per_subject);
+    wait_until("every event applied", WAIT, || async {
+        w.count("select count(*) from effects").await >= total
+    })
+    .await
+    .unwrap();
+    w.wait_settled("ORDERED", "ordered").await;
+
+    assert_eq!(
+        before, 0,
+        "the standby handled nothing while the leader lived"
+    );
+    assert!(
+        tracker.handled_by(survivor.name) > 0,
+        "the standby took over"
+    );
+    assert_eq!(
+        w.count("select count(*) from effects").await,
+        total,
+        "no effect repeated"
+    );
+    let rows: Vec<(String, i64)> = sqlx::query_as("select subject, seq from effects order by n")
+        .fetch_all(&w.db.pool)
+        .await
+        .unwrap();
+    let mut by_subject: HashMap<String, Vec<i64>> = HashMap::new();
+    for (subject, seq) in rows {
+        by_subject.entry(subject).or_default().push(seq);
+    }
+    let expected: Vec<i64> = (0..i64::from(per_subject)).collect();
+    for (subject, seqs) in &by_subject {
+        assert_eq!(
+            seqs, &expected,
+            "{subject}: effects not in stream order, or missing"
+        );
+    }
+    assert_eq!(by_subject.len(), subjects as usize);
+    assert_eq!(
+        tracker.max(),
+        1,
+        "two events of one subject were in flight at once"
+    );
+    let epoch: i64 =
+        sqlx::query_scalar("select epoch from inbox_leases where consumer = 'ordered'")
+            .fetch_one(&w.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(epoch, 2, "one leader, then one successor");
+    survivor.shutdown().await;
+}
+
+/// Billing's handlers behind the tracker, counting cancellations that found no invoice.
+fn billing(
+    tracker: &InFlight,
+    name: &'static str,
+    early: Arc<AtomicUsize>,
+) -> impl FnOnce(PgPool) -> Tracked<Counting<inbox_consumer::Dedupe<example_billing::Handlers>>> {
+    let tracker = tracker.clone();
+    move |pool: PgPool| {
+        let outbox =
+            Outbox::new(SchemaRegistry::from_dir(example_billing::default_schemas_dir()).unwrap());
+        tracker.wrap(
+            name,
+            Counting {
+                inner: inbox_consumer::Dedupe::new(example_billing::handlers(outbox), pool),
+                early,
+            },
+        )
+    }
+}
+
+/// Counts deliveries that failed with `NotInvoicedYet` (the retry dance).
+#[derive(Clone)]
+struct Counting<S> {
+    inner: S,
+    early: Arc<AtomicUsize>,
+}
+
+impl<S> Service<Delivery> for Counting<S>
+where
+    S: Service<Delivery, Response = Outcome, Error = BoxError> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Outcome;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Outcome, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, delivery: Delivery) -> Self::Future {
+        let early = self.early.clone();
+        let fut = self.inner.call(delivery);
+        Box::pin(async move {
+            let out = fut.await;
+            if let Err(e) = &out
+                && e.downcast_ref::<HandlerError>().is_some_and(|h| {
+                    h.get_ref()
+                        .downcast_ref::<example_billing::NotInvoicedYet>()
+                        .is_some()
+                })
+            {
+                early.fetch_add(1, Ordering::SeqCst);
+            }
+            out
+        })
+    }
+}
+
+#[tokio::test]
+async fn ordered_billing_voids_every_invoice_of_1000_subscriptions_created_and_cancelled_together()
+{
+    let w = world("ORDERED_BILLING", &["subscription.>", "invoice.>"]).await;
+    example_billing::migrate(&w.db.pool).await.unwrap();
+    let tracker = InFlight::default();
+    let early = Arc::new(AtomicUsize::new(0));
+    let config = || {
+        example_billing::consumer_config("ORDERED_BILLING", "billing")
+            .ordered(true)
+            .lease_timeout(Duration::from_secs(6))
+            .ack_wait(Duration::from_secs(3))
+    };
+    let a = Replica::start("a", &w, config(), billing(&tracker, "a", early.clone())).await;
+    let b = Replica::start("b", &w, config(), billing(&tracker, "b", early.clone())).await;
+
+    let n = 1_000;
+    let mut events = Vec::new();
+    for i in 0..n {
+        let subscription = format!("sub_{i:04}");
+        let data = json!({"subscription_id": subscription, "customer_id": "cus_1", "plan": "pro", "amount_cents": 100});
+        events.push(
+            Envelope::new("subscription.created", "subscriptions", &subscription, data).unwrap(),
+        );
+        let data = json!({"subscription_id": subscription, "customer_id": "cus_1"});
+        events.push(
+            Envelope::new(
+                "subscription.cancelled",
+                "subscriptions",
+                &subscription,
+                data,
+            )
+            .unwrap(),
+        );
+    }
+    w.publish_all(&events).await;
+
+    // The leader crashes part-way; the standby finishes.
+    let lead = leader(&tracker, ["a", "b"]).await;
+    wait_until("a quarter handled", WAIT, || async {
+        w.count("select count(*) from inbox_events").await >= 500
+    })
+    .await
+    .unwrap();
+    let (crashed, survivor) = if lead == "a" { (a, b) } else { (b, a) };
+    crashed.crash().await;
+
+    wait_until("every invoice voided", WAIT, || async {
+        w.count("select count(*) from invoices where voided_at is not null")
+            .await
+            >= n
+    })
+    .await
+    .unwrap();
+    w.wait_settled("ORDERED_BILLING", "billing").await;
+
+    assert_eq!(
+        w.count("select count(*) from invoices").await,
+        n,
+        "one invoice per subscription"
+    );
+    assert_eq!(
+        w.count("select count(*) from invoices where voided_at is null")
+            .await,
+        0
+    );
+    assert_eq!(
+        w.count("select count(distinct subscription_id) from invoices")
+            .await,
+        n
+    );
+    assert_eq!(w.count("select count(*) from inbox_events").await, 2 * n);
+    assert_eq!(w.count("select count(*) from inbox_dead_letters").await, 0);
+    assert_eq!(
+        tracker.max(),
+        1,
+        "two events of one subscription were in flight at once"
+    );
+    assert_eq!(
+        early.load(Ordering::SeqCst),
+        0,
+        "a cancellation ran before its creation (the retry dance)"
+    );
+    survivor.shutdown().await;
+}
