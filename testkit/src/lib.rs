@@ -10,6 +10,7 @@
 //!   shared by the test binary and started on first use.
 //! - [`nats`] gives a test its own nats-server, or the one at `NATS_URL`;
 //!   [`postgres`] does the same for PostgreSQL and `DATABASE_URL`.
+//! - [`Program`] runs one of the workspace's binaries as a child process.
 //!
 //! PostgreSQL refuses to run as root. Run as root, the harness starts it as the
 //! `postgres` user (override with `OUTBOX_TEST_PG_USER`) through `setpriv`.
@@ -21,8 +22,10 @@ mod error;
 mod nats;
 mod pg;
 mod process;
+mod program;
 
 pub use error::{Error, Result};
 pub use nats::{NatsHandle, NatsServer, nats};
 pub use pg::{PgHandle, PgServer, TestDb, postgres};
 pub use process::wait_until;
+pub use program::Program;

@@ -19,7 +19,8 @@
 //! with `--no-relay`), then creates or updates the durable consumer
 //! `--consumer` on `--stream`. The stream is created by whichever relay starts
 //! first; if it does not exist yet, billing retries for up to 30 s before
-//! failing. `billing ready` is printed on stdout once it consumes. SIGTERM or
+//! failing. `billing ready` is printed on stdout once the consumer exists (a
+//! standby replica prints it too, then waits for the lead). SIGTERM or
 //! ctrl-c stops fetching, finishes, commits and acks the deliveries in hand,
 //! stops the relay, and exits 0.
 //!
@@ -29,7 +30,9 @@
 //! | `--nats-url` (`NATS_URL`) | `nats://127.0.0.1:4222` | |
 //! | `--nats-user`/`--nats-password`, `--nats-token`, `--nats-nkey`, `--nats-creds`, `--nats-tls-ca`, `--nats-tls-cert`/`--nats-tls-key` | | credentials and TLS, as for `outbox-relay` |
 //! | `--consumer` | `billing` | durable name and inbox dedupe namespace |
-//! | `--concurrency` | 16 | deliveries handled at once (never two of one subscription) |
+//! | `--concurrency` | 16 | deliveries handled at once by the leading replica (never two of one subscription) |
+//! | `--unordered` | | every replica consumes at once; a subscription's events may then be handled out of order across replicas (the handlers stay right, through retries) |
+//! | `--lease-timeout` | 15s | how long a silent leader keeps the lead before a standby takes over (a dead process is replaced at once) |
 //! | `--stream` | `OUTBOX` | |
 //! | `--subjects` | `subscription.>,invoice.>` | the stream's subjects, if billing's relay creates it |
 //! | `--no-relay` | | leave billing's outbox to a separate `outbox-relay` |
@@ -48,6 +51,12 @@
 //! - [`VoidInvoices`] (`subscription.cancelled`): voids the subscription's
 //!   invoice; if it has none yet, the cancellation is retried after a second,
 //!   so it is applied only after the creation.
+//!
+//! Replicas of one `--consumer` run [ordered](inbox_consumer::ConsumerConfig::ordered):
+//! one leads and consumes, the others stand by and take over when it dies, so
+//! a subscription's creation and cancellation are never handled at the same
+//! time and always in stream order. Both handlers also lock the subscription
+//! and decide in one statement, so they stay right with `--unordered` too.
 //!
 //! The stack, outermost first: [`TraceLayer`] →
 //! [`MetricsLayer`] → (test-only
@@ -165,10 +174,13 @@ pub fn service(pool: PgPool, outbox: Outbox, options: StackOptions) -> Stack {
 }
 
 /// The consumer `consumer` on `stream`, filtered to the event types billing
-/// handles. Tune it further with the [`ConsumerConfig`] setters.
+/// handles, [ordered](ConsumerConfig::ordered): a subscription's events are
+/// handled one at a time, in stream order, whichever replica is up. Tune it
+/// further with the [`ConsumerConfig`] setters.
 pub fn consumer_config(stream: &str, consumer: &str) -> ConsumerConfig {
     ConsumerConfig::new(stream, consumer)
         .filter_subjects([events::SUBSCRIPTION_CANCELLED, events::SUBSCRIPTION_CREATED])
+        .ordered(true)
 }
 
 /// [`Consumer::new`], retried while JetStream cannot give it the stream (the

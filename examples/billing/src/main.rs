@@ -72,6 +72,16 @@ struct Args {
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     ack_wait: Duration,
 
+    /// Let every replica consume at once, without per-subscription order
+    /// across replicas (by default one replica leads and the others stand by).
+    #[arg(long)]
+    unordered: bool,
+
+    /// How long the leading replica may stay silent towards the database
+    /// before a standby takes over (a dead process is replaced at once).
+    #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
+    lease_timeout: Duration,
+
     /// Serve Prometheus metrics on http://ADDR/metrics.
     #[arg(long)]
     metrics_addr: Option<SocketAddr>,
@@ -163,7 +173,9 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let config = consumer_config(&args.stream, &args.consumer)
         .concurrency(concurrency)
         .max_deliver(args.max_deliver)
-        .ack_wait(args.ack_wait);
+        .ack_wait(args.ack_wait)
+        .ordered(!args.unordered)
+        .lease_timeout(args.lease_timeout);
     let js = async_nats::jetstream::new(nats);
     let consumer = tokio::select! {
         () = shutdown.cancelled() => None,
@@ -190,7 +202,10 @@ async fn main() -> Result<(), Box<dyn Error>> {
             options = options.dedupe(false);
         }
         let stack = service(pool.clone(), outbox, options);
-        tracing::info!(consumer = %args.consumer, stream = %args.stream, concurrency, "billing consuming");
+        tracing::info!(
+            consumer = %args.consumer, stream = %args.stream, concurrency, ordered = !args.unordered,
+            "billing consuming",
+        );
         println!("billing ready");
         consumer
             .run(stack, shutdown.clone().cancelled_owned())

@@ -28,7 +28,6 @@
 
 mod check;
 mod driver;
-mod process;
 
 use std::error::Error;
 use std::path::PathBuf;
@@ -45,7 +44,7 @@ use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::driver::{Load, Progress};
-use crate::process::Proc;
+use outbox_testkit::Program;
 
 const STREAM: &str = "OUTBOX";
 const SUBJECTS: &str = "subscription.>,invoice.>";
@@ -159,7 +158,7 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
-    let mut subscriptions = Proc::new("subscriptions", bin_dir.join("subscriptions"), &run_dir)
+    let mut subscriptions = Program::new("subscriptions", bin_dir.join("subscriptions"), &run_dir)
         .env("DATABASE_URL", &subs_url)
         .env("NATS_URL", &nats_url)
         .args([
@@ -172,9 +171,9 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
     subscriptions.start().await?;
     let base_url = format!("http://127.0.0.1:{port}");
 
-    let mut relays: Vec<Proc> = (1..=2)
+    let mut relays: Vec<Program> = (1..=2)
         .map(|i| {
-            Proc::new(
+            Program::new(
                 &format!("relay-{i}"),
                 bin_dir.join("outbox-relay"),
                 &run_dir,
@@ -196,9 +195,9 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
     for relay in &mut relays {
         relay.start().await?;
     }
-    let mut billings: Vec<Proc> = (1..=2)
+    let mut billings: Vec<Program> = (1..=2)
         .map(|i| {
-            let mut p = Proc::new(&format!("billing-{i}"), bin_dir.join("billing"), &run_dir)
+            let mut p = Program::new(&format!("billing-{i}"), bin_dir.join("billing"), &run_dir)
                 .env("DATABASE_URL", &billing_url)
                 .env("NATS_URL", &nats_url)
                 .args([
@@ -436,7 +435,7 @@ async fn pool(url: &str) -> Result<PgPool, sqlx::Error> {
 
 /// Restarts any process that died on its own (a billing replica that crashed
 /// between commit and ack, most often).
-async fn supervise(subscriptions: &mut Proc, relays: &mut [Proc], billings: &mut [Proc]) {
+async fn supervise(subscriptions: &mut Program, relays: &mut [Program], billings: &mut [Program]) {
     for p in std::iter::once(subscriptions)
         .chain(relays.iter_mut())
         .chain(billings.iter_mut())
@@ -455,8 +454,8 @@ async fn inject(
     faults: &mut Faults,
     nats: &mut NatsHandle,
     pg: &mut PgHandle,
-    relays: &mut [Proc],
-    billings: &mut [Proc],
+    relays: &mut [Program],
+    billings: &mut [Program],
     rng: &mut StdRng,
 ) -> Result<(), Box<dyn Error>> {
     match kind {
@@ -507,7 +506,7 @@ async fn print_progress(
     subs: &PgPool,
     billing: &PgPool,
     faults: &Faults,
-    billings: &[Proc],
+    billings: &[Program],
 ) {
     let published = count(
         subs,

@@ -1,4 +1,5 @@
-//! The demo's child processes: started, watched, killed and restarted.
+//! Child programs (a service, a relay, a consumer replica) run as a user runs
+//! them: started, watched for a readiness line, killed and restarted.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -8,10 +9,13 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::oneshot;
 
-/// One program the demo runs: a service, a relay or a consumer replica.
+/// One program run as a child process: a service, a relay or a consumer
+/// replica. Its stdout and stderr go to `<log dir>/<name>.log`; it is killed
+/// when dropped.
 #[derive(Debug)]
-pub(crate) struct Proc {
-    pub(crate) name: String,
+pub struct Program {
+    /// The name it is logged and reported under.
+    pub name: String,
     program: PathBuf,
     args: Vec<String>,
     env: Vec<(String, String)>,
@@ -19,11 +23,12 @@ pub(crate) struct Proc {
     log: PathBuf,
     child: Option<Child>,
     /// Times the process died on its own and was started again.
-    pub(crate) crashes: u32,
+    pub crashes: u32,
 }
 
-impl Proc {
-    pub(crate) fn new(name: &str, program: PathBuf, log_dir: &Path) -> Self {
+impl Program {
+    /// `program`, logging to `log_dir/<name>.log`; not started yet.
+    pub fn new(name: &str, program: PathBuf, log_dir: &Path) -> Self {
         Self {
             name: name.to_owned(),
             program,
@@ -36,29 +41,40 @@ impl Proc {
         }
     }
 
-    pub(crate) fn arg(mut self, arg: impl Into<String>) -> Self {
+    /// Adds an argument.
+    #[must_use]
+    pub fn arg(mut self, arg: impl Into<String>) -> Self {
         self.args.push(arg.into());
         self
     }
 
-    pub(crate) fn args<I: IntoIterator<Item = S>, S: Into<String>>(mut self, args: I) -> Self {
+    /// Adds arguments.
+    #[must_use]
+    pub fn args<I: IntoIterator<Item = S>, S: Into<String>>(mut self, args: I) -> Self {
         self.args.extend(args.into_iter().map(Into::into));
         self
     }
 
-    pub(crate) fn env(mut self, key: &str, value: impl Into<String>) -> Self {
+    /// Sets an environment variable.
+    #[must_use]
+    pub fn env(mut self, key: &str, value: impl Into<String>) -> Self {
         self.env.push((key.to_owned(), value.into()));
         self
     }
 
     /// Waits, at start, for a line on stdout containing `marker`.
-    pub(crate) fn ready_when(mut self, marker: &str) -> Self {
+    #[must_use]
+    pub fn ready_when(mut self, marker: &str) -> Self {
         self.ready = Some(marker.to_owned());
         self
     }
 
     /// Starts the process; returns its readiness line, if one was asked for.
-    pub(crate) async fn start(&mut self) -> Result<Option<String>, String> {
+    ///
+    /// # Errors
+    /// A message naming the program if it cannot start, or does not print its
+    /// readiness line within 60 s.
+    pub async fn start(&mut self) -> Result<Option<String>, String> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -74,7 +90,7 @@ impl Proc {
             .kill_on_drop(true);
         let mut child = cmd.spawn().map_err(|e| {
             format!(
-                "{}: cannot start {}: {e} (build it first: see scripts/demo)",
+                "{}: cannot start {}: {e} (build it first: cargo build --workspace --bins)",
                 self.name,
                 self.program.display()
             )
@@ -119,14 +135,14 @@ impl Proc {
     }
 
     /// `kill -9`.
-    pub(crate) async fn kill9(&mut self) {
+    pub async fn kill9(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill().await;
         }
     }
 
     /// SIGTERM, then waits (bounded) for the exit.
-    pub(crate) async fn terminate(&mut self) -> Option<i32> {
+    pub async fn terminate(&mut self) -> Option<i32> {
         let mut child = self.child.take()?;
         if let Some(pid) = child.id() {
             let _ = Command::new("kill")
@@ -144,7 +160,7 @@ impl Proc {
     }
 
     /// Whether the process died on its own since the last check.
-    pub(crate) fn died(&mut self) -> bool {
+    pub fn died(&mut self) -> bool {
         let Some(child) = self.child.as_mut() else {
             return false;
         };
@@ -157,7 +173,8 @@ impl Proc {
         }
     }
 
-    pub(crate) fn is_running(&self) -> bool {
+    /// Whether it was started and has not been seen to die.
+    pub fn is_running(&self) -> bool {
         self.child.is_some()
     }
 }
