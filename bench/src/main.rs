@@ -14,6 +14,11 @@
 //! 3. **sustained drain**: a large backlog claimed and marked with a sink that
 //!    acks at once, so only the database work is measured, reported per time
 //!    window: the claim's cost must not grow as marked rows leave dead tuples.
+//! 4. **consumer order**: the `billing` binary as processes, two replicas
+//!    ordered (its default) against two `--unordered` and one alone
+//!    ([`consumer`]); needs `cargo build --release -p example-billing` too.
+
+mod consumer;
 
 use std::error::Error;
 use std::time::{Duration, Instant};
@@ -52,6 +57,12 @@ struct Args {
     /// Window length for the sustained drain report.
     #[arg(long, default_value = "2s", value_parser = parse_secs)]
     window: Duration,
+    /// Events per round of the consumer-order comparison (0 skips it).
+    #[arg(long, default_value_t = 20_000)]
+    consumer_events: usize,
+    /// Rounds of the consumer-order comparison.
+    #[arg(long, default_value_t = 3)]
+    consumer_rounds: usize,
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
@@ -108,6 +119,10 @@ async fn main() -> Result<(), Box<dyn Error>> {
         );
     }
 
+    if args.consumer_events > 0 {
+        consumer_order(&pool, &admin_url, broker.url(), &args).await?;
+    }
+
     if args.drain_rows > 0 {
         let mut summary = Vec::new();
         for vacuum in [None, Some(50_000)] {
@@ -132,6 +147,64 @@ async fn main() -> Result<(), Box<dyn Error>> {
                 );
             }
         }
+    }
+    Ok(())
+}
+
+/// Billing as processes: ordered replicas against unordered ones and one alone.
+async fn consumer_order(
+    admin: &PgPool,
+    admin_url: &str,
+    nats_url: &str,
+    args: &Args,
+) -> Result<(), Box<dyn Error>> {
+    let bin_dir = std::env::current_exe()?
+        .parent()
+        .map(std::path::Path::to_path_buf)
+        .ok_or("no directory for this executable")?;
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); consumer::MODES.len()];
+    for round in 0..args.consumer_rounds {
+        let mut order: Vec<usize> = (0..consumer::MODES.len()).collect();
+        order.rotate_left(round % consumer::MODES.len());
+        for i in order {
+            let mode = consumer::MODES[i];
+            let rate = consumer::billing_rate(
+                admin,
+                admin_url,
+                nats_url,
+                &bin_dir,
+                mode,
+                round,
+                args.consumer_events,
+            )
+            .await?;
+            println!(
+                "round {round}: billing, {:<30} {rate:>8.0} events/s",
+                mode.name
+            );
+            rates[i].push(rate);
+        }
+    }
+    let ratios = |of: usize, to: usize| -> Vec<f64> {
+        rates[of]
+            .iter()
+            .zip(&rates[to])
+            .map(|(a, b)| a / b)
+            .collect()
+    };
+    for (i, mode) in consumer::MODES.iter().enumerate() {
+        let (median, low, high) = consumer::summary(rates[i].clone());
+        println!(
+            "billing, {:<30} median {median:>8.0} events/s (range {low:.0} to {high:.0})",
+            mode.name
+        );
+    }
+    for (label, of, to) in [
+        ("2 ordered / 2 unordered", 0, 1),
+        ("2 ordered / 1 replica", 0, 2),
+    ] {
+        let (median, low, high) = consumer::summary(ratios(of, to));
+        println!("{label:<26} median {median:.2} (range {low:.2} to {high:.2})");
     }
     Ok(())
 }
@@ -171,18 +244,32 @@ async fn raw_jetstream(
     events: &[Envelope<serde_json::Value>],
 ) -> Result<f64, Box<dyn Error>> {
     fresh_stream(js, "BENCH").await?;
-    let bodies: Vec<(String, bytes::Bytes)> = events
+    let elapsed = publish_all(js, events).await?;
+    Ok(events.len() as f64 / elapsed.as_secs_f64())
+}
+
+/// Publishes each envelope on its event type with `Nats-Msg-Id`, up to 1,024
+/// acks in flight, every PubAck awaited; returns how long that took.
+pub(crate) async fn publish_all(
+    js: &jetstream::Context,
+    events: &[Envelope<serde_json::Value>],
+) -> Result<Duration, Box<dyn Error>> {
+    let bodies: Vec<(String, String, bytes::Bytes)> = events
         .iter()
-        .map(|e| Ok((e.id().to_string(), e.to_json()?.into())))
+        .map(|e| {
+            Ok((
+                e.event_type().as_str().to_owned(),
+                e.id().to_string(),
+                e.to_json()?.into(),
+            ))
+        })
         .collect::<Result<_, outbox_core::Error>>()?;
     let started = Instant::now();
     let acks = futures::stream::iter(bodies)
-        .map(|(id, body)| async move {
+        .map(|(subject, id, body)| async move {
             let mut headers = HeaderMap::new();
             headers.insert("Nats-Msg-Id", id.as_str());
-            js.publish_with_headers("bench.created", headers, body)
-                .await?
-                .await
+            js.publish_with_headers(subject, headers, body).await?.await
         })
         .buffer_unordered(1_024)
         .collect::<Vec<_>>()
@@ -191,7 +278,7 @@ async fn raw_jetstream(
     for ack in acks {
         ack?;
     }
-    Ok(events.len() as f64 / elapsed.as_secs_f64())
+    Ok(elapsed)
 }
 
 async fn relay_drain(

@@ -26,6 +26,6 @@ mod program;
 
 pub use error::{Error, Result};
 pub use nats::{NatsHandle, NatsServer, nats};
-pub use pg::{PgHandle, PgServer, TestDb, postgres};
+pub use pg::{PgHandle, PgServer, TestDb, create_database, postgres};
 pub use process::wait_until;
 pub use program::Program;

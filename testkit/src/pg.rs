@@ -401,12 +401,7 @@ impl TestDb {
 
     async fn create(admin_url: &str) -> Result<Self> {
         let name = format!("outbox_test_{}", uuid::Uuid::now_v7().simple());
-        let mut admin = PgConnection::connect(admin_url).await?;
-        sqlx::query(&format!("create database \"{name}\""))
-            .execute(&mut admin)
-            .await?;
-        admin.close().await?;
-        let url = with_database(admin_url, &name);
+        let url = create_database(admin_url, &name).await?;
         let options = PgConnectOptions::from_str(&url)?;
         let pool = PgPoolOptions::new()
             .max_connections(20)
@@ -426,6 +421,20 @@ impl TestDb {
     pub fn name(&self) -> &str {
         &self.name
     }
+}
+
+/// Creates database `name` on the server of `admin_url` and returns its URL
+/// (`admin_url` with the database replaced).
+///
+/// # Errors
+/// If the server cannot be reached or the database exists already.
+pub async fn create_database(admin_url: &str, name: &str) -> Result<String> {
+    let mut admin = PgConnection::connect(admin_url).await?;
+    sqlx::query(&format!("create database \"{name}\""))
+        .execute(&mut admin)
+        .await?;
+    admin.close().await?;
+    Ok(with_database(admin_url, name))
 }
 
 /// Replaces the database name in a `postgres://` URL.

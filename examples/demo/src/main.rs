@@ -36,15 +36,14 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use outbox_testkit::{NatsHandle, PgHandle};
+use outbox_testkit::{NatsHandle, PgHandle, Program, create_database};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
+use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
-use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::driver::{Load, Progress};
-use outbox_testkit::Program;
 
 const STREAM: &str = "OUTBOX";
 const SUBJECTS: &str = "subscription.>,invoice.>";
@@ -404,25 +403,6 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
     drop(nats);
     drop(pg);
     Ok(passed)
-}
-
-async fn create_database(admin_url: &str, name: &str) -> Result<String, Box<dyn Error>> {
-    let mut admin = PgConnection::connect(admin_url).await?;
-    sqlx::query(&format!("create database \"{name}\""))
-        .execute(&mut admin)
-        .await?;
-    admin.close().await?;
-    let (base, query) = admin_url
-        .split_once('?')
-        .map_or((admin_url, None), |(b, q)| (b, Some(q)));
-    let start = base.find("://").map_or(0, |i| i + 3);
-    let path = base[start..].find('/').map_or(base.len(), |i| start + i);
-    let mut url = format!("{}/{name}", &base[..path]);
-    if let Some(q) = query {
-        url.push('?');
-        url.push_str(q);
-    }
-    Ok(url)
 }
 
 async fn pool(url: &str) -> Result<PgPool, sqlx::Error> {

@@ -1,0 +1,144 @@
+//! The price of per-subject order across consumer replicas, measured on the
+//! shipped `billing` binary as processes, with its default flags.
+//!
+//! Each round starts fresh replicas on a fresh database and stream, waits for
+//! `billing ready` from each, publishes `subscription.created` events (one
+//! subscription each) straight to JetStream, and times until every invoice is
+//! in the database. Modes, in the same round: two replicas ordered (the
+//! default: one leads, one stands by), two replicas `--unordered` (both
+//! consume), one replica (ordered). Rounds alternate the modes' order.
+
+use std::error::Error;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, stream::Config};
+use outbox_core::Envelope;
+use outbox_testkit::{Program, create_database};
+use serde_json::json;
+use sqlx::PgPool;
+
+use crate::publish_all;
+
+/// One way of running billing.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Mode {
+    pub(crate) name: &'static str,
+    replicas: usize,
+    unordered: bool,
+}
+
+pub(crate) const MODES: [Mode; 3] = [
+    Mode {
+        name: "2 replicas, ordered (default)",
+        replicas: 2,
+        unordered: false,
+    },
+    Mode {
+        name: "2 replicas, --unordered",
+        replicas: 2,
+        unordered: true,
+    },
+    Mode {
+        name: "1 replica",
+        replicas: 1,
+        unordered: false,
+    },
+];
+
+/// Events per second billing handled (invoice committed) in `mode`.
+pub(crate) async fn billing_rate(
+    admin: &PgPool,
+    admin_url: &str,
+    nats_url: &str,
+    bin_dir: &Path,
+    mode: Mode,
+    round: usize,
+    events: usize,
+) -> Result<f64, Box<dyn Error>> {
+    let name = format!(
+        "bench_billing_{round}_{}",
+        mode.replicas * 2 + usize::from(mode.unordered)
+    );
+    sqlx::query(&format!("drop database if exists {name} with (force)"))
+        .execute(admin)
+        .await?;
+    let url = create_database(admin_url, &name).await?;
+    let js = jetstream::new(async_nats::connect(nats_url).await?);
+    let _ = js.delete_stream("OUTBOX").await;
+    js.create_stream(Config {
+        name: "OUTBOX".into(),
+        subjects: vec!["subscription.>".into(), "invoice.>".into()],
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    })
+    .await?;
+
+    let logs = std::env::temp_dir().join("outbox-bench");
+    std::fs::create_dir_all(&logs)?;
+    let mut replicas = Vec::new();
+    for i in 0..mode.replicas {
+        let mut program = Program::new(&format!("{name}_{i}"), bin_dir.join("billing"), &logs)
+            .env("DATABASE_URL", &url)
+            .env("NATS_URL", nats_url)
+            .ready_when("billing ready");
+        if mode.unordered {
+            program = program.arg("--unordered");
+        }
+        program.start().await?;
+        replicas.push(program);
+    }
+
+    let batch: Vec<Envelope<serde_json::Value>> = (0..events)
+        .map(|i| {
+            let subscription = format!("sub_{round}_{i:07}");
+            Envelope::new(
+                "subscription.created",
+                "subscriptions",
+                &subscription,
+                json!({"subscription_id": subscription, "customer_id": "cus_1", "plan": "pro", "amount_cents": 1234}),
+            )
+        })
+        .collect::<Result<_, _>>()?;
+    let pool = PgPool::connect(&url).await?;
+    let started = Instant::now();
+    publish_all(&js, &batch).await?;
+    let deadline = started + Duration::from_secs(600);
+    loop {
+        let invoiced: i64 = sqlx::query_scalar("select count(*) from invoices")
+            .fetch_one(&pool)
+            .await?;
+        if usize::try_from(invoiced).unwrap_or(0) >= events {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err(
+                format!("{}: {invoiced} of {events} invoices after 600 s", mode.name).into(),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let elapsed = started.elapsed();
+    for replica in &mut replicas {
+        replica.terminate().await;
+    }
+    pool.close().await;
+    Ok(events as f64 / elapsed.as_secs_f64())
+}
+
+/// Median and range.
+pub(crate) fn summary(mut values: Vec<f64>) -> (f64, f64, f64) {
+    values.sort_by(f64::total_cmp);
+    let median = if values.is_empty() {
+        0.0
+    } else if values.len() % 2 == 1 {
+        values[values.len() / 2]
+    } else {
+        (values[values.len() / 2 - 1] + values[values.len() / 2]) / 2.0
+    };
+    (
+        median,
+        values.first().copied().unwrap_or(0.0),
+        values.last().copied().unwrap_or(0.0),
+    )
+}
