@@ -10,5 +10,8 @@ create table if not exists inbox_leases (
   epoch       bigint      not null,
   -- who took it last (host:pid), for operators
   holder      text        not null,
-  acquired_at timestamptz not null default now()
+  acquired_at timestamptz not null default now(),
+  -- whether that leader let go cleanly (drained, every message acked); if not,
+  -- the next leader first waits out the pulls the last one may still have open
+  released    boolean     not null default false
 );

@@ -25,7 +25,7 @@ use serde_json::{Value, json};
 use sqlx::{PgPool, PgTransaction};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use tower::{Service, ServiceBuilder};
+use tower::{Service, ServiceBuilder, ServiceExt};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -540,4 +540,258 @@ async fn ordered_billing_voids_every_invoice_of_1000_subscriptions_created_and_c
         "a cancellation ran before its creation (the retry dance)"
     );
     survivor.shutdown().await;
+}
+
+#[derive(Deserialize)]
+struct FlakyStep {
+    seq: i64,
+    #[serde(default)]
+    fail: usize,
+}
+
+/// Appends `(subject, seq)`, but fails the first `fail` attempts of an event.
+#[derive(Clone, Default)]
+struct Flaky {
+    attempts: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+impl Handler for Flaky {
+    type Message = FlakyStep;
+
+    async fn handle(
+        &self,
+        event: Envelope<FlakyStep>,
+        tx: &mut PgTransaction<'static>,
+    ) -> Result<(), HandlerError> {
+        let attempt = {
+            let mut attempts = self.attempts.lock().unwrap();
+            let n = attempts.entry(event.id().to_string()).or_default();
+            *n += 1;
+            *n
+        };
+        if attempt <= event.data().fail {
+            return Err(HandlerError::retry(format!("attempt {attempt} fails")));
+        }
+        sqlx::query("insert into effects (subject, seq) values ($1, $2)")
+            .bind(event.subject())
+            .bind(event.data().seq)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+async fn effects_by_subject(pool: &PgPool) -> HashMap<String, Vec<i64>> {
+    let rows: Vec<(String, i64)> = sqlx::query_as("select subject, seq from effects order by n")
+        .fetch_all(pool)
+        .await
+        .unwrap();
+    let mut by_subject: HashMap<String, Vec<i64>> = HashMap::new();
+    for (subject, seq) in rows {
+        by_subject.entry(subject).or_default().push(seq);
+    }
+    by_subject
+}
+
+#[tokio::test]
+async fn a_failing_event_holds_back_its_subject_only_and_poison_holds_back_nothing() {
+    let w = world("ORDERED_RETRY", &["o.>"]).await;
+    sqlx::query("create table effects (n bigserial primary key, subject text not null, seq bigint not null)")
+        .execute(&w.db.pool)
+        .await
+        .unwrap();
+    let flaky = Flaky::default();
+    let service = |pool: PgPool| {
+        ServiceBuilder::new()
+            .layer(DedupeLayer::new(pool))
+            .service(Router::new().route("o.step", HandlerService::new(flaky.clone())))
+    };
+    let replica = Replica::start("a", &w, ordered_config("ORDERED_RETRY", "retry"), service).await;
+
+    // s: its first event fails three times; t: never fails. A poison message sits between.
+    let events = vec![
+        Envelope::new("o.step", "tests", "s", json!({"seq": 0, "fail": 3})).unwrap(),
+        Envelope::new("o.step", "tests", "t", json!({"seq": 0})).unwrap(),
+        Envelope::new("o.step", "tests", "s", json!({"seq": 1})).unwrap(),
+        Envelope::new("o.step", "tests", "t", json!({"seq": 1})).unwrap(),
+        Envelope::new("o.step", "tests", "s", json!({"seq": 2})).unwrap(),
+    ];
+    w.publish_all(&events[..2]).await;
+    w.js.publish("o.step", "not json".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    w.publish_all(&events[2..]).await;
+
+    wait_until("every effect", WAIT, || async {
+        w.count("select count(*) from effects").await >= 5
+    })
+    .await
+    .unwrap();
+    w.wait_settled("ORDERED_RETRY", "retry").await;
+    let by_subject = effects_by_subject(&w.db.pool).await;
+    assert_eq!(
+        by_subject["s"],
+        vec![0, 1, 2],
+        "s's later events waited for its retried first"
+    );
+    assert_eq!(by_subject["t"], vec![0, 1]);
+    let order: Vec<String> = sqlx::query_scalar("select subject || seq from effects order by n")
+        .fetch_all(&w.db.pool)
+        .await
+        .unwrap();
+    assert!(
+        order.iter().position(|e| e == "t1") < order.iter().position(|e| e == "s0"),
+        "t went on while s retried: {order:?}"
+    );
+    assert_eq!(
+        w.count("select count(*) from inbox_dead_letters where reason = 'not_json'")
+            .await,
+        1
+    );
+    replica.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_transaction_of_a_deposed_leader_rolls_back_and_is_left_unacked() {
+    // The fence, directly: a delivery stamped with an old epoch cannot commit.
+    let db = TestDb::new().await.unwrap();
+    sqlx::query("create table effects (n bigserial primary key, subject text not null, seq bigint not null)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "insert into inbox_leases (consumer, epoch, holder) values ('fenced', 2, 'the new leader')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let stack = ServiceBuilder::new()
+        .layer(DedupeLayer::new(db.pool.clone()))
+        .service(Router::new().route("o.step", HandlerService::new(Append)));
+    let event = Envelope::new("o.step", "tests", "s", json!({"seq": 0})).unwrap();
+    let delivery = |epoch| {
+        Delivery::new(event.clone(), inbox_consumer::DeliveryInfo::new("fenced"))
+            .with_leader_epoch(epoch)
+    };
+
+    let err = stack.clone().oneshot(delivery(1)).await.unwrap_err();
+    let err = err.downcast_ref::<inbox_consumer::Error>().unwrap();
+    assert_eq!(err.kind(), inbox_consumer::ErrorKind::LeaseLost, "{err}");
+    let count = |sql: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(count("select count(*) from effects").await, 0);
+    assert_eq!(count("select count(*) from inbox_events").await, 0);
+
+    assert_eq!(stack.oneshot(delivery(2)).await.unwrap(), Outcome::Handled);
+    assert_eq!(count("select count(*) from effects").await, 1);
+}
+
+#[tokio::test]
+async fn a_leader_that_loses_its_database_session_steps_down_and_the_standby_goes_on_in_order() {
+    let w = world("ORDERED_SESSION", &["o.>"]).await;
+    sqlx::query("create table effects (n bigserial primary key, subject text not null, seq bigint not null)")
+        .execute(&w.db.pool)
+        .await
+        .unwrap();
+    let tracker = InFlight::default();
+    let service = |name: &'static str| {
+        let tracker = tracker.clone();
+        move |pool: PgPool| {
+            tracker.wrap(
+                name,
+                ServiceBuilder::new()
+                    .layer(DedupeLayer::new(pool))
+                    .service(Router::new().route("o.step", HandlerService::new(Append))),
+            )
+        }
+    };
+    let a = Replica::start(
+        "a",
+        &w,
+        ordered_config("ORDERED_SESSION", "session"),
+        service("a"),
+    )
+    .await;
+    let b = Replica::start(
+        "b",
+        &w,
+        ordered_config("ORDERED_SESSION", "session"),
+        service("b"),
+    )
+    .await;
+
+    let (subjects, per_subject) = (50, 20);
+    let events: Vec<Envelope<Value>> = (0..per_subject)
+        .flat_map(|seq| {
+            (0..subjects).map(move |s| {
+                Envelope::new("o.step", "tests", format!("sub_{s}"), json!({"seq": seq})).unwrap()
+            })
+        })
+        .collect();
+    w.publish_all(&events[..500]).await;
+    let lead = leader(&tracker, ["a", "b"]).await;
+    wait_until("some handled", WAIT, || async {
+        w.count("select count(*) from effects").await >= 200
+    })
+    .await
+    .unwrap();
+
+    // The server ends the leader's leadership session (as idle_session_timeout
+    // or an operator would); the process itself lives on.
+    let terminated: i64 = sqlx::query_scalar(
+        "select count(pg_terminate_backend(pid)) from pg_locks
+          where locktype = 'advisory' and granted and objsubid = 2
+            and database = (select oid from pg_database where datname = current_database())
+            and classid::bigint = (hashtext('inbox_consumer.leader')::bigint + 4294967296) % 4294967296",
+    )
+    .fetch_one(&w.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(terminated, 1, "one leadership session");
+    w.publish_all(&events[500..]).await;
+
+    let total = i64::from(subjects * per_subject);
+    wait_until("every event applied", WAIT, || async {
+        w.count("select count(*) from effects").await >= total
+    })
+    .await
+    .unwrap();
+    w.wait_settled("ORDERED_SESSION", "session").await;
+    assert_eq!(
+        w.count("select count(*) from effects").await,
+        total,
+        "no effect repeated"
+    );
+    let expected: Vec<i64> = (0..i64::from(per_subject)).collect();
+    let by_subject = effects_by_subject(&w.db.pool).await;
+    assert_eq!(by_subject.len(), subjects as usize);
+    for (subject, seqs) in &by_subject {
+        assert_eq!(
+            seqs, &expected,
+            "{subject}: effects not in stream order, or missing"
+        );
+    }
+    assert_eq!(
+        tracker.max(),
+        1,
+        "two events of one subject were in flight at once"
+    );
+    let epoch: i64 =
+        sqlx::query_scalar("select epoch from inbox_leases where consumer = 'session'")
+            .fetch_one(&w.db.pool)
+            .await
+            .unwrap();
+    assert!(epoch >= 2, "a new leader took over (epoch {epoch})");
+    let _ = lead;
+    a.shutdown().await;
+    b.shutdown().await;
 }

@@ -6,12 +6,15 @@
 //!   leader's session ends: at once when the process dies (its socket closes),
 //!   or after `idle_session_timeout` (the lease timeout) when the leader stops
 //!   talking to the database (frozen, or cut off). A keeper task pings every
-//!   fifth of the timeout. A failed ping (the session is gone, and the lock
-//!   with it) steps down at once; a ping that hangs steps down once nothing is
+//!   [`ping_every`]. A failed ping (the session is gone, and the lock with
+//!   it) steps down at once; a ping that hangs steps down once nothing is
 //!   confirmed for half the timeout, before the server can hand the lock on.
-//!   The runtime also checks that confirmation before each fetch
-//!   ([`Tenure::valid`]), so a leader resuming from a long pause fetches
-//!   nothing more before it notices.
+//! - **Pulls end with the lead.** A leader issues each pull only while its
+//!   session was confirmed within [`CONFIRM_WINDOW`] ([`Tenure::valid`]),
+//!   and each pull expires after [`PULL_EXPIRES`]. So no message is delivered
+//!   to a leader later than `CONFIRM_WINDOW + PULL_EXPIRES` after its
+//!   session ended, and a new leader whose predecessor did not let go cleanly
+//!   waits [`takeover_wait`] before it reads what was left unfinished.
 //! - **The fence.** Each new leader bumps `inbox_leases.epoch` while holding
 //!   the fence lock exclusively. Each handler transaction of a leader, just
 //!   before its commit, takes the fence lock shared and reads the epoch
@@ -33,7 +36,13 @@ const FENCE_EXCLUSIVE: &str = include_str!("../../queries/lease_fence_exclusive.
 const FENCE_SHARED: &str = include_str!("../../queries/lease_fence_shared.sql");
 const EPOCH: &str = include_str!("../../queries/lease_epoch.sql");
 const TAKE: &str = include_str!("../../queries/lease_take.sql");
+const PREVIOUS: &str = include_str!("../../queries/lease_previous.sql");
 const RELEASE: &str = include_str!("../../queries/lease_release.sql");
+
+/// How recently a leader's session must have been confirmed for it to pull.
+pub(crate) const CONFIRM_WINDOW: Duration = Duration::from_millis(1_500);
+/// Lifetime of one pull request of a leader.
+pub(crate) const PULL_EXPIRES: Duration = Duration::from_secs(1);
 
 /// How often a standby tries to take the lead.
 pub(crate) fn poll_every(timeout: Duration) -> Duration {
@@ -42,7 +51,13 @@ pub(crate) fn poll_every(timeout: Duration) -> Duration {
 
 /// How often the leader pings its session.
 fn ping_every(timeout: Duration) -> Duration {
-    timeout / 5
+    (timeout / 5).min(CONFIRM_WINDOW / 3)
+}
+
+/// How long a new leader waits, when its predecessor did not let go cleanly,
+/// for the predecessor's last pull to have expired.
+pub(crate) fn takeover_wait() -> Duration {
+    CONFIRM_WINDOW + PULL_EXPIRES + Duration::from_millis(500)
 }
 
 /// Checks, inside a leader's handler transaction and just before its commit,
@@ -82,7 +97,8 @@ pub(crate) async fn check_fence(
 #[derive(Debug)]
 pub(crate) struct Tenure {
     epoch: i64,
-    timeout: Duration,
+    /// Whether the previous leader let go cleanly (nothing of it can still arrive).
+    clean_handover: bool,
     /// When the session was last confirmed; `None` once the lead is lost.
     confirmed: watch::Receiver<Option<Instant>>,
     release: Option<oneshot::Sender<()>>,
@@ -95,12 +111,17 @@ impl Tenure {
         self.epoch
     }
 
-    /// Whether the session was confirmed within half the lease timeout: only
-    /// then may the leader fetch.
+    /// Whether the previous leader let go cleanly.
+    pub(crate) fn clean_handover(&self) -> bool {
+        self.clean_handover
+    }
+
+    /// Whether the session was confirmed within [`CONFIRM_WINDOW`]: only then
+    /// may the leader pull.
     pub(crate) fn valid(&self) -> bool {
         self.confirmed
             .borrow()
-            .is_some_and(|at| at.elapsed() < self.timeout / 2)
+            .is_some_and(|at| at.elapsed() < CONFIRM_WINDOW)
     }
 
     /// Resolves once the lead is lost (the session failed, or went unconfirmed
@@ -142,23 +163,23 @@ pub(crate) async fn acquire(pool: &PgPool, consumer: &str, timeout: Duration) ->
     let mut logged_standby = false;
     loop {
         match try_lead(pool, &mut conn, consumer, &holder, timeout).await {
-            Ok(Some(epoch)) => {
+            Ok(Some((epoch, clean_handover))) => {
                 let Some(conn) = conn.take() else {
                     continue;
                 };
-                tracing::info!(consumer, epoch, %holder, "this replica leads the ordered consumer");
+                tracing::info!(consumer, epoch, clean_handover, %holder, "this replica leads the ordered consumer");
                 let (confirm, confirmed) = watch::channel(Some(Instant::now()));
                 let (release, release_rx) = oneshot::channel();
                 let keeper = tokio::spawn(keep(
                     conn,
-                    consumer.to_owned(),
+                    (consumer.to_owned(), epoch),
                     timeout,
                     confirm,
                     release_rx,
                 ));
                 return Tenure {
                     epoch,
-                    timeout,
+                    clean_handover,
                     confirmed,
                     release: Some(release),
                     keeper,
@@ -182,14 +203,15 @@ pub(crate) async fn acquire(pool: &PgPool, consumer: &str, timeout: Duration) ->
     }
 }
 
-/// One try: `Some(epoch)` if the lock was free and the epoch is bumped.
+/// One try: `Some((epoch, clean handover))` if the lock was free and the
+/// epoch is bumped.
 async fn try_lead(
     pool: &PgPool,
     conn: &mut Option<PgConnection>,
     consumer: &str,
     holder: &str,
     timeout: Duration,
-) -> Result<Option<i64>, Error> {
+) -> Result<Option<(i64, bool)>, Error> {
     let conn = match conn {
         Some(conn) => conn,
         None => {
@@ -222,6 +244,11 @@ async fn try_lead(
         .execute(&mut *tx)
         .await
         .map_err(|e| Error::database("taking the leadership fence", e))?;
+    let previous: Option<bool> = sqlx::query_scalar(PREVIOUS)
+        .bind(consumer)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(|e| Error::database("reading the previous leader's release", e))?;
     let epoch: i64 = sqlx::query_scalar(TAKE)
         .bind(consumer)
         .bind(holder)
@@ -231,13 +258,13 @@ async fn try_lead(
     tx.commit()
         .await
         .map_err(|e| Error::database("committing the leader epoch", e))?;
-    Ok(Some(epoch))
+    Ok(Some((epoch, previous == Some(true))))
 }
 
 /// Keeps the leadership session alive, and says when it cannot.
 async fn keep(
     mut conn: PgConnection,
-    consumer: String,
+    (consumer, epoch): (String, i64),
     timeout: Duration,
     confirm: watch::Sender<Option<Instant>>,
     mut release: oneshot::Receiver<()>,
@@ -247,7 +274,7 @@ async fn keep(
     loop {
         tokio::select! {
             _ = &mut release => {
-                let unlocked = sqlx::query(RELEASE).bind(&consumer).execute(&mut conn);
+                let unlocked = sqlx::query(RELEASE).bind(&consumer).bind(epoch).execute(&mut conn);
                 if let Err(e) = tokio::time::timeout(every, unlocked).await.map_err(|_| "timed out".to_owned())
                     .and_then(|r| r.map_err(|e| e.to_string()))
                 {

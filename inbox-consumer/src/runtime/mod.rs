@@ -229,6 +229,17 @@ impl Consumer {
         let shared = &self.shared;
         let config = &shared.config;
         let mut backlog: Backlog<Job> = Backlog::default();
+        if let Some(lead) = &tenure
+            && !lead.clean_handover()
+        {
+            // The previous leader may still have a pull open: let it expire.
+            tokio::select! {
+                biased;
+                () = shutdown.as_mut() => return Served::Shutdown(tenure),
+                () = lost(&mut tenure) => return Served::Deposed,
+                () = tokio::time::sleep(lease::takeover_wait()) => {}
+            }
+        }
         if tenure.is_some() {
             // Before fetching anything: what did earlier leaders leave unfinished?
             loop {
@@ -428,12 +439,12 @@ struct FetchError {
 impl Messages {
     async fn open(consumer: &PullConsumer, config: &ConsumerConfig) -> Result<Self, BoxError> {
         if config.ordered {
-            // Short pulls: a pull outlives a deposed leader by at most this.
-            let expires = (config.lease_timeout / 3).min(PULL_EXPIRES);
+            // Short pulls, issued only while the lead is confirmed: none
+            // outlives a deposed leader by more than this.
             let batch = consumer
                 .batch()
                 .max_messages(config.batch)
-                .expires(expires)
+                .expires(lease::PULL_EXPIRES)
                 .messages()
                 .await?;
             return Ok(Self::Batch(batch));
