@@ -609,7 +609,7 @@ async fn a_failing_event_holds_back_its_subject_only_and_poison_holds_back_nothi
     let replica = Replica::start("a", &w, ordered_config("ORDERED_RETRY", "retry"), service).await;
 
     // s: its first event fails three times; t: never fails. A poison message sits between.
-    let events = vec![
+    let events = [
         Envelope::new("o.step", "tests", "s", json!({"seq": 0, "fail": 3})).unwrap(),
         Envelope::new("o.step", "tests", "t", json!({"seq": 0})).unwrap(),
         Envelope::new("o.step", "tests", "s", json!({"seq": 1})).unwrap(),
