@@ -75,8 +75,10 @@
 //!   and event commit together or not at all.
 //! - **Poison is dead-lettered**, with raw bytes, headers and a reason
 //!   ([`dead_letter`]), then terminated; never a crash loop, never a silent drop.
-//! - **Per-subject order** within a process, and a stale-event filter for
-//!   order-dependent handlers ([`ordering`]).
+//! - **Per-subject order** within a process; across every replica with
+//!   [`ConsumerConfig::ordered`] (one leader, fenced commits, failover: see
+//!   [`runtime`](runtime#ordered-consumption)); and a race-free stale-event
+//!   filter for order-dependent handlers ([`ordering`]).
 //! - **Retention** of inbox rows is checked against the redelivery window at
 //!   start-up ([`retention`]).
 //!

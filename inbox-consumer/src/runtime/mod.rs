@@ -42,14 +42,56 @@
 //!
 //! # Ordering guarantee
 //!
-//! Within one process, the deliveries of one subject are handled one at a time
-//! in the order JetStream delivers them, which is stream order for first
-//! deliveries. Two things reorder: a failed delivery is nak'ed and the
-//! subject's next message is handled before its redelivery arrives; and
+//! By default, within one process, the deliveries of one subject are handled
+//! one at a time in the order JetStream delivers them, which is stream order
+//! for first deliveries. Two things reorder: a failed delivery is nak'ed and
+//! the subject's next message is handled before its redelivery arrives; and
 //! replicas sharing a durable each handle their own share of a subject's
-//! messages. A handler for which order matters compares event times through
-//! the inbox ([`SkipStale`](crate::ordering::SkipStale)), as the contract's
-//! rule 3 asks.
+//! messages, at the same time. A handler for which order matters then either
+//! compares event times through the inbox
+//! ([`SkipStale`](crate::ordering::SkipStale)), as the contract's rule 3 asks,
+//! or the consumer runs ordered.
+//!
+//! # Ordered consumption
+//!
+//! With [`ConsumerConfig::ordered`], no two events of one subject are ever
+//! handled at once across all replicas of the durable, and each subject's
+//! events are applied in stream order, through failures, crashes and
+//! failovers:
+//!
+//! - **One leader.** Replicas compete for a session-level advisory lock on a
+//!   database connection of their own; the holder leads and is the only one
+//!   that pulls, the others stand by and try again every
+//!   `lease_timeout / 20` (at most 1 s). The server releases the lock when the
+//!   leader's process dies (its socket closes) or its session stays silent for
+//!   [`lease_timeout`](ConsumerConfig::lease_timeout) (frozen, cut off); a
+//!   leader that cannot confirm its session steps down by itself.
+//! - **Fenced commits.** Each new leader bumps an epoch in `inbox_leases`;
+//!   [`Dedupe`](crate::Dedupe) checks it just before every commit, under a lock
+//!   the bump takes exclusively. A deposed leader's transactions roll back
+//!   ([`ErrorKind::LeaseLost`](crate::ErrorKind::LeaseLost)) and their messages
+//!   are left to the new leader.
+//! - **Pulls end with the lead.** A leader pulls one 1 s batch at a time, and
+//!   only while its session was confirmed in the last 1.5 s.
+//! - **Takeover.** A new leader whose predecessor did not let go cleanly waits
+//!   3 s for the predecessor's last pull to expire. Then it reads the stream
+//!   between the consumer's ack floor and its last delivered message, keeps
+//!   the events its inbox has neither handled nor dead-lettered, and, per
+//!   subject, handles those first, in stream order, as JetStream redelivers
+//!   them (after `ack_wait`), holding later events of the same subject back
+//!   (with in-progress acks). Other subjects go on at once. If an unfinished
+//!   event never comes back (twice the longest redelivery delay, plus 10 s),
+//!   its subject goes on without it and an error names it.
+//! - **In-place retries.** A failed delivery is retried by the leader after
+//!   the [`RetryPolicy`] delay, keeping its subject busy, instead of being
+//!   nak'ed past; the last allowed attempt is dead-lettered as usual.
+//!
+//! The cost is throughput: one process handles the whole consumer (up to
+//! `concurrency` subjects at once), however many replicas run; the others are
+//! hot standbys. A crashed leader's subjects in flight resume after the
+//! failover (about a second to notice, 3 s, then `ack_wait` for the
+//! unfinished events to come back). All replicas of a durable must agree on
+//! the setting; it needs PostgreSQL 14 or later (`idle_session_timeout`).
 
 pub(crate) mod ack;
 mod config;
