@@ -902,6 +902,7 @@ async fn two_replicas_hammering_one_subject_never_apply_an_older_event_after_a_n
         .unwrap();
     let service = || {
         ServiceBuilder::new()
+            .layer(MetricsLayer::new()) // counts the stale skips
             .layer(DedupeLayer::new(w.db.pool.clone()))
             .service(
                 Router::new().route(

@@ -795,3 +795,62 @@ async fn a_leader_that_loses_its_database_session_steps_down_and_the_standby_goe
     a.shutdown().await;
     b.shutdown().await;
 }
+
+#[tokio::test]
+async fn shutdown_stops_an_in_place_retry_and_leaves_the_event_to_the_next_leader() {
+    let w = world("ORDERED_STOP", &["o.>"]).await;
+    sqlx::query("create table effects (n bigserial primary key, subject text not null, seq bigint not null)")
+        .execute(&w.db.pool)
+        .await
+        .unwrap();
+    let flaky = Flaky::default();
+    let service = |pool: PgPool| {
+        ServiceBuilder::new()
+            .layer(DedupeLayer::new(pool))
+            .service(Router::new().route("o.step", HandlerService::new(flaky.clone())))
+    };
+    // A long retry delay: only an interrupted wait lets shutdown finish soon.
+    let config = ordered_config("ORDERED_STOP", "stop")
+        .retry(RetryPolicy::default().base(Duration::from_secs(60)));
+    let replica = Replica::start("a", &w, config, service).await;
+    let event = Envelope::new("o.step", "tests", "s", json!({"seq": 0, "fail": 1})).unwrap();
+    w.publish_all(std::slice::from_ref(&event)).await;
+    wait_until("the first attempt failed", WAIT, || async {
+        flaky
+            .attempts
+            .lock()
+            .unwrap()
+            .get(&event.id().to_string())
+            .copied()
+            == Some(1)
+    })
+    .await
+    .unwrap();
+
+    let started = std::time::Instant::now();
+    let Replica { stop, task, .. } = replica;
+    let _ = stop.unwrap().send(());
+    tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("shutdown does not wait out the retry delay")
+        .unwrap()
+        .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(w.count("select count(*) from effects").await, 0);
+    let stream = w.js.get_stream("ORDERED_STOP").await.unwrap();
+    let info = stream.consumer_info("stop").await.unwrap();
+    assert_eq!(
+        info.num_ack_pending, 1,
+        "the event is left unacked for the next leader"
+    );
+
+    // The next leader (a clean handover: no wait) applies it once it comes back.
+    let replica = Replica::start("b", &w, ordered_config("ORDERED_STOP", "stop"), service).await;
+    wait_until("the event applied by the next leader", WAIT, || async {
+        w.count("select count(*) from effects").await == 1
+    })
+    .await
+    .unwrap();
+    w.wait_settled("ORDERED_STOP", "stop").await;
+    replica.shutdown().await;
+}

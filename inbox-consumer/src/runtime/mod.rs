@@ -110,6 +110,7 @@ use async_nats::jetstream::{self, AckKind, consumer::PullConsumer};
 use futures::StreamExt;
 use outbox_core::EventId;
 use sqlx::PgPool;
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower::Service;
@@ -312,6 +313,8 @@ impl Consumer {
         let mut ready: VecDeque<Job> = VecDeque::new();
         let mut progress_at = Instant::now() + config.progress_every();
         let mut stopping = false;
+        // Tells in-place retries to give up at shutdown.
+        let (stop, stop_rx) = watch::channel(false);
 
         loop {
             while tasks.len() < config.concurrency
@@ -319,7 +322,13 @@ impl Consumer {
             {
                 let key = job.1.subject().to_owned();
                 if let Some(job) = dispatcher.offer(&key, job) {
-                    spawn_delivery(&mut tasks, &mut keys, shared, &service, key, job);
+                    spawn_delivery(
+                        &mut tasks,
+                        &mut keys,
+                        (shared, &service, &stop_rx),
+                        key,
+                        job,
+                    );
                 }
             }
             if stopping && tasks.is_empty() {
@@ -348,6 +357,7 @@ impl Consumer {
                     );
                     stopping = true;
                     messages = None;
+                    let _ = stop.send(true);
                 }
                 () = lost(&mut tenure), if tenure.is_some() => {
                     tracing::warn!(
@@ -370,7 +380,7 @@ impl Consumer {
                     };
                     if let Some(Some((key, event))) = keys.remove(&id) {
                         if let Some(job) = dispatcher.finish(&key) {
-                            spawn_delivery(&mut tasks, &mut keys, shared, &service, key.clone(), job);
+                            spawn_delivery(&mut tasks, &mut keys, (shared, &service, &stop_rx), key.clone(), job);
                         }
                         if finished {
                             ready.extend(backlog.finished(&key, event));
@@ -446,8 +456,7 @@ type TaskKeys = HashMap<tokio::task::Id, Option<(String, EventId)>>;
 fn spawn_delivery<S>(
     tasks: &mut JoinSet<bool>,
     keys: &mut TaskKeys,
-    shared: &Arc<Shared>,
-    service: &S,
+    (shared, service, stopping): (&Arc<Shared>, &S, &watch::Receiver<bool>),
     key: String,
     (message, delivery): Job,
 ) where
@@ -461,6 +470,7 @@ fn spawn_delivery<S>(
         service.clone(),
         message,
         delivery,
+        stopping.clone(),
     ));
     keys.insert(handle.id(), Some((key, event)));
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, AckKind};
 use outbox_core::EventId;
 use sqlx::PgPool;
+use tokio::sync::watch;
 use tower::{Service, ServiceExt};
 
 use super::ack::{self, Decision};
@@ -28,13 +29,15 @@ pub(crate) struct Shared {
 
 /// Handles one decoded delivery: service (→ commit) → ack, or nak, or dead
 /// letter. An ordered consumer retries in place instead of nak'ing, so that
-/// nothing later of the subject overtakes it. Returns whether the message is
-/// finished (acked, or dead-lettered and terminated).
+/// nothing later of the subject overtakes it; once `stopping` turns true it
+/// stops retrying and leaves the message to the next leader. Returns whether
+/// the message is finished (acked, or dead-lettered and terminated).
 pub(crate) async fn deliver<S>(
     shared: Arc<Shared>,
     service: S,
     message: jetstream::Message,
     delivery: Delivery,
+    mut stopping: watch::Receiver<bool>,
 ) -> bool
 where
     S: Service<Delivery, Response = Outcome> + Clone,
@@ -63,7 +66,19 @@ where
                     attempt, retry_in = ?delay, error = %error,
                     "delivery failed and rolled back; retried in place, its subject waits",
                 );
-                with_progress(tokio::time::sleep(delay), &message, &shared.config).await;
+                let wait = async {
+                    tokio::select! {
+                        () = tokio::time::sleep(delay) => true,
+                        _ = stopping.wait_for(|stop| *stop) => false,
+                    }
+                };
+                if !with_progress(wait, &message, &shared.config).await {
+                    tracing::info!(
+                        consumer = %info.consumer, event_id = %event_id, stream_sequence = info.stream_sequence,
+                        "shutting down: the retry is left to the next leader",
+                    );
+                    return false;
+                }
                 attempt = attempt.saturating_add(1);
             }
             decision => break (result, decision),
