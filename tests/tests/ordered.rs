@@ -54,6 +54,18 @@ async fn world(stream: &str, subjects: &[&str]) -> World {
     }
 }
 
+/// A world whose database has an `effects` table: `(n, subject, seq)` rows in commit order.
+async fn world_with_effects(stream: &str) -> World {
+    let w = world(stream, &["o.>"]).await;
+    sqlx::query(
+        "create table effects (n bigserial primary key, subject text not null, seq bigint not null)",
+    )
+    .execute(&w.db.pool)
+    .await
+    .unwrap();
+    w
+}
+
 impl World {
     async fn count(&self, sql: &str) -> i64 {
         sqlx::query_scalar(sql)
@@ -268,6 +280,48 @@ impl Handler for Append {
     }
 }
 
+/// Dedupe in front of the handlers, as a replica runs them.
+type Stack =
+    inbox_consumer::Dedupe<Router<inbox_consumer::InTx<Delivery>, inbox_consumer::InTx<Outcome>>>;
+
+/// The stack of one replica: dedupe → [`Append`], behind the tracker.
+fn tracked_append(tracker: &InFlight, name: &'static str) -> impl FnOnce(PgPool) -> Tracked<Stack> {
+    let tracker = tracker.clone();
+    move |pool: PgPool| {
+        tracker.wrap(
+            name,
+            ServiceBuilder::new()
+                .layer(DedupeLayer::new(pool))
+                .service(Router::new().route("o.step", HandlerService::new(Append))),
+        )
+    }
+}
+
+/// `per_subject` events (`seq` 0, 1, …) for each of `subjects` subjects,
+/// interleaved across subjects in publish order.
+fn steps(subjects: u32, per_subject: u32) -> Vec<Envelope<Value>> {
+    (0..per_subject)
+        .flat_map(|seq| {
+            (0..subjects).map(move |s| {
+                Envelope::new("o.step", "tests", format!("sub_{s}"), json!({"seq": seq})).unwrap()
+            })
+        })
+        .collect()
+}
+
+/// Every subject's effects are exactly `0..per_subject`, in that order.
+async fn assert_each_subject_in_stream_order(pool: &PgPool, subjects: u32, per_subject: u32) {
+    let expected: Vec<i64> = (0..i64::from(per_subject)).collect();
+    let by_subject = effects_by_subject(pool).await;
+    assert_eq!(by_subject.len(), subjects as usize);
+    for (subject, seqs) in &by_subject {
+        assert_eq!(
+            seqs, &expected,
+            "{subject}: effects not in stream order, or missing"
+        );
+    }
+}
+
 fn ordered_config(stream: &str, durable: &str) -> ConsumerConfig {
     ConsumerConfig::new(stream, durable)
         .ordered(true)
@@ -304,34 +358,14 @@ async fn leader(a: &InFlight, names: [&'static str; 2]) -> &'static str {
 #[tokio::test]
 async fn ordered_replicas_handle_a_subject_one_event_at_a_time_in_stream_order_across_a_leader_crash()
  {
-    let w = world("ORDERED", &["o.>"]).await;
-    sqlx::query("create table effects (n bigserial primary key, subject text not null, seq bigint not null)")
-        .execute(&w.db.pool)
-        .await
-        .unwrap();
+    let w = world_with_effects("ORDERED").await;
     let tracker = InFlight::default();
-    let service = |name: &'static str| {
-        let tracker = tracker.clone();
-        move |pool: PgPool| {
-            tracker.wrap(
-                name,
-                ServiceBuilder::new()
-                    .layer(DedupeLayer::new(pool))
-                    .service(Router::new().route("o.step", HandlerService::new(Append))),
-            )
-        }
-    };
+    let service = |name: &'static str| tracked_append(&tracker, name);
     let a = Replica::start("a", &w, ordered_config("ORDERED", "ordered"), service("a")).await;
     let b = Replica::start("b", &w, ordered_config("ORDERED", "ordered"), service("b")).await;
 
     let (subjects, per_subject) = (100, 20);
-    let events: Vec<Envelope<Value>> = (0..per_subject)
-        .flat_map(|seq| {
-            (0..subjects).map(move |s| {
-                Envelope::new("o.step", "tests", format!("sub_{s}"), json!({"seq": seq})).unwrap()
-            })
-        })
-        .collect();
+    let events = steps(subjects, per_subject);
     w.publish_all(&events).await;
 
     // Crash the leader a third of the way through.
@@ -367,22 +401,7 @@ async fn ordered_replicas_handle_a_subject_one_event_at_a_time_in_stream_order_a
         total,
         "no effect repeated"
     );
-    let rows: Vec<(String, i64)> = sqlx::query_as("select subject, seq from effects order by n")
-        .fetch_all(&w.db.pool)
-        .await
-        .unwrap();
-    let mut by_subject: HashMap<String, Vec<i64>> = HashMap::new();
-    for (subject, seq) in rows {
-        by_subject.entry(subject).or_default().push(seq);
-    }
-    let expected: Vec<i64> = (0..i64::from(per_subject)).collect();
-    for (subject, seqs) in &by_subject {
-        assert_eq!(
-            seqs, &expected,
-            "{subject}: effects not in stream order, or missing"
-        );
-    }
-    assert_eq!(by_subject.len(), subjects as usize);
+    assert_each_subject_in_stream_order(&w.db.pool, subjects, per_subject).await;
     assert_eq!(
         tracker.max(),
         1,
@@ -402,7 +421,7 @@ fn billing(
     tracker: &InFlight,
     name: &'static str,
     early: Arc<AtomicUsize>,
-) -> impl FnOnce(PgPool) -> Tracked<Counting<inbox_consumer::Dedupe<example_billing::Handlers>>> {
+) -> impl FnOnce(PgPool) -> Tracked<Counting<Stack>> {
     let tracker = tracker.clone();
     move |pool: PgPool| {
         let outbox =
@@ -595,11 +614,7 @@ async fn effects_by_subject(pool: &PgPool) -> HashMap<String, Vec<i64>> {
 
 #[tokio::test]
 async fn a_failing_event_holds_back_its_subject_only_and_poison_holds_back_nothing() {
-    let w = world("ORDERED_RETRY", &["o.>"]).await;
-    sqlx::query("create table effects (n bigserial primary key, subject text not null, seq bigint not null)")
-        .execute(&w.db.pool)
-        .await
-        .unwrap();
+    let w = world_with_effects("ORDERED_RETRY").await;
     let flaky = Flaky::default();
     let service = |pool: PgPool| {
         ServiceBuilder::new()
@@ -697,23 +712,9 @@ async fn a_transaction_of_a_deposed_leader_rolls_back_and_is_left_unacked() {
 
 #[tokio::test]
 async fn a_leader_that_loses_its_database_session_steps_down_and_the_standby_goes_on_in_order() {
-    let w = world("ORDERED_SESSION", &["o.>"]).await;
-    sqlx::query("create table effects (n bigserial primary key, subject text not null, seq bigint not null)")
-        .execute(&w.db.pool)
-        .await
-        .unwrap();
+    let w = world_with_effects("ORDERED_SESSION").await;
     let tracker = InFlight::default();
-    let service = |name: &'static str| {
-        let tracker = tracker.clone();
-        move |pool: PgPool| {
-            tracker.wrap(
-                name,
-                ServiceBuilder::new()
-                    .layer(DedupeLayer::new(pool))
-                    .service(Router::new().route("o.step", HandlerService::new(Append))),
-            )
-        }
-    };
+    let service = |name: &'static str| tracked_append(&tracker, name);
     let a = Replica::start(
         "a",
         &w,
@@ -730,13 +731,7 @@ async fn a_leader_that_loses_its_database_session_steps_down_and_the_standby_goe
     .await;
 
     let (subjects, per_subject) = (50, 20);
-    let events: Vec<Envelope<Value>> = (0..per_subject)
-        .flat_map(|seq| {
-            (0..subjects).map(move |s| {
-                Envelope::new("o.step", "tests", format!("sub_{s}"), json!({"seq": seq})).unwrap()
-            })
-        })
-        .collect();
+    let events = steps(subjects, per_subject);
     w.publish_all(&events[..500]).await;
     let lead = leader(&tracker, ["a", "b"]).await;
     wait_until("some handled", WAIT, || async {
@@ -771,15 +766,7 @@ async fn a_leader_that_loses_its_database_session_steps_down_and_the_standby_goe
         total,
         "no effect repeated"
     );
-    let expected: Vec<i64> = (0..i64::from(per_subject)).collect();
-    let by_subject = effects_by_subject(&w.db.pool).await;
-    assert_eq!(by_subject.len(), subjects as usize);
-    for (subject, seqs) in &by_subject {
-        assert_eq!(
-            seqs, &expected,
-            "{subject}: effects not in stream order, or missing"
-        );
-    }
+    assert_each_subject_in_stream_order(&w.db.pool, subjects, per_subject).await;
     assert_eq!(
         tracker.max(),
         1,
@@ -798,11 +785,7 @@ async fn a_leader_that_loses_its_database_session_steps_down_and_the_standby_goe
 
 #[tokio::test]
 async fn shutdown_stops_an_in_place_retry_and_leaves_the_event_to_the_next_leader() {
-    let w = world("ORDERED_STOP", &["o.>"]).await;
-    sqlx::query("create table effects (n bigserial primary key, subject text not null, seq bigint not null)")
-        .execute(&w.db.pool)
-        .await
-        .unwrap();
+    let w = world_with_effects("ORDERED_STOP").await;
     let flaky = Flaky::default();
     let service = |pool: PgPool| {
         ServiceBuilder::new()
