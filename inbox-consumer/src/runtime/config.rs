@@ -188,7 +188,9 @@ impl ConsumerConfig {
     /// Every handler transaction is fenced: a deposed leader's commits roll
     /// back. The cost: the consumer's throughput is one process's, whatever
     /// the replica count (see the crate's `BENCHMARKS.md`). Every replica of
-    /// the durable must use the same setting. Needs PostgreSQL 14 or later.
+    /// the durable must use the same setting. Needs PostgreSQL 14 or later,
+    /// reached directly or through a session-pooling proxy (the leadership is
+    /// a session lock; transaction pooling would lose it).
     /// See [`runtime`](crate::runtime#ordered-consumption).
     #[must_use]
     pub fn ordered(mut self, ordered: bool) -> Self {
