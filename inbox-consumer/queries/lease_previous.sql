@@ -1,2 +1,2 @@
--- Whether the previous leader let go cleanly; no row: there was none on record.
+-- Whether the previous leader let go cleanly; no row: there was none.
 select released from inbox_leases where consumer = $1

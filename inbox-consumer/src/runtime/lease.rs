@@ -97,7 +97,8 @@ pub(crate) async fn check_fence(
 #[derive(Debug)]
 pub(crate) struct Tenure {
     epoch: i64,
-    /// Whether the previous leader let go cleanly (nothing of it can still arrive).
+    /// Whether the previous leader let go cleanly, or there was none (nothing
+    /// of it can still arrive).
     clean_handover: bool,
     /// When the session was last confirmed; `None` once the lead is lost.
     confirmed: watch::Receiver<Option<Instant>>,
@@ -258,7 +259,8 @@ async fn try_lead(
     tx.commit()
         .await
         .map_err(|e| Error::database("committing the leader epoch", e))?;
-    Ok(Some((epoch, previous == Some(true))))
+    // No row: no ordered leader ever ran, so none can have a pull open.
+    Ok(Some((epoch, previous != Some(false))))
 }
 
 /// Keeps the leadership session alive, and says when it cannot.
