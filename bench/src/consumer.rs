@@ -4,9 +4,10 @@
 //! Each round starts fresh replicas on a fresh database and stream, waits for
 //! `billing ready` from each, publishes `subscription.created` events (one
 //! subscription each) straight to JetStream, and times the invoices committed
-//! from the first 5 % to the last (start-up and leader election excluded). Modes, in the same round: two replicas ordered (the
-//! default: one leads, one stands by), two replicas `--unordered` (both
-//! consume), one replica (ordered). Rounds alternate the modes' order.
+//! from the first 5 % to the last (start-up and leader election excluded).
+//! Modes, in the same round: two replicas ordered (the default: one leads, one
+//! stands by), two replicas `--unordered` (both consume), one replica
+//! (ordered). Rounds alternate the modes' order.
 
 use std::error::Error;
 use std::path::Path;
