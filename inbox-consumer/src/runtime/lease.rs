@@ -275,7 +275,11 @@ async fn keep(
     let mut confirmed = Instant::now();
     loop {
         tokio::select! {
-            _ = &mut release => {
+            released = &mut release => {
+                if released.is_err() {
+                    // The tenure was dropped, not released: not a clean handover.
+                    return;
+                }
                 let unlocked = sqlx::query(RELEASE).bind(&consumer).bind(epoch).execute(&mut conn);
                 if let Err(e) = tokio::time::timeout(every, unlocked).await.map_err(|_| "timed out".to_owned())
                     .and_then(|r| r.map_err(|e| e.to_string()))
