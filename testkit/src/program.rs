@@ -62,6 +62,20 @@ impl Program {
         self
     }
 
+    /// The value after `flag` in the arguments, if there is one.
+    pub fn arg_after(&self, flag: &str) -> Option<&str> {
+        let at = self.args.iter().position(|a| a == flag)?;
+        self.args.get(at + 1).map(String::as_str)
+    }
+
+    /// Replaces the value after `flag` (for the next start), or adds both.
+    pub fn set_arg(&mut self, flag: &str, value: impl Into<String>) {
+        match self.args.iter().position(|a| a == flag) {
+            Some(at) if at + 1 < self.args.len() => self.args[at + 1] = value.into(),
+            _ => self.args.extend([flag.to_owned(), value.into()]),
+        }
+    }
+
     /// Waits, at start, for a line on stdout containing `marker`.
     #[must_use]
     pub fn ready_when(mut self, marker: &str) -> Self {

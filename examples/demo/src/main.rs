@@ -422,10 +422,23 @@ async fn supervise(subscriptions: &mut Program, relays: &mut [Program], billings
     {
         if p.died() {
             p.crashes += 1;
+            reseed(p);
             if let Err(e) = p.start().await {
                 eprintln!("restarting {}: {e}", p.name);
             }
         }
+    }
+}
+
+/// A restarted billing replica draws new crash dice: with the same seed it
+/// would die after the same number of commits every time. Deterministic, so
+/// a run's seed still fixes everything.
+fn reseed(p: &mut Program) {
+    if let Some(seed) = p.arg_after("--seed").and_then(|s| s.parse::<u64>().ok()) {
+        let next = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        p.set_arg("--seed", next.to_string());
     }
 }
 
@@ -458,6 +471,7 @@ async fn inject(
             println!("fault: kill -9 {}", billings[i].name);
             billings[i].kill9().await;
             faults.billing_kills += 1;
+            reseed(&mut billings[i]);
             billings[i].start().await?;
         }
         _ => {

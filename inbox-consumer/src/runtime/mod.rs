@@ -62,7 +62,7 @@
 //! - **One leader.** Replicas compete for a session-level advisory lock on a
 //!   database connection of their own; the holder leads and is the only one
 //!   that pulls, the others stand by and try again every
-//!   `lease_timeout / 20` (at most 1 s). The server releases the lock when the
+//!   `lease_timeout / 50` (at most 250 ms). The server releases the lock when the
 //!   leader's process dies (its socket closes) or its session stays silent for
 //!   [`lease_timeout`](ConsumerConfig::lease_timeout) (frozen, cut off); a
 //!   leader that cannot confirm its session steps down by itself.
@@ -89,8 +89,8 @@
 //! The cost is throughput: one process handles the whole consumer (up to
 //! `concurrency` subjects at once), however many replicas run; the others are
 //! hot standbys. A crashed leader's subjects in flight resume after the
-//! failover (about a second to notice, 3 s, then `ack_wait` for the
-//! unfinished events to come back). All replicas of a durable must agree on
+//! failover (up to 250 ms to notice, 3 s, then `ack_wait` for the
+//! unfinished events to come back); the other subjects after the first two. All replicas of a durable must agree on
 //! the setting; it needs PostgreSQL 14 or later (`idle_session_timeout`).
 
 pub(crate) mod ack;
