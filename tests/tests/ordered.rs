@@ -67,6 +67,15 @@ async fn world_with_effects(stream: &str) -> World {
 }
 
 impl World {
+    /// The leader epoch of `consumer`.
+    async fn epoch(&self, consumer: &str) -> i64 {
+        sqlx::query_scalar("select epoch from inbox_leases where consumer = $1")
+            .bind(consumer)
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+    }
+
     async fn count(&self, sql: &str) -> i64 {
         sqlx::query_scalar(sql)
             .fetch_one(&self.db.pool)
@@ -309,6 +318,27 @@ fn steps(subjects: u32, per_subject: u32) -> Vec<Envelope<Value>> {
         .collect()
 }
 
+/// Every event applied once, each subject's in stream order, never two of a
+/// subject in flight at once.
+async fn assert_applied_once_in_order(
+    w: &World,
+    tracker: &InFlight,
+    subjects: u32,
+    per_subject: u32,
+) {
+    assert_eq!(
+        w.count("select count(*) from effects").await,
+        i64::from(subjects * per_subject),
+        "no effect repeated"
+    );
+    assert_each_subject_in_stream_order(&w.db.pool, subjects, per_subject).await;
+    assert_eq!(
+        tracker.max(),
+        1,
+        "two events of one subject were in flight at once"
+    );
+}
+
 /// Every subject's effects are exactly `0..per_subject`, in that order.
 async fn assert_each_subject_in_stream_order(pool: &PgPool, subjects: u32, per_subject: u32) {
     let expected: Vec<i64> = (0..i64::from(per_subject)).collect();
@@ -396,23 +426,12 @@ async fn ordered_replicas_handle_a_subject_one_event_at_a_time_in_stream_order_a
         tracker.handled_by(survivor.name) > 0,
         "the standby took over"
     );
+    assert_applied_once_in_order(&w, &tracker, subjects, per_subject).await;
     assert_eq!(
-        w.count("select count(*) from effects").await,
-        total,
-        "no effect repeated"
+        w.epoch("ordered").await,
+        2,
+        "one leader, then one successor"
     );
-    assert_each_subject_in_stream_order(&w.db.pool, subjects, per_subject).await;
-    assert_eq!(
-        tracker.max(),
-        1,
-        "two events of one subject were in flight at once"
-    );
-    let epoch: i64 =
-        sqlx::query_scalar("select epoch from inbox_leases where consumer = 'ordered'")
-            .fetch_one(&w.db.pool)
-            .await
-            .unwrap();
-    assert_eq!(epoch, 2, "one leader, then one successor");
     survivor.shutdown().await;
 }
 
@@ -761,22 +780,8 @@ async fn a_leader_that_loses_its_database_session_steps_down_and_the_standby_goe
     .await
     .unwrap();
     w.wait_settled("ORDERED_SESSION", "session").await;
-    assert_eq!(
-        w.count("select count(*) from effects").await,
-        total,
-        "no effect repeated"
-    );
-    assert_each_subject_in_stream_order(&w.db.pool, subjects, per_subject).await;
-    assert_eq!(
-        tracker.max(),
-        1,
-        "two events of one subject were in flight at once"
-    );
-    let epoch: i64 =
-        sqlx::query_scalar("select epoch from inbox_leases where consumer = 'session'")
-            .fetch_one(&w.db.pool)
-            .await
-            .unwrap();
+    assert_applied_once_in_order(&w, &tracker, subjects, per_subject).await;
+    let epoch = w.epoch("session").await;
     assert!(epoch >= 2, "a new leader took over (epoch {epoch})");
     let _ = lead;
     a.shutdown().await;
