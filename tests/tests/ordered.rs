@@ -752,7 +752,7 @@ async fn a_leader_that_loses_its_database_session_steps_down_and_the_standby_goe
     let (subjects, per_subject) = (50, 20);
     let events = steps(subjects, per_subject);
     w.publish_all(&events[..500]).await;
-    let lead = leader(&tracker, ["a", "b"]).await;
+    leader(&tracker, ["a", "b"]).await; // one replica leads, the other stands by
     wait_until("some handled", WAIT, || async {
         w.count("select count(*) from effects").await >= 200
     })
@@ -783,7 +783,6 @@ async fn a_leader_that_loses_its_database_session_steps_down_and_the_standby_goe
     assert_applied_once_in_order(&w, &tracker, subjects, per_subject).await;
     let epoch = w.epoch("session").await;
     assert!(epoch >= 2, "a new leader took over (epoch {epoch})");
-    let _ = lead;
     a.shutdown().await;
     b.shutdown().await;
 }
