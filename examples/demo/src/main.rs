@@ -72,7 +72,7 @@ struct Args {
     #[arg(long, default_value_t = 6.0)]
     fault_interval: f64,
     /// Probability that a billing replica dies right after a commit, before the ack.
-    #[arg(long, default_value_t = 0.005)]
+    #[arg(long, default_value_t = 0.002)]
     crash_rate: f64,
     /// Share of requests that are invalid (must be refused with 422).
     #[arg(long, default_value_t = 0.10)]

@@ -40,9 +40,9 @@ const PREVIOUS: &str = include_str!("../../queries/lease_previous.sql");
 const RELEASE: &str = include_str!("../../queries/lease_release.sql");
 
 /// How recently a leader's session must have been confirmed for it to pull.
-pub(crate) const CONFIRM_WINDOW: Duration = Duration::from_millis(1_500);
+pub(crate) const CONFIRM_WINDOW: Duration = Duration::from_secs(1);
 /// Lifetime of one pull request of a leader.
-pub(crate) const PULL_EXPIRES: Duration = Duration::from_secs(1);
+pub(crate) const PULL_EXPIRES: Duration = Duration::from_millis(500);
 
 /// How often a standby tries to take the lead (one cheap statement each).
 pub(crate) fn poll_every(timeout: Duration) -> Duration {
@@ -51,13 +51,13 @@ pub(crate) fn poll_every(timeout: Duration) -> Duration {
 
 /// How often the leader pings its session.
 fn ping_every(timeout: Duration) -> Duration {
-    (timeout / 5).min(CONFIRM_WINDOW / 3)
+    (timeout / 5).min(CONFIRM_WINDOW / 4)
 }
 
 /// How long a new leader waits, when its predecessor did not let go cleanly,
 /// for the predecessor's last pull to have expired.
 pub(crate) fn takeover_wait() -> Duration {
-    CONFIRM_WINDOW + PULL_EXPIRES + Duration::from_millis(500)
+    CONFIRM_WINDOW + PULL_EXPIRES + Duration::from_millis(250)
 }
 
 /// Checks, inside a leader's handler transaction and just before its commit,
@@ -272,6 +272,8 @@ async fn keep(
     mut release: oneshot::Receiver<()>,
 ) {
     let every = ping_every(timeout);
+    // A slow ping is waited for (it still confirms); a hung one steps down below.
+    let patience = (timeout / 5).max(every);
     let mut confirmed = Instant::now();
     loop {
         tokio::select! {
@@ -281,18 +283,18 @@ async fn keep(
                     return;
                 }
                 let unlocked = sqlx::query(RELEASE).bind(&consumer).bind(epoch).execute(&mut conn);
-                if let Err(e) = tokio::time::timeout(every, unlocked).await.map_err(|_| "timed out".to_owned())
+                if let Err(e) = tokio::time::timeout(patience, unlocked).await.map_err(|_| "timed out".to_owned())
                     .and_then(|r| r.map_err(|e| e.to_string()))
                 {
                     tracing::debug!(%consumer, error = %e, "unlocking the lead failed; closing the session releases it");
                 }
-                let _ = tokio::time::timeout(every, conn.close()).await;
+                let _ = tokio::time::timeout(patience, conn.close()).await;
                 tracing::info!(%consumer, "released the lead of the ordered consumer");
                 return;
             }
             () = tokio::time::sleep(every) => {
                 let started = Instant::now();
-                match tokio::time::timeout(every, conn.ping()).await {
+                match tokio::time::timeout(patience, conn.ping()).await {
                     Ok(Ok(())) => {
                         confirmed = started;
                         let _ = confirm.send(Some(confirmed));

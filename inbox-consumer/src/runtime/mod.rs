@@ -71,10 +71,11 @@
 //!   the bump takes exclusively. A deposed leader's transactions roll back
 //!   ([`ErrorKind::LeaseLost`](crate::ErrorKind::LeaseLost)) and their messages
 //!   are left to the new leader.
-//! - **Pulls end with the lead.** A leader pulls one 1 s batch at a time, and
-//!   only while its session was confirmed in the last 1.5 s.
+//! - **Pulls end with the lead.** A leader pulls one 500 ms batch at a time,
+//!   and only while its session was confirmed (pinged every 250 ms) in the
+//!   last second.
 //! - **Takeover.** A new leader whose predecessor did not let go cleanly waits
-//!   3 s for the predecessor's last pull to expire. Then it reads the stream
+//!   1.75 s for the predecessor's last pull to expire. Then it reads the stream
 //!   between the consumer's ack floor and its last delivered message, keeps
 //!   the events its inbox has neither handled nor dead-lettered, and, per
 //!   subject, handles those first, in stream order, as JetStream redelivers
@@ -89,7 +90,7 @@
 //! The cost is throughput: one process handles the whole consumer (up to
 //! `concurrency` subjects at once), however many replicas run; the others are
 //! hot standbys. A crashed leader's subjects in flight resume after the
-//! failover (up to 250 ms to notice, 3 s, then `ack_wait` for the
+//! failover (up to 250 ms to notice, 1.75 s, then `ack_wait` for the
 //! unfinished events to come back); the other subjects after the first two. All replicas of a durable must agree on
 //! the setting; it needs PostgreSQL 14 or later (`idle_session_timeout`).
 
