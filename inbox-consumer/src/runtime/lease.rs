@@ -15,6 +15,12 @@
 //!   to a leader later than `CONFIRM_WINDOW + PULL_EXPIRES` after its
 //!   session ended, and a new leader whose predecessor did not let go cleanly
 //!   waits [`takeover_wait`] before it reads what was left unfinished.
+//!   The one window left: a leader frozen between its check and sending its
+//!   pull, for longer than the lease timeout, sends that pull late; its
+//!   commits are fenced, but the events it then holds come back to the new
+//!   leader only after `ack_wait`, possibly after later events of their
+//!   subjects. Closing it needs the successor to watch the consumer's
+//!   delivery sequence for gaps.
 //! - **The fence.** Each new leader bumps `inbox_leases.epoch` while holding
 //!   the fence lock exclusively. Each handler transaction of a leader, just
 //!   before its commit, takes the fence lock shared and reads the epoch
