@@ -366,6 +366,29 @@ fn ordered_config(stream: &str, durable: &str) -> ConsumerConfig {
         )
 }
 
+/// Once a replica leads and `sql` counts `n`, crashes the leader. Returns the
+/// survivor and what it had handled by then.
+async fn crash_the_leader_once(
+    w: &World,
+    tracker: &InFlight,
+    replicas: [Replica; 2],
+    sql: &str,
+    n: i64,
+) -> (Replica, usize) {
+    let [a, b] = replicas;
+    let lead = leader(tracker, [a.name, b.name]).await;
+    wait_until(&format!("{sql} >= {n}"), WAIT, || async {
+        w.count(sql).await >= n
+    })
+    .await
+    .unwrap();
+    let (crashed, survivor) = if lead == a.name { (a, b) } else { (b, a) };
+    assert_eq!(crashed.name, lead);
+    let before = tracker.handled_by(survivor.name);
+    crashed.crash().await;
+    (survivor, before)
+}
+
 /// Which replica leads: the one that has handled something.
 async fn leader(a: &InFlight, names: [&'static str; 2]) -> &'static str {
     wait_until("a leader handles events", WAIT, || async {
@@ -399,16 +422,8 @@ async fn ordered_replicas_handle_a_subject_one_event_at_a_time_in_stream_order_a
     w.publish_all(&events).await;
 
     // Crash the leader a third of the way through.
-    let lead = leader(&tracker, ["a", "b"]).await;
-    wait_until("a third handled", WAIT, || async {
-        w.count("select count(*) from effects").await >= 600
-    })
-    .await
-    .unwrap();
-    let (crashed, survivor) = if lead == "a" { (a, b) } else { (b, a) };
-    assert_eq!(crashed.name, lead);
-    let before = tracker.handled_by(survivor.name);
-    crashed.crash().await;
+    let (survivor, before) =
+        crash_the_leader_once(&w, &tracker, [a, b], "select count(*) from effects", 600).await;
 
     let total = i64::from(subjects * per_subject);
     wait_until("every event applied", WAIT, || async {
@@ -532,14 +547,14 @@ async fn ordered_billing_voids_every_invoice_of_1000_subscriptions_created_and_c
     w.publish_all(&events).await;
 
     // The leader crashes part-way; the standby finishes.
-    let lead = leader(&tracker, ["a", "b"]).await;
-    wait_until("a quarter handled", WAIT, || async {
-        w.count("select count(*) from inbox_events").await >= 500
-    })
-    .await
-    .unwrap();
-    let (crashed, survivor) = if lead == "a" { (a, b) } else { (b, a) };
-    crashed.crash().await;
+    let (survivor, _) = crash_the_leader_once(
+        &w,
+        &tracker,
+        [a, b],
+        "select count(*) from inbox_events",
+        500,
+    )
+    .await;
 
     wait_until("every invoice voided", WAIT, || async {
         w.count("select count(*) from invoices where voided_at is not null")
