@@ -54,15 +54,15 @@ async fn world(stream: &str, subjects: &[&str]) -> World {
     }
 }
 
-/// A world whose database has an `effects` table: `(n, subject, seq)` rows in commit order.
+/// `(n, subject, seq)` rows, `n` in commit order (per subject, with one event
+/// of a subject at a time).
+const EFFECTS: &str =
+    "create table effects (n bigserial primary key, subject text not null, seq bigint not null)";
+
+/// A world whose database has the [`EFFECTS`] table.
 async fn world_with_effects(stream: &str) -> World {
     let w = world(stream, &["o.>"]).await;
-    sqlx::query(
-        "create table effects (n bigserial primary key, subject text not null, seq bigint not null)",
-    )
-    .execute(&w.db.pool)
-    .await
-    .unwrap();
+    sqlx::query(EFFECTS).execute(&w.db.pool).await.unwrap();
     w
 }
 
@@ -263,11 +263,17 @@ where
 #[derive(Deserialize)]
 struct Step {
     seq: i64,
+    /// Attempts that fail (retryable) before one succeeds.
+    #[serde(default)]
+    fail: usize,
 }
 
-/// Appends `(subject, seq)` to `effects`; slow enough that events overlap.
-#[derive(Clone)]
-struct Append;
+/// Appends `(subject, seq)` to `effects`, slow enough that events overlap;
+/// fails the first `fail` attempts of an event.
+#[derive(Clone, Default)]
+struct Append {
+    attempts: Arc<Mutex<HashMap<String, usize>>>,
+}
 
 impl Handler for Append {
     type Message = Step;
@@ -277,6 +283,15 @@ impl Handler for Append {
         event: Envelope<Step>,
         tx: &mut PgTransaction<'static>,
     ) -> Result<(), HandlerError> {
+        let attempt = {
+            let mut attempts = self.attempts.lock().unwrap();
+            let n = attempts.entry(event.id().to_string()).or_default();
+            *n += 1;
+            *n
+        };
+        if attempt <= event.data().fail {
+            return Err(HandlerError::retry(format!("attempt {attempt} fails")));
+        }
         sqlx::query("select pg_sleep(0.002)")
             .execute(&mut **tx)
             .await?;
@@ -301,7 +316,7 @@ fn tracked_append(tracker: &InFlight, name: &'static str) -> impl FnOnce(PgPool)
             name,
             ServiceBuilder::new()
                 .layer(DedupeLayer::new(pool))
-                .service(Router::new().route("o.step", HandlerService::new(Append))),
+                .service(Router::new().route("o.step", HandlerService::new(Append::default()))),
         )
     }
 }
@@ -595,45 +610,6 @@ async fn ordered_billing_voids_every_invoice_of_1000_subscriptions_created_and_c
     survivor.shutdown().await;
 }
 
-#[derive(Deserialize)]
-struct FlakyStep {
-    seq: i64,
-    #[serde(default)]
-    fail: usize,
-}
-
-/// Appends `(subject, seq)`, but fails the first `fail` attempts of an event.
-#[derive(Clone, Default)]
-struct Flaky {
-    attempts: Arc<Mutex<HashMap<String, usize>>>,
-}
-
-impl Handler for Flaky {
-    type Message = FlakyStep;
-
-    async fn handle(
-        &self,
-        event: Envelope<FlakyStep>,
-        tx: &mut PgTransaction<'static>,
-    ) -> Result<(), HandlerError> {
-        let attempt = {
-            let mut attempts = self.attempts.lock().unwrap();
-            let n = attempts.entry(event.id().to_string()).or_default();
-            *n += 1;
-            *n
-        };
-        if attempt <= event.data().fail {
-            return Err(HandlerError::retry(format!("attempt {attempt} fails")));
-        }
-        sqlx::query("insert into effects (subject, seq) values ($1, $2)")
-            .bind(event.subject())
-            .bind(event.data().seq)
-            .execute(&mut **tx)
-            .await?;
-        Ok(())
-    }
-}
-
 async fn effects_by_subject(pool: &PgPool) -> HashMap<String, Vec<i64>> {
     let rows: Vec<(String, i64)> = sqlx::query_as("select subject, seq from effects order by n")
         .fetch_all(pool)
@@ -649,11 +625,11 @@ async fn effects_by_subject(pool: &PgPool) -> HashMap<String, Vec<i64>> {
 #[tokio::test]
 async fn a_failing_event_holds_back_its_subject_only_and_poison_holds_back_nothing() {
     let w = world_with_effects("ORDERED_RETRY").await;
-    let flaky = Flaky::default();
+    let handler = Append::default();
     let service = |pool: PgPool| {
         ServiceBuilder::new()
             .layer(DedupeLayer::new(pool))
-            .service(Router::new().route("o.step", HandlerService::new(flaky.clone())))
+            .service(Router::new().route("o.step", HandlerService::new(handler.clone())))
     };
     let replica = Replica::start("a", &w, ordered_config("ORDERED_RETRY", "retry"), service).await;
 
@@ -706,10 +682,7 @@ async fn a_failing_event_holds_back_its_subject_only_and_poison_holds_back_nothi
 async fn a_transaction_of_a_deposed_leader_rolls_back_and_is_left_unacked() {
     // The fence, directly: a delivery stamped with an old epoch cannot commit.
     let db = TestDb::new().await.unwrap();
-    sqlx::query("create table effects (n bigserial primary key, subject text not null, seq bigint not null)")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    sqlx::query(EFFECTS).execute(&db.pool).await.unwrap();
     sqlx::query(
         "insert into inbox_leases (consumer, epoch, holder) values ('fenced', 2, 'the new leader')",
     )
@@ -718,7 +691,7 @@ async fn a_transaction_of_a_deposed_leader_rolls_back_and_is_left_unacked() {
     .unwrap();
     let stack = ServiceBuilder::new()
         .layer(DedupeLayer::new(db.pool.clone()))
-        .service(Router::new().route("o.step", HandlerService::new(Append)));
+        .service(Router::new().route("o.step", HandlerService::new(Append::default())));
     let event = Envelope::new("o.step", "tests", "s", json!({"seq": 0})).unwrap();
     let delivery = |epoch| {
         Delivery::new(event.clone(), inbox_consumer::DeliveryInfo::new("fenced"))
@@ -805,11 +778,11 @@ async fn a_leader_that_loses_its_database_session_steps_down_and_the_standby_goe
 #[tokio::test]
 async fn shutdown_stops_an_in_place_retry_and_leaves_the_event_to_the_next_leader() {
     let w = world_with_effects("ORDERED_STOP").await;
-    let flaky = Flaky::default();
+    let handler = Append::default();
     let service = |pool: PgPool| {
         ServiceBuilder::new()
             .layer(DedupeLayer::new(pool))
-            .service(Router::new().route("o.step", HandlerService::new(flaky.clone())))
+            .service(Router::new().route("o.step", HandlerService::new(handler.clone())))
     };
     // A long retry delay: only an interrupted wait lets shutdown finish soon.
     let config = ordered_config("ORDERED_STOP", "stop")
@@ -818,7 +791,7 @@ async fn shutdown_stops_an_in_place_retry_and_leaves_the_event_to_the_next_leade
     let event = Envelope::new("o.step", "tests", "s", json!({"seq": 0, "fail": 1})).unwrap();
     w.publish_all(std::slice::from_ref(&event)).await;
     wait_until("the first attempt failed", WAIT, || async {
-        flaky
+        handler
             .attempts
             .lock()
             .unwrap()
