@@ -186,6 +186,29 @@ impl World {
             .await;
     }
 
+    /// Publishes every event as [`publish`](Self::publish) does, all acks in
+    /// flight at once, then waits for them.
+    async fn publish_all(&self, events: &[Envelope<Value>]) {
+        let mut acks = Vec::new();
+        for e in events {
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", e.id().to_string().as_str());
+            acks.push(
+                self.js
+                    .publish_with_headers(
+                        e.event_type().as_str().to_owned(),
+                        headers,
+                        e.to_json().unwrap().into(),
+                    )
+                    .await
+                    .unwrap(),
+            );
+        }
+        for ack in acks {
+            ack.await.unwrap();
+        }
+    }
+
     /// Messages of `durable` neither acked nor terminated yet (pending + unacked).
     async fn outstanding(&self, durable: &str) -> u64 {
         let stream = self.js.get_stream(&self.stream).await.unwrap();
@@ -690,20 +713,10 @@ async fn concurrency_16_keeps_per_subject_stream_order() {
     let config = config(&w, "order").concurrency(16);
     let running = start(&w, config, stack(&w.db.pool, handler.clone())).await;
 
-    let mut acks = Vec::new();
-    for seq in 0..1_000 {
-        let e = event("t.ok", &format!("sub_{}", seq % 50), json!({"seq": seq}));
-        let mut headers = HeaderMap::new();
-        headers.insert("Nats-Msg-Id", e.id().to_string().as_str());
-        acks.push(
-            w.js.publish_with_headers("t.ok", headers, e.to_json().unwrap().into())
-                .await
-                .unwrap(),
-        );
-    }
-    for ack in acks {
-        ack.await.unwrap();
-    }
+    let events: Vec<_> = (0..1_000)
+        .map(|seq| event("t.ok", &format!("sub_{}", seq % 50), json!({"seq": seq})))
+        .collect();
+    w.publish_all(&events).await;
     w.wait_count("1,000 effects", "select count(*) from effects", 1_000)
         .await;
     w.wait_settled("order").await;
@@ -919,21 +932,13 @@ async fn two_replicas_hammering_one_subject_never_apply_an_older_event_after_a_n
 
     let n = 300;
     let t0 = chrono::Utc::now();
-    let mut acks = Vec::new();
-    for seq in 0..n {
-        let e = event("t.ok", "sub_hot", json!({"seq": seq}))
-            .with_time(t0 + chrono::Duration::milliseconds(seq));
-        let mut headers = HeaderMap::new();
-        headers.insert("Nats-Msg-Id", e.id().to_string().as_str());
-        acks.push(
-            w.js.publish_with_headers("t.ok", headers, e.to_json().unwrap().into())
-                .await
-                .unwrap(),
-        );
-    }
-    for ack in acks {
-        ack.await.unwrap();
-    }
+    let events: Vec<_> = (0..n)
+        .map(|seq| {
+            event("t.ok", "sub_hot", json!({"seq": seq}))
+                .with_time(t0 + chrono::Duration::milliseconds(seq))
+        })
+        .collect();
+    w.publish_all(&events).await;
     w.wait_count(
         "every event in the inbox",
         "select count(*) from inbox_events",
