@@ -9,7 +9,8 @@
 //! ```
 //!
 //! The `type` is also the NATS subject the relay publishes to, so it is validated
-//! as one: non-empty dot-separated tokens, no whitespace, no `*` or `>` wildcards.
+//! as one: non-empty dot-separated tokens, no whitespace, no `*` or `>` wildcards,
+//! outside the NATS reserved namespaces (see [`validate_event_type`]).
 
 use std::fmt;
 use std::str::FromStr;
@@ -20,6 +21,9 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::validate::{
+    validate_event_type, validate_time, validate_traceparent, validate_tracestate,
+};
 
 /// The only CloudEvents version this crate writes and reads.
 pub const SPEC_VERSION: &str = "1.0";
@@ -132,39 +136,6 @@ impl<'de> Deserialize<'de> for EventType {
     }
 }
 
-/// Checks that `s` is usable as an event type and NATS subject.
-///
-/// # Errors
-/// [`ErrorKind::InvalidEnvelope`], with a message naming the offending part.
-pub fn validate_event_type(s: &str) -> Result<()> {
-    let invalid = |why: &str| {
-        Err(Error::new(
-            ErrorKind::InvalidEnvelope,
-            format!("invalid event type `{}`: {why}", s.escape_debug()),
-        )
-        .with_event_type(s))
-    };
-    if s.is_empty() {
-        return invalid("it is empty");
-    }
-    if s.len() > MAX_EVENT_TYPE_LEN {
-        return invalid(&format!("longer than {MAX_EVENT_TYPE_LEN} bytes"));
-    }
-    if let Some(c) = s
-        .chars()
-        .find(|c| c.is_whitespace() || c.is_control() || matches!(c, '*' | '>'))
-    {
-        return invalid(&format!(
-            "it contains {:?}, which a NATS subject cannot carry",
-            c
-        ));
-    }
-    if s.split('.').any(str::is_empty) {
-        return invalid("it has an empty token (leading, trailing or doubled `.`)");
-    }
-    Ok(())
-}
-
 fn validate_attribute(name: &str, value: &str) -> Result<()> {
     let invalid = |why: &str| {
         Err(Error::new(
@@ -240,6 +211,9 @@ impl<T> Envelope<T> {
 
     /// Sets when the state change happened (default: when the envelope was built).
     /// Kept to microseconds, the precision of a Postgres `timestamptz`.
+    ///
+    /// The year must be within `1..=9999`: [`Envelope::validate`] and
+    /// [`Outbox::enqueue`](crate::Outbox::enqueue) refuse any other.
     #[must_use]
     pub fn with_time(mut self, time: DateTime<Utc>) -> Self {
         self.time = time.trunc_subsecs(6);
@@ -254,11 +228,36 @@ impl<T> Envelope<T> {
     }
 
     /// Attaches W3C trace context, carried to the broker as message headers.
+    ///
+    /// Both must be well-formed W3C values ([`validate_traceparent`],
+    /// [`validate_tracestate`]): [`Envelope::validate`] and
+    /// [`Outbox::enqueue`](crate::Outbox::enqueue) refuse any other.
     #[must_use]
     pub fn with_trace_context(mut self, traceparent: String, tracestate: Option<String>) -> Self {
         self.traceparent = Some(traceparent);
         self.tracestate = tracestate;
         self
+    }
+
+    /// Checks the attributes that the `with_*` setters take without checking:
+    /// the year of `time` ([`validate_time`]) and the trace context
+    /// ([`validate_traceparent`], [`validate_tracestate`]).
+    ///
+    /// Every constructor validates the type, source and subject already; with
+    /// this check passed, every attribute can be published.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidEnvelope`], with a message naming `time`,
+    /// `traceparent` or `tracestate`.
+    pub fn validate(&self) -> Result<()> {
+        validate_time(self.time)?;
+        if let Some(tp) = &self.traceparent {
+            validate_traceparent(tp)?;
+        }
+        if let Some(ts) = &self.tracestate {
+            validate_tracestate(ts)?;
+        }
+        Ok(())
     }
 
     /// The event id.
@@ -316,7 +315,8 @@ impl<T> Envelope<T> {
     /// every attribute.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidEnvelope`] as for [`Envelope::new`].
+    /// [`ErrorKind::InvalidEnvelope`] as for [`Envelope::new`], or if the year
+    /// of `time` is outside `1..=9999` ([`validate_time`]).
     pub fn from_parts(
         id: EventId,
         event_type: impl Into<String>,
@@ -325,9 +325,26 @@ impl<T> Envelope<T> {
         time: DateTime<Utc>,
         data: T,
     ) -> Result<Self> {
+        validate_time(time)?;
         Ok(Self::new(event_type, source, subject, data)?
             .with_id(id)
             .with_time(time))
+    }
+
+    /// The structured-mode JSON of this envelope with `data` as given.
+    fn wire<'a, D>(&'a self, data: &'a D) -> Wire<'a, D> {
+        Wire {
+            specversion: SPEC_VERSION,
+            id: self.id,
+            source: &self.source,
+            event_type: self.event_type.as_str(),
+            subject: &self.subject,
+            time: self.time,
+            datacontenttype: DATA_CONTENT_TYPE,
+            traceparent: self.traceparent.as_deref(),
+            tracestate: self.tracestate.as_deref(),
+            data,
+        }
     }
 }
 
@@ -359,7 +376,7 @@ impl<T: Serialize> Envelope<T> {
     /// # Errors
     /// [`ErrorKind::Serialization`] if the payload cannot be encoded.
     pub fn to_json(&self) -> Result<Vec<u8>> {
-        serde_json::to_vec(&Wire::from(self)).map_err(|e| {
+        serde_json::to_vec(&self.wire(&self.data)).map_err(|e| {
             Error::new(
                 ErrorKind::Serialization,
                 format!("cannot encode event `{}`: {e}", self.id),
@@ -446,23 +463,6 @@ struct Wire<'a, T> {
     #[serde(skip_serializing_if = "Option::is_none")]
     tracestate: Option<&'a str>,
     data: &'a T,
-}
-
-impl<'a, T> From<&'a Envelope<T>> for Wire<'a, T> {
-    fn from(env: &'a Envelope<T>) -> Self {
-        Self {
-            specversion: SPEC_VERSION,
-            id: env.id,
-            source: &env.source,
-            event_type: env.event_type.as_str(),
-            subject: &env.subject,
-            time: env.time,
-            datacontenttype: DATA_CONTENT_TYPE,
-            traceparent: env.traceparent.as_deref(),
-            tracestate: env.tracestate.as_deref(),
-            data: &env.data,
-        }
-    }
 }
 
 fn serialize_time<S: serde::Serializer>(
@@ -620,6 +620,52 @@ mod tests {
             assert_eq!(err.kind(), ErrorKind::InvalidEnvelope);
             assert!(err.to_string().contains(needle), "{err} !~ {needle}");
         }
+    }
+
+    #[test]
+    fn reserved_namespaces_cannot_be_built_or_read() {
+        for bad in ["$JS.API.STREAM.DELETE.X", "$SYS.x", "_INBOX.abc", "_INBOX"] {
+            let err = Envelope::new(bad, "svc", "s", ()).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidEnvelope);
+            assert!(err.to_string().contains("reserved namespace"), "{err}");
+            let wire = format!(
+                r#"{{"specversion":"1.0","id":"0190a5f2-7c3e-7000-8000-000000000000","source":"s","type":"{bad}","subject":"s","time":"2026-01-01T00:00:00Z"}}"#
+            );
+            let err = Envelope::<serde_json::Value>::from_json(wire.as_bytes()).unwrap_err();
+            assert!(err.to_string().contains("reserved namespace"), "{err}");
+        }
+    }
+
+    #[test]
+    fn from_parts_refuses_a_year_beyond_four_digits() {
+        use chrono::TimeZone;
+        let time = Utc.with_ymd_and_hms(10000, 1, 1, 0, 0, 0).unwrap();
+        let err = Envelope::from_parts(EventId::new(), "a.b", "svc", "s", time, ()).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidEnvelope);
+        assert!(err.to_string().contains("time"), "{err}");
+        let err = created().with_time(time).validate().unwrap_err();
+        assert!(err.to_string().contains("year 10000"), "{err}");
+    }
+
+    #[test]
+    fn validate_checks_what_the_setters_take_unchecked() {
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        created().validate().unwrap();
+        created()
+            .with_trace_context(tp.into(), Some("rojo=1,congo=2".into()))
+            .validate()
+            .unwrap();
+        let err = created()
+            .with_trace_context(format!("{tp}\n"), None)
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().contains("traceparent"), "{err}");
+        assert!(err.to_string().contains(r"\n"), "{err}");
+        let err = created()
+            .with_trace_context(tp.into(), Some("k=v\r\nX: y".into()))
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().contains("tracestate"), "{err}");
     }
 
     #[test]

@@ -12,8 +12,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ErrorKind {
-    /// An envelope attribute is invalid (event type, source, subject, id, spec version),
-    /// or a message is not a CloudEvents 1.0 structured-mode JSON envelope.
+    /// An envelope attribute is invalid (event type, source, subject, id, spec
+    /// version, time, trace context), the payload is JSON consumers cannot
+    /// decode, or a message is not a CloudEvents 1.0 structured-mode JSON
+    /// envelope.
     InvalidEnvelope,
     /// No schema is registered for the event type.
     UnknownEventType,
@@ -100,6 +102,12 @@ impl Error {
 
     pub(crate) fn with_event_type(mut self, event_type: impl Into<String>) -> Self {
         self.inner.event_type = Some(event_type.into());
+        self
+    }
+
+    /// Prefixes the message with what it is about: `"{context}: {message}"`.
+    pub(crate) fn context(mut self, context: impl fmt::Display) -> Self {
+        self.inner.message = format!("{context}: {}", self.inner.message);
         self
     }
 

@@ -48,6 +48,13 @@
 //! - A payload that fails its schema, or an event type without one, is refused
 //!   with an error naming the type, the JSON pointer and the reason; nothing is
 //!   written.
+//! - So is every event the relay could not publish or a consumer could not
+//!   decode: a type in a NATS reserved namespace (`$JS.…`, `_INBOX.…`), a
+//!   malformed `traceparent` or `tracestate` (they travel as headers), a `time`
+//!   whose year has more than four digits, and `data` with a number beyond a
+//!   64-bit float or nested too deep. The rules are public functions
+//!   ([`validate_traceparent`], [`check_json_decodable`], …) so the relay
+//!   applies the same ones to rows written by other clients.
 //! - [`Outbox::enqueue_all`] writes any number of events in one statement.
 //!
 //! # Features
@@ -62,13 +69,18 @@ mod error;
 mod migrate;
 mod outbox;
 mod schema;
+mod validate;
 
 pub use envelope::{
     DATA_CONTENT_TYPE, Envelope, EventId, EventType, MAX_ATTRIBUTE_LEN, MAX_EVENT_TYPE_LEN,
-    PLATFORM_SUBJECT, SPEC_VERSION, validate_event_type,
+    PLATFORM_SUBJECT, SPEC_VERSION,
 };
 pub use error::{BoxError, Error, ErrorKind, Result, Violation};
 #[cfg(feature = "migrate")]
 pub use migrate::{MIGRATOR, migrate};
 pub use outbox::Outbox;
 pub use schema::{SCHEMA_SUFFIX, SchemaRegistry};
+pub use validate::{
+    MAX_JSON_DEPTH, MAX_TRACESTATE_LEN, check_json_decodable, validate_event_type, validate_time,
+    validate_traceparent, validate_tracestate,
+};

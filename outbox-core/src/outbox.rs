@@ -7,6 +7,7 @@ use uuid::Uuid;
 use crate::envelope::{Envelope, EventId};
 use crate::error::{Error, ErrorKind, Result};
 use crate::schema::SchemaRegistry;
+use crate::validate::check_json_decodable;
 
 const INSERT_EVENTS: &str = include_str!("../queries/insert_events.sql");
 
@@ -45,11 +46,22 @@ impl Outbox {
     /// Appends one event. It becomes visible to the relay when `tx` commits and
     /// disappears if `tx` rolls back.
     ///
+    /// Nothing is written, and no statement is sent, if the event cannot be
+    /// published or decoded; the error names the event and the reason.
+    ///
     /// # Errors
-    /// [`ErrorKind::Serialization`] if the payload is not JSON-serializable;
-    /// [`ErrorKind::UnknownEventType`] / [`ErrorKind::SchemaViolation`] if it fails
-    /// validation (nothing is written); [`ErrorKind::Database`] if the insert
-    /// fails (the transaction is then aborted, as with any failed statement).
+    /// - [`ErrorKind::InvalidEnvelope`] if the `time` year is outside
+    ///   `1..=9999`, the `traceparent` or `tracestate` is malformed
+    ///   ([`Envelope::validate`]), or the payload is not JSON that consumers can
+    ///   decode ([`check_json_decodable`](crate::check_json_decodable): a number
+    ///   beyond a 64-bit float, nesting deeper than
+    ///   [`MAX_JSON_DEPTH`](crate::MAX_JSON_DEPTH)). (An event type in a NATS
+    ///   reserved namespace cannot be built in the first place.)
+    /// - [`ErrorKind::Serialization`] if the payload is not JSON-serializable.
+    /// - [`ErrorKind::UnknownEventType`] / [`ErrorKind::SchemaViolation`] if it
+    ///   fails its schema.
+    /// - [`ErrorKind::Database`] if the insert fails (the transaction is then
+    ///   aborted, as with any failed statement).
     pub async fn enqueue<T: Serialize>(
         &self,
         tx: &mut PgTransaction<'_>,
@@ -69,7 +81,7 @@ impl Outbox {
         tx: &mut PgTransaction<'_>,
         events: &[Envelope<T>],
     ) -> Result<Vec<EventId>> {
-        let rows = Rows::build(self.schemas.as_ref(), events)?;
+        let rows = Rows::build(self, events)?;
         if rows.ids.is_empty() {
             return Ok(Vec::new());
         }
@@ -103,22 +115,28 @@ struct Rows {
 }
 
 impl Rows {
-    fn build<T: Serialize>(
-        schemas: Option<&SchemaRegistry>,
-        events: &[Envelope<T>],
-    ) -> Result<Self> {
+    /// Validates every event, then lays them out as columns.
+    fn build<T: Serialize>(outbox: &Outbox, events: &[Envelope<T>]) -> Result<Self> {
         let mut rows = Rows::default();
         for event in events {
             let event_type = event.event_type().as_str();
-            let data = serde_json::to_value(event.data()).map_err(|e| {
+            let about = || format!("event {} of type `{event_type}`", event.id());
+            event
+                .validate()
+                .map_err(|e| e.context(about()).with_event_type(event_type))?;
+            let serialization = |e: serde_json::Error| {
                 Error::new(
                     ErrorKind::Serialization,
                     format!("payload of event type `{event_type}` is not JSON-serializable: {e}"),
                 )
                 .with_event_type(event_type)
                 .with_source(e)
-            })?;
-            if let Some(schemas) = schemas {
+            };
+            let data = serde_json::to_value(event.data()).map_err(serialization)?;
+            let text = serde_json::to_string(&data).map_err(serialization)?;
+            check_json_decodable(&text)
+                .map_err(|e| e.context(about()).with_event_type(event_type))?;
+            if let Some(schemas) = &outbox.schemas {
                 schemas.validate(event_type, &data)?;
             }
             rows.ids.push(*event.id().as_uuid());
@@ -132,5 +150,83 @@ impl Rows {
             rows.tracestates.push(event.tracestate().map(str::to_owned));
         }
         Ok(rows)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::TimeZone;
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+    fn event(data: Value) -> Envelope<Value> {
+        Envelope::new("orders.created", "orders", "order_1", data).unwrap()
+    }
+
+    fn refused(outbox: &Outbox, events: &[Envelope<Value>]) -> Error {
+        match Rows::build(outbox, events) {
+            Ok(_) => panic!("accepted"),
+            Err(e) => e,
+        }
+    }
+
+    fn nested(depth: usize) -> Value {
+        (0..depth).fold(json!(1), |inner, _| json!([inner]))
+    }
+
+    #[test]
+    fn valid_events_become_rows() {
+        let events = [
+            event(json!({"n": 1})),
+            event(json!({"n": 2})).with_trace_context(TRACEPARENT.into(), Some("k=v".into())),
+            event(nested(crate::MAX_JSON_DEPTH)),
+        ];
+        let rows = Rows::build(&Outbox::unvalidated(), &events).unwrap();
+        assert_eq!(rows.ids.len(), 3);
+    }
+
+    #[test]
+    fn header_unsafe_trace_context_is_refused_naming_the_event() {
+        let outbox = Outbox::unvalidated();
+        for (traceparent, tracestate, needle) in [
+            (format!("{TRACEPARENT}\n"), None, "traceparent"),
+            ("not-a-traceparent".to_owned(), None, "traceparent"),
+            (TRACEPARENT.to_owned(), Some("k=v\r\nX: 1"), "tracestate"),
+            (TRACEPARENT.to_owned(), Some("k=caf\u{e9}"), "tracestate"),
+        ] {
+            let bad =
+                event(json!({})).with_trace_context(traceparent, tracestate.map(str::to_owned));
+            let err = refused(&outbox, std::slice::from_ref(&bad));
+            assert_eq!(err.kind(), ErrorKind::InvalidEnvelope);
+            assert_eq!(err.event_type(), Some("orders.created"));
+            let msg = err.to_string();
+            assert!(
+                msg.contains(needle) && msg.contains("orders.created"),
+                "{msg}"
+            );
+            assert!(msg.contains(&bad.id().to_string()), "{msg}");
+            assert!(!msg.contains('\n') && !msg.contains('\r'), "{msg:?}");
+        }
+    }
+
+    #[test]
+    fn a_time_beyond_four_digit_years_is_refused() {
+        let time = chrono::Utc.with_ymd_and_hms(10000, 1, 1, 0, 0, 0).unwrap();
+        let err = refused(&Outbox::unvalidated(), &[event(json!({})).with_time(time)]);
+        assert_eq!(err.kind(), ErrorKind::InvalidEnvelope);
+        assert!(err.to_string().contains("time"), "{err}");
+    }
+
+    #[test]
+    fn data_nested_too_deep_is_refused() {
+        let err = refused(
+            &Outbox::unvalidated(),
+            &[event(nested(crate::MAX_JSON_DEPTH + 1))],
+        );
+        assert_eq!(err.kind(), ErrorKind::InvalidEnvelope);
+        assert!(err.to_string().contains("data"), "{err}");
     }
 }

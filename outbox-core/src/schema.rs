@@ -9,8 +9,8 @@ use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::envelope::validate_event_type;
 use crate::error::{Error, ErrorKind, Result, Violation};
+use crate::validate::validate_event_type;
 
 /// File name suffix of a schema: `<type>.schema.json`.
 pub const SCHEMA_SUFFIX: &str = ".schema.json";
