@@ -11,6 +11,10 @@
 //! The `type` is also the NATS subject the relay publishes to, so it is validated
 //! as one: non-empty dot-separated tokens, no whitespace, no `*` or `>` wildcards,
 //! outside the NATS reserved namespaces (see [`validate_event_type`]).
+//!
+//! The relay adds the CloudEvents `sequence` extension, the row's insert-order
+//! number, as a zero-padded decimal string (see [`format_sequence`]):
+//! `"sequence":"00000000000000000042"`.
 
 use std::fmt;
 use std::str::FromStr;
@@ -21,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::sequence::{format_sequence, parse_sequence};
 use crate::validate::{
     validate_event_type, validate_time, validate_traceparent, validate_tracestate,
 };
@@ -175,6 +180,7 @@ pub struct Envelope<T = serde_json::Value> {
     data: T,
     traceparent: Option<String>,
     tracestate: Option<String>,
+    sequence: Option<u64>,
 }
 
 impl<T> Envelope<T> {
@@ -206,6 +212,7 @@ impl<T> Envelope<T> {
             data,
             traceparent: None,
             tracestate: None,
+            sequence: None,
         })
     }
 
@@ -236,6 +243,15 @@ impl<T> Envelope<T> {
     pub fn with_trace_context(mut self, traceparent: String, tracestate: Option<String>) -> Self {
         self.traceparent = Some(traceparent);
         self.tracestate = tracestate;
+        self
+    }
+
+    /// Sets the CloudEvents `sequence` extension: the event's insert-order
+    /// number, written as [`format_sequence`] does. The relay sets it from the
+    /// row; an application has no reason to.
+    #[must_use]
+    pub fn with_sequence(mut self, seq: u64) -> Self {
+        self.sequence = Some(seq);
         self
     }
 
@@ -296,6 +312,10 @@ impl<T> Envelope<T> {
     pub fn tracestate(&self) -> Option<&str> {
         self.tracestate.as_deref()
     }
+    /// The CloudEvents `sequence` extension, if set: the insert-order number.
+    pub fn sequence(&self) -> Option<u64> {
+        self.sequence
+    }
 
     /// Replaces the payload, keeping every attribute.
     pub fn map_data<U>(self, f: impl FnOnce(T) -> U) -> Envelope<U> {
@@ -308,6 +328,7 @@ impl<T> Envelope<T> {
             data: f(self.data),
             traceparent: self.traceparent,
             tracestate: self.tracestate,
+            sequence: self.sequence,
         }
     }
 
@@ -343,6 +364,7 @@ impl<T> Envelope<T> {
             datacontenttype: DATA_CONTENT_TYPE,
             traceparent: self.traceparent.as_deref(),
             tracestate: self.tracestate.as_deref(),
+            sequence: self.sequence.map(format_sequence),
             data,
         }
     }
@@ -439,9 +461,22 @@ impl<T: DeserializeOwned> Envelope<T> {
                 format!("event `{id}` has no subject"),
             )
         })?;
+        let sequence = match wire.sequence {
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::String(s)) => Some(parse_sequence(&s)?),
+            Some(other) => {
+                return Err(Error::new(
+                    ErrorKind::InvalidEnvelope,
+                    format!(
+                        "invalid envelope sequence `{other}`: it must be a string of decimal digits"
+                    ),
+                ));
+            }
+        };
         let mut env = Envelope::from_parts(id, event_type, wire.source, subject, wire.time, data)?;
         env.traceparent = wire.traceparent;
         env.tracestate = wire.tracestate;
+        env.sequence = sequence;
         Ok(env)
     }
 }
@@ -462,6 +497,8 @@ struct Wire<'a, T> {
     traceparent: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     tracestate: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sequence: Option<String>,
     data: &'a T,
 }
 
@@ -485,6 +522,8 @@ struct OwnedWire {
     datacontenttype: Option<String>,
     traceparent: Option<String>,
     tracestate: Option<String>,
+    /// Read loosely, to name the attribute when it is not a digit string.
+    sequence: Option<serde_json::Value>,
     #[serde(default)]
     data: serde_json::Value,
 }
@@ -619,6 +658,82 @@ mod tests {
             let err = Envelope::<serde_json::Value>::from_json(bytes).unwrap_err();
             assert_eq!(err.kind(), ErrorKind::InvalidEnvelope);
             assert!(err.to_string().contains(needle), "{err} !~ {needle}");
+        }
+    }
+
+    #[test]
+    fn sequence_travels_as_a_zero_padded_string() {
+        let env = created().with_sequence(42);
+        assert_eq!(env.sequence(), Some(42));
+        let bytes = env.to_json().unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(v["sequence"], "00000000000000000042");
+        let back = Envelope::<Created>::from_json(&bytes).unwrap();
+        assert_eq!(back.sequence(), Some(42));
+        assert_eq!(back, env);
+
+        for seq in [0, 1, i64::MAX as u64, u64::MAX] {
+            let env = created().with_sequence(seq);
+            let back = Envelope::<Created>::from_json(&env.to_json().unwrap()).unwrap();
+            assert_eq!(back.sequence(), Some(seq));
+        }
+    }
+
+    #[test]
+    fn sequence_is_omitted_when_unset() {
+        let env = created();
+        assert_eq!(env.sequence(), None);
+        let v: serde_json::Value = serde_json::from_slice(&env.to_json().unwrap()).unwrap();
+        assert!(v.get("sequence").is_none(), "{v}");
+        let back = Envelope::<Created>::from_json(&env.to_json().unwrap()).unwrap();
+        assert_eq!(back.sequence(), None);
+    }
+
+    #[test]
+    fn sequence_survives_map_data_and_to_value_envelope() {
+        let env = created().with_sequence(7);
+        assert_eq!(env.to_value_envelope().unwrap().sequence(), Some(7));
+        assert_eq!(env.map_data(|_| ()).sequence(), Some(7));
+    }
+
+    fn with_sequence_attribute(sequence: serde_json::Value) -> Vec<u8> {
+        let mut v: serde_json::Value =
+            serde_json::from_slice(&created().to_json().unwrap()).unwrap();
+        v["sequence"] = sequence;
+        serde_json::to_vec(&v).unwrap()
+    }
+
+    #[test]
+    fn sequence_is_read_padded_or_not() {
+        for (wire, seq) in [
+            (json!("00000000000000000042"), Some(42)),
+            (json!("42"), Some(42)),
+            (json!("18446744073709551615"), Some(u64::MAX)),
+            (json!(null), None),
+        ] {
+            let env = Envelope::<Created>::from_json(&with_sequence_attribute(wire)).unwrap();
+            assert_eq!(env.sequence(), seq);
+        }
+    }
+
+    #[test]
+    fn a_malformed_sequence_is_named() {
+        for bad in [
+            json!(""),
+            json!("abc"),
+            json!("-1"),
+            json!("+1"),
+            json!("4 2"),
+            json!("1.5"),
+            json!("18446744073709551616"),
+            json!(42),
+            json!(true),
+            json!(["1"]),
+        ] {
+            let err =
+                Envelope::<Created>::from_json(&with_sequence_attribute(bad.clone())).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidEnvelope, "{bad}");
+            assert!(err.to_string().contains("sequence"), "{err}");
         }
     }
 

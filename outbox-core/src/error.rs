@@ -13,8 +13,8 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[non_exhaustive]
 pub enum ErrorKind {
     /// An envelope attribute is invalid (event type, source, subject, id, spec
-    /// version, time, trace context), the payload is JSON consumers cannot
-    /// decode, or a message is not a CloudEvents 1.0 structured-mode JSON
+    /// version, time, trace context, sequence), the payload is JSON consumers
+    /// cannot decode, or a message is not a CloudEvents 1.0 structured-mode JSON
     /// envelope.
     InvalidEnvelope,
     /// No schema is registered for the event type.

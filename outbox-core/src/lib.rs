@@ -55,6 +55,9 @@
 //!   64-bit float or nested too deep. The rules are public functions
 //!   ([`validate_traceparent`], [`check_json_decodable`], …) so the relay
 //!   applies the same ones to rows written by other clients.
+//! - The relay numbers events in insert order and sends the number as the
+//!   CloudEvents `sequence` extension ([`Envelope::sequence`],
+//!   [`format_sequence`]).
 //! - [`Outbox::enqueue_all`] writes any number of events in one statement.
 //!
 //! # Features
@@ -69,6 +72,7 @@ mod error;
 mod migrate;
 mod outbox;
 mod schema;
+mod sequence;
 mod validate;
 
 pub use envelope::{
@@ -80,6 +84,7 @@ pub use error::{BoxError, Error, ErrorKind, Result, Violation};
 pub use migrate::{MIGRATOR, migrate};
 pub use outbox::Outbox;
 pub use schema::{SCHEMA_SUFFIX, SchemaRegistry};
+pub use sequence::{SEQUENCE_WIDTH, format_sequence, parse_sequence};
 pub use validate::{
     MAX_JSON_DEPTH, MAX_TRACESTATE_LEN, check_json_decodable, validate_event_type, validate_time,
     validate_traceparent, validate_tracestate,
