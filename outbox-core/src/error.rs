@@ -27,6 +27,9 @@ pub enum ErrorKind {
     Serialization,
     /// The database reported an error.
     Database,
+    /// An event's message, its CloudEvents JSON plus NATS headers, is larger
+    /// than the outbox's maximum message size.
+    TooLarge,
 }
 
 impl fmt::Display for ErrorKind {
@@ -38,6 +41,7 @@ impl fmt::Display for ErrorKind {
             Self::InvalidSchema => "invalid schema",
             Self::Serialization => "serialization error",
             Self::Database => "database error",
+            Self::TooLarge => "message too large",
         })
     }
 }

@@ -51,10 +51,11 @@
 //! - So is every event the relay could not publish or a consumer could not
 //!   decode: a type in a NATS reserved namespace (`$JS.…`, `_INBOX.…`), a
 //!   malformed `traceparent` or `tracestate` (they travel as headers), a `time`
-//!   whose year has more than four digits, and `data` with a number beyond a
-//!   64-bit float or nested too deep. The rules are public functions
-//!   ([`validate_traceparent`], [`check_json_decodable`], …) so the relay
-//!   applies the same ones to rows written by other clients.
+//!   whose year has more than four digits, `data` with a number beyond a 64-bit
+//!   float or nested too deep, and a message larger than
+//!   [`Outbox::max_message_size`] ([`ErrorKind::TooLarge`]). The rules are
+//!   public functions ([`validate_traceparent`], [`check_json_decodable`], …) so
+//!   the relay applies the same ones to rows written by other clients.
 //! - The relay numbers events in insert order and sends the number as the
 //!   CloudEvents `sequence` extension ([`Envelope::sequence`],
 //!   [`format_sequence`]).
@@ -82,7 +83,7 @@ pub use envelope::{
 pub use error::{BoxError, Error, ErrorKind, Result, Violation};
 #[cfg(feature = "migrate")]
 pub use migrate::{MIGRATOR, migrate};
-pub use outbox::Outbox;
+pub use outbox::{DEFAULT_MAX_MESSAGE_SIZE, Outbox};
 pub use schema::{SCHEMA_SUFFIX, SchemaRegistry};
 pub use sequence::{SEQUENCE_WIDTH, format_sequence, parse_sequence};
 pub use validate::{

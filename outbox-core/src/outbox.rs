@@ -11,6 +11,10 @@ use crate::validate::check_json_decodable;
 
 const INSERT_EVENTS: &str = include_str!("../queries/insert_events.sql");
 
+/// Default of [`Outbox::max_message_size`]: 1 MiB, the default `max_payload`
+/// of nats-server.
+pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 1_048_576;
+
 /// The write side of the outbox: validates payloads against their schemas and
 /// appends envelopes to `outbox_events`.
 ///
@@ -20,6 +24,7 @@ const INSERT_EVENTS: &str = include_str!("../queries/insert_events.sql");
 #[derive(Debug, Clone)]
 pub struct Outbox {
     schemas: Option<SchemaRegistry>,
+    max_message_size: usize,
 }
 
 impl Outbox {
@@ -28,6 +33,7 @@ impl Outbox {
     pub fn new(schemas: SchemaRegistry) -> Self {
         Self {
             schemas: Some(schemas),
+            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
         }
     }
 
@@ -35,7 +41,22 @@ impl Outbox {
     /// attributes are still validated. Meant for tests and for events whose
     /// payloads were validated elsewhere.
     pub fn unvalidated() -> Self {
-        Self { schemas: None }
+        Self {
+            schemas: None,
+            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
+        }
+    }
+
+    /// Refuses an event whose NATS message would be larger than `bytes`
+    /// (default [`DEFAULT_MAX_MESSAGE_SIZE`], 1 MiB). Set it to the server's
+    /// `max_payload` if that is not the default.
+    ///
+    /// The size is [`Envelope::message_size`]: the CloudEvents JSON with the
+    /// `sequence` the relay adds, plus the NATS headers the relay sends.
+    #[must_use]
+    pub fn max_message_size(mut self, bytes: usize) -> Self {
+        self.max_message_size = bytes;
+        self
     }
 
     /// The registry payloads are checked against, if any.
@@ -57,6 +78,8 @@ impl Outbox {
     ///   beyond a 64-bit float, nesting deeper than
     ///   [`MAX_JSON_DEPTH`](crate::MAX_JSON_DEPTH)). (An event type in a NATS
     ///   reserved namespace cannot be built in the first place.)
+    /// - [`ErrorKind::TooLarge`] if the message exceeds
+    ///   [`Outbox::max_message_size`].
     /// - [`ErrorKind::Serialization`] if the payload is not JSON-serializable.
     /// - [`ErrorKind::UnknownEventType`] / [`ErrorKind::SchemaViolation`] if it
     ///   fails its schema.
@@ -136,6 +159,19 @@ impl Rows {
             let text = serde_json::to_string(&data).map_err(serialization)?;
             check_json_decodable(&text)
                 .map_err(|e| e.context(about()).with_event_type(event_type))?;
+            let size = event.message_size_with_data_len(text.len())?;
+            if size > outbox.max_message_size {
+                return Err(Error::new(
+                    ErrorKind::TooLarge,
+                    format!(
+                        "{} is too large to publish: its message is {size} bytes \
+                         (CloudEvents JSON plus NATS headers), over the limit of {} bytes",
+                        about(),
+                        outbox.max_message_size
+                    ),
+                )
+                .with_event_type(event_type));
+            }
             if let Some(schemas) = &outbox.schemas {
                 schemas.validate(event_type, &data)?;
             }
@@ -228,5 +264,39 @@ mod tests {
         );
         assert_eq!(err.kind(), ErrorKind::InvalidEnvelope);
         assert!(err.to_string().contains("data"), "{err}");
+    }
+
+    #[test]
+    fn a_message_over_the_limit_is_too_large() {
+        let big = event(json!({"blob": "x".repeat(DEFAULT_MAX_MESSAGE_SIZE)}));
+        let err = refused(&Outbox::unvalidated(), &[event(json!({})), big.clone()]);
+        assert_eq!(err.kind(), ErrorKind::TooLarge);
+        assert_eq!(err.event_type(), Some("orders.created"));
+        let size = big.message_size().unwrap();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("orders.created")
+                && msg.contains(&format!("{size} bytes"))
+                && msg.contains("1048576 bytes"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn the_limit_is_inclusive_and_configurable() {
+        let env = event(json!({"blob": "x".repeat(1000)}));
+        let size = env.message_size().unwrap();
+        Rows::build(
+            &Outbox::unvalidated().max_message_size(size),
+            std::slice::from_ref(&env),
+        )
+        .unwrap();
+        let err = refused(&Outbox::unvalidated().max_message_size(size - 1), &[env]);
+        assert_eq!(err.kind(), ErrorKind::TooLarge);
+        assert!(
+            err.to_string()
+                .contains(&format!("limit of {} bytes", size - 1)),
+            "{err}"
+        );
     }
 }
