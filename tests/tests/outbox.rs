@@ -158,6 +158,240 @@ async fn a_batch_with_one_invalid_event_writes_none() {
     assert_eq!(count(&db, "select count(*) from outbox_events").await, 0);
 }
 
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+/// Enqueues `events` in a transaction, expects a refusal of `kind`, then shows
+/// the transaction is still usable (no statement was sent), commits it, and
+/// checks that nothing was written. Returns the error message.
+async fn refused_and_nothing_written(
+    db: &TestDb,
+    outbox: &Outbox,
+    events: &[Envelope<Value>],
+    kind: ErrorKind,
+) -> String {
+    let mut tx = db.pool.begin().await.unwrap();
+    let err = outbox.enqueue_all(&mut tx, events).await.unwrap_err();
+    assert_eq!(err.kind(), kind, "{err}");
+    sqlx::query("select 1").execute(&mut *tx).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(count(db, "select count(*) from outbox_events").await, 0);
+    err.to_string()
+}
+
+#[tokio::test]
+async fn header_unsafe_trace_context_is_refused_and_writes_nothing() {
+    let db = TestDb::new().await.unwrap();
+    let outbox = outbox();
+    let cases = [
+        (format!("{TRACEPARENT}\n"), None, "traceparent", r"\n"),
+        (
+            "00-4bf92f3577b34da6\r\nX-Injected: 1".to_owned(),
+            None,
+            "traceparent",
+            r"\r\n",
+        ),
+        (
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_owned(),
+            None,
+            "traceparent",
+            "version `ff`",
+        ),
+        (
+            TRACEPARENT.to_owned(),
+            Some("rojo=1\r\nX-Injected: 1"),
+            "tracestate",
+            r"'\r'",
+        ),
+        (
+            TRACEPARENT.to_owned(),
+            Some("rojo=caf\u{e9}"),
+            "tracestate",
+            "printable ASCII",
+        ),
+    ];
+    for (traceparent, tracestate, attribute, reason) in cases {
+        let bad = created("sub_1").with_trace_context(traceparent, tracestate.map(str::to_owned));
+        let msg =
+            refused_and_nothing_written(&db, &outbox, &[bad], ErrorKind::InvalidEnvelope).await;
+        assert!(
+            msg.contains(attribute) && msg.contains(reason) && msg.contains("subscription.created"),
+            "{msg}"
+        );
+        assert!(!msg.contains('\n') && !msg.contains('\r'), "{msg:?}");
+    }
+
+    // Well-formed trace context is written as given.
+    let good = created("sub_1").with_trace_context(
+        TRACEPARENT.to_owned(),
+        Some("rojo=00f067aa0ba902b7,congo=t61rcWkgMzE".to_owned()),
+    );
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox.enqueue(&mut tx, &good).await.unwrap();
+    tx.commit().await.unwrap();
+    let (tp, ts): (Option<String>, Option<String>) =
+        sqlx::query_as("select traceparent, tracestate from outbox_events")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(tp.as_deref(), good.traceparent());
+    assert_eq!(ts.as_deref(), good.tracestate());
+}
+
+#[tokio::test]
+async fn reserved_nats_namespaces_cannot_reach_the_outbox() {
+    let db = TestDb::new().await.unwrap();
+    for reserved in ["$JS.API.STREAM.DELETE.X", "$SYS.x", "_INBOX.abc"] {
+        let err = Envelope::new(reserved, "subscriptions", "sub_1", json!({})).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidEnvelope);
+        assert!(err.to_string().contains("reserved namespace"), "{err}");
+
+        // A row another client inserted with such a type is refused when the
+        // relay builds its envelope.
+        let id = uuid::Uuid::now_v7();
+        sqlx::query(
+            "insert into outbox_events (id, event_type, source, subject, time, data)
+             values ($1, $2, 'php-service', 'sub_1', now(), '{}')",
+        )
+        .bind(id)
+        .bind(reserved)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        let (event_type, time): (String, chrono::DateTime<chrono::Utc>) =
+            sqlx::query_as("select event_type, time from outbox_events where id = $1")
+                .bind(id)
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        let err = Envelope::from_parts(
+            outbox_core::EventId::from_uuid(id),
+            event_type,
+            "php-service",
+            "sub_1",
+            time,
+            json!({}),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("reserved namespace"), "{err}");
+    }
+}
+
+#[tokio::test]
+async fn a_time_beyond_year_9999_is_refused_and_writes_nothing() {
+    use chrono::TimeZone;
+    let db = TestDb::new().await.unwrap();
+    let time = chrono::Utc.with_ymd_and_hms(10000, 1, 1, 0, 0, 0).unwrap();
+    let msg = refused_and_nothing_written(
+        &db,
+        &outbox(),
+        &[created("sub_1").with_time(time)],
+        ErrorKind::InvalidEnvelope,
+    )
+    .await;
+    assert!(msg.contains("time") && msg.contains("year 10000"), "{msg}");
+}
+
+#[tokio::test]
+async fn data_nested_too_deep_is_refused_and_writes_nothing() {
+    let db = TestDb::new().await.unwrap();
+    let deep = (0..200).fold(json!(1), |inner, _| json!([inner]));
+    let event = Envelope::new("subscription.created", "subscriptions", "sub_1", deep).unwrap();
+    let msg = refused_and_nothing_written(
+        &db,
+        &Outbox::unvalidated(),
+        &[event],
+        ErrorKind::InvalidEnvelope,
+    )
+    .await;
+    assert!(
+        msg.contains("data") && msg.contains("nested deeper"),
+        "{msg}"
+    );
+}
+
+#[tokio::test]
+async fn a_message_over_the_limit_is_too_large_and_writes_nothing() {
+    let db = TestDb::new().await.unwrap();
+    let big = Envelope::new(
+        "subscription.created",
+        "subscriptions",
+        "sub_1",
+        json!({"blob": "x".repeat(outbox_core::DEFAULT_MAX_MESSAGE_SIZE)}),
+    )
+    .unwrap();
+    let size = big.message_size().unwrap();
+    let msg =
+        refused_and_nothing_written(&db, &Outbox::unvalidated(), &[big], ErrorKind::TooLarge).await;
+    assert!(
+        msg.contains("subscription.created")
+            && msg.contains(&format!("{size} bytes"))
+            && msg.contains("limit of 1048576 bytes"),
+        "{msg}"
+    );
+
+    // The limit is configurable, and inclusive.
+    let event = created("sub_1");
+    let size = event.message_size().unwrap();
+    let msg = refused_and_nothing_written(
+        &db,
+        &outbox().max_message_size(size - 1),
+        std::slice::from_ref(&event),
+        ErrorKind::TooLarge,
+    )
+    .await;
+    assert!(
+        msg.contains(&format!("limit of {} bytes", size - 1)),
+        "{msg}"
+    );
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox()
+        .max_message_size(size)
+        .enqueue(&mut tx, &event)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(count(&db, "select count(*) from outbox_events").await, 1);
+}
+
+#[tokio::test]
+async fn a_batch_with_one_unpublishable_event_writes_none() {
+    use chrono::TimeZone;
+    let db = TestDb::new().await.unwrap();
+    let outbox = outbox().max_message_size(64 * 1024);
+    let good = || {
+        (0..10)
+            .map(|i| created(&format!("sub_{i}")))
+            .collect::<Vec<_>>()
+    };
+    let far_future = chrono::Utc.with_ymd_and_hms(10000, 1, 1, 0, 0, 0).unwrap();
+    let bad = [
+        (
+            created("bad").with_trace_context(format!("{TRACEPARENT}\n"), None),
+            ErrorKind::InvalidEnvelope,
+        ),
+        (
+            created("bad").with_trace_context(TRACEPARENT.into(), Some("k=v\r\n".into())),
+            ErrorKind::InvalidEnvelope,
+        ),
+        (created("bad").with_time(far_future), ErrorKind::InvalidEnvelope),
+        (
+            Envelope::new(
+                "subscription.created",
+                "subscriptions",
+                "bad",
+                json!({"subscription_id": "x".repeat(70_000), "customer_id": "c1", "plan": "pro", "amount_cents": 1}),
+            )
+            .unwrap(),
+            ErrorKind::TooLarge,
+        ),
+    ];
+    for (bad, kind) in bad {
+        let mut events = good();
+        events.insert(5, bad);
+        refused_and_nothing_written(&db, &outbox, &events, kind).await;
+    }
+}
+
 #[tokio::test]
 async fn thousand_events_in_one_statement() {
     let db = TestDb::new().await.unwrap();
