@@ -131,6 +131,15 @@ impl Relays {
     }
 }
 
+impl Drop for Relays {
+    /// Keeps the relays' logs only when the test failed.
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.log_dir);
+        }
+    }
+}
+
 /// Runs a blocking broker operation (start, kill, restart) off the async workers.
 fn blocking<T>(f: impl FnOnce() -> T) -> T {
     tokio::task::block_in_place(f)
