@@ -102,7 +102,7 @@ impl Relays {
             .unwrap()
     }
 
-    /// The last lines `name` logged, without backtrace frames.
+    /// The last lines `name` logged that say what it did.
     fn log_tail(&self, name: &str) -> String {
         let text =
             std::fs::read_to_string(self.log_dir.join(format!("{name}.log"))).unwrap_or_default();
@@ -113,10 +113,28 @@ impl Relays {
                 let frame = line
                     .split_once(": ")
                     .is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-                !frame && !line.starts_with("at ")
+                // Backtrace frames and the client's reconnect chatter.
+                !frame && !line.starts_with("at ") && !line.contains("INFO async_nats")
             })
             .collect();
         lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+
+    /// Panics with `error`, whether each relay still runs, and the end of
+    /// each one's log.
+    fn fail(&self, error: impl std::fmt::Display, replicas: &mut [Program]) -> ! {
+        let report: Vec<String> = replicas
+            .iter_mut()
+            .map(|relay| {
+                let running = relay.is_running() && !relay.died();
+                format!(
+                    "--- {} (running: {running}), end of its log:\n{}",
+                    relay.name,
+                    self.log_tail(&relay.name)
+                )
+            })
+            .collect();
+        panic!("{error}\n{}", report.join("\n"));
     }
 
     /// Panics, with its log, unless `relay` is still running.
@@ -502,7 +520,7 @@ async fn running_relays_publish_each_entity_in_change_order_when_the_first_begun
         count_where(&db.pool, "published_at is null").await == 0
     })
     .await
-    .unwrap();
+    .unwrap_or_else(|e| relays.fail(e, &mut replicas));
     for relay in &mut replicas {
         relays.assert_running(relay);
     }
@@ -743,18 +761,11 @@ async fn unpublishable_rows_are_parked_naming_the_fault_and_block_only_their_sub
         .fetch_one(&db.pool)
         .await
         .unwrap();
-        let alive: Vec<String> = replicas
-            .iter_mut()
-            .map(|r| {
-                let running = r.is_running() && !r.died();
-                format!("{} running={running}", r.name)
-            })
-            .collect();
-        panic!(
-            "{e}\nhealthy published: {published}/{healthy_total}; relays: {alive:?}\nbad rows:\n{}\nlog of poison-1:\n{}",
-            poison_report(&db.pool, &poisons, &bad).await,
-            relays.log_tail("poison-1")
+        let state = format!(
+            "{e}\nhealthy published: {published}/{healthy_total}\nbad rows:\n{}",
+            poison_report(&db.pool, &poisons, &bad).await
         );
+        relays.fail(state, &mut replicas);
     }
 
     // Each parked row names its fault.
@@ -811,7 +822,7 @@ async fn unpublishable_rows_are_parked_naming_the_fault_and_block_only_their_sub
         || async { count_where(&db.pool, "subject = 'late' and published_at is null").await == 0 },
     )
     .await
-    .unwrap();
+    .unwrap_or_else(|e| relays.fail(e, &mut replicas));
     // Long enough for the restarted relay to claim past the parked rows.
     tokio::time::sleep(Duration::from_secs(2)).await;
     for relay in &mut replicas {
@@ -861,11 +872,7 @@ async fn a_relay_started_before_the_broker_waits_without_burning_attempts_then_d
     )
     .await;
     if let Err(e) = delivered {
-        panic!(
-            "{e}; relay running: {}; its log:\n{}",
-            relay.is_running() && !relay.died(),
-            relays.log_tail("early-1")
-        );
+        relays.fail(e, std::slice::from_mut(&mut relay));
     }
     relays.assert_running(&mut relay);
     assert_eq!(count_where(&db.pool, "attempts > 0").await, 0);
@@ -907,7 +914,7 @@ async fn a_broker_outage_longer_than_the_backoff_budget_burns_no_attempts() {
         count_where(&db.pool, "published_at is null").await == 0
     })
     .await
-    .unwrap();
+    .unwrap_or_else(|e| relays.fail(e, std::slice::from_mut(&mut relay)));
 
     blocking(|| broker.kill()).unwrap();
     let rows: Vec<_> = (0..5)
@@ -946,7 +953,7 @@ async fn a_broker_outage_longer_than_the_backoff_budget_burns_no_attempts() {
         },
     )
     .await
-    .unwrap();
+    .unwrap_or_else(|e| relays.fail(e, std::slice::from_mut(&mut relay)));
     relays.assert_running(&mut relay);
     assert_eq!(count_where(&db.pool, "attempts > 0").await, 0);
     let messages = read_stream(&url, &relays.stream).await;
@@ -992,7 +999,7 @@ async fn four_replicas_drain_a_large_backlog_once_and_in_order_through_a_kill_9(
         },
     )
     .await
-    .unwrap();
+    .unwrap_or_else(|e| relays.fail(e, &mut replicas));
     replicas[1].kill9().await;
     replicas[1].start().await.unwrap();
 
@@ -1006,11 +1013,12 @@ async fn four_replicas_drain_a_large_backlog_once_and_in_order_through_a_kill_9(
     )
     .await;
     if let Err(e) = drained {
-        panic!(
+        let state = format!(
             "{e}: {} unpublished, {} in the stream",
             count_where(&db.pool, "published_at is null").await,
             stream_count(broker.url(), &relays.stream).await
         );
+        relays.fail(state, &mut replicas);
     }
     for relay in &mut replicas {
         relays.assert_running(relay);
