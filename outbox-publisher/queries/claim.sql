@@ -1,71 +1,95 @@
--- Claim a batch in created_at order, keeping every subject in order.
---   $1 batch size, $2 max attempts, $3 lease (ms), $4 deferral behind a row past the cap (ms)
+-- Claim a batch from the shards one worker holds. Nothing is written: a shard
+-- has one owner, so no other relay reads these rows meanwhile, and the caller
+-- publishes outside any transaction.
+--   $1 shards (smallint[]); $2 their cursors (bigint[]): every row of the
+--   shard's main lane at or below the cursor is resolved; $3 rows per shard;
+--   $4 max attempts; $5 byte budget of the batch; $6 largest message (bytes).
 --
--- 1. candidates: the oldest claimable rows (unpublished, under the cap, not in
---    backoff, not leased), locked with SKIP LOCKED so replicas never wait on
---    each other.
--- 2. gaps: per subject among the candidates, the first unpublished row that
---    is NOT a candidate: one that failed and waits in backoff, sits past the
---    cap, or is held by another relay. Only candidates before it are accepted,
---    so a subject is published as a gap-free prefix from its oldest unpublished
---    event and no event overtakes an earlier one of its subject. The gap is
---    found by one ordered index scan per subject that stops at the first
---    non-candidate (a plain index scan also marks dead entries of published
---    rows as killed, so later scans skip them cheaply).
--- 3. Candidates behind a gap that is in backoff or past the cap are deferred to
---    the gap's retry time, so a blocked subject does not fill every batch.
--- 4. Accepted rows get a lease; the caller publishes outside any transaction.
-with candidates as materialized (
-  select id, subject, created_at
-    from outbox_events
-   where published_at is null
-     and attempts < $2
-     and (next_attempt_at is null or next_attempt_at <= now())
-     and (locked_until is null or locked_until <= now())
-   order by created_at, id
-   limit $1
-     for update skip locked
+-- 1. main: per shard, the main lane (fresh rows) after the cursor, in seq
+--    order: one index range scan that starts past every row already published,
+--    so dead entries of published rows are never read again.
+-- 2. retry: rows of these shards in the retry lane whose time has come.
+-- 3. blocker: per candidate, the first earlier row of its subject that waits in
+--    the retry lane and is not itself a candidate (in backoff, or parked past
+--    the cap). A blocked candidate is not published; the caller defers it.
+-- 4. Values a client cannot decode are turned into NULLs here, so one bad row
+--    can never fail the claim for the others: a time outside years 1-9999
+--    (RFC 3339) or infinite, and data over the largest message (not fetched).
+--    Rows past the byte budget come without data and are left for the next
+--    batch.
+with main as (
+  select r.*
+    from unnest($1::smallint[], $2::bigint[]) as s(shard, after)
+   cross join lateral (
+     select e.id, e.seq, e.shard, e.event_type, e.source, e.subject, e.time, e.data, e.created_at,
+            e.attempts, e.traceparent, e.tracestate, false as retry
+       from outbox_events e
+      where e.shard = s.shard
+        and e.published_at is null
+        and e.next_attempt_at is null
+        and e.seq > s.after
+      order by e.seq
+      limit $3
+   ) r
 ),
-subjects as (
-  select subject, array_agg(id) as ids from candidates group by subject
+retry as (
+  select e.id, e.seq, e.shard, e.event_type, e.source, e.subject, e.time, e.data, e.created_at,
+         e.attempts, e.traceparent, e.tracestate, true as retry
+    from outbox_events e
+   where e.shard = any($1::smallint[])
+     and e.published_at is null
+     and e.next_attempt_at is not null
+     and e.next_attempt_at <= now()
+     and e.attempts < $4
+   order by e.next_attempt_at
+   limit $3
 ),
-gaps as (
-  select s.subject, g.created_at as gap_at, g.id as gap_id, g.attempts, g.next_attempt_at
-    from subjects s
-    left join lateral (
-      select p.created_at, p.id, p.attempts, p.next_attempt_at
-        from outbox_events p
-       where p.subject = s.subject
-         and p.published_at is null
-         and p.id <> all(s.ids)
-       order by p.created_at, p.id
-       limit 1
-    ) g on true
+candidates as materialized (
+  select * from main union all select * from retry
 ),
-verdicts as (
-  select c.id,
-         (g.gap_id is null or (c.created_at, c.id) < (g.gap_at, g.gap_id)) as accepted,
-         case
-           when g.attempts >= $2 then now() + $4 * interval '1 millisecond'
-           when g.next_attempt_at > now() then g.next_attempt_at
-         end as defer_until
+ids as (
+  select coalesce(array_agg(id), '{}') as ids from candidates
+),
+sized as (
+  select c.*, c.data::text as data_text
     from candidates c
-    join gaps g using (subject)
 ),
--- (`= any(array(...))` keeps both updates on the primary key; a join on the CTE
--- would be planned as a scan of the whole table.)
-deferred as (
-  update outbox_events o
-     set next_attempt_at = (select v.defer_until from verdicts v where v.id = o.id)
-   where o.id = any(array(select id from verdicts where not accepted and defer_until is not null))
-),
-claimed as (
-  update outbox_events o
-     set locked_until = now() + $3 * interval '1 millisecond'
-   where o.id = any(array(select id from verdicts where accepted))
-  returning o.id, o.event_type, o.source, o.subject, o.time, o.data, o.created_at,
-            o.attempts, o.traceparent, o.tracestate
+budget as (
+  select s.*,
+         octet_length(s.data_text) as data_len,
+         sum(octet_length(s.data_text) + octet_length(s.event_type) + octet_length(s.source)
+             + octet_length(s.subject) + coalesce(octet_length(s.traceparent), 0)
+             + coalesce(octet_length(s.tracestate), 0))
+           over (order by s.seq rows between unbounded preceding and 1 preceding) as before
+    from sized s
 )
-select id, event_type, source, subject, time, data, created_at, attempts, traceparent, tracestate
-  from claimed
- order by created_at, id
+select c.id, c.seq, c.shard, c.retry, c.event_type, c.source, c.subject,
+       case when isfinite(c.time)
+             and c.time >= '0001-01-01 00:00:00+00' and c.time < '10000-01-01 00:00:00+00'
+            then c.time end as time,
+       case when isfinite(c.created_at)
+             and c.created_at >= '0001-01-01 00:00:00+00' and c.created_at < '10000-01-01 00:00:00+00'
+            then c.created_at end as created_at,
+       c.attempts, c.traceparent, c.tracestate,
+       c.data_len::bigint as data_len,
+       coalesce(c.before, 0) > 0 and coalesce(c.before, 0) + c.data_len > $5 as over_budget,
+       case when c.data_len <= $6 and not (coalesce(c.before, 0) > 0 and coalesce(c.before, 0) + c.data_len > $5)
+            then c.data_text end as data,
+       b.seq is not null as blocked,
+       b.seq is not null and (b.attempts >= $4 or not isfinite(b.next_attempt_at)) as blocker_parked,
+       case when b.seq is not null and b.attempts < $4 and isfinite(b.next_attempt_at)
+            then b.next_attempt_at end as blocker_due,
+       coalesce(b.next_attempt_at <= now(), false) as blocker_due_now
+  from budget c
+  left join lateral (
+    select p.seq, p.attempts, p.next_attempt_at
+      from outbox_events p
+     where p.subject = c.subject
+       and p.published_at is null
+       and p.next_attempt_at is not null
+       and p.seq < c.seq
+       and p.id <> all((select ids from ids)::uuid[])
+     order by p.seq
+     limit 1
+  ) b on true
+ order by c.seq

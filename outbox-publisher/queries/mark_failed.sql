@@ -1,12 +1,14 @@
--- One statement for every failed row of a batch.
+-- One statement for every failed row of a batch: the row moves to the retry
+-- lane, due after its backoff.
 --   $1 ids, $2 errors, $3 retry delays (ms), $4 permanent?, $5 max attempts
 -- A permanent failure (a row that can never be published as it is) goes
--- straight to the cap. Returns the rows now at or past the cap.
+-- straight to the cap. A row at the cap is parked: due at 'infinity', read
+-- again only after an operator resets it. Returns the rows now parked.
 update outbox_events o
    set attempts = case when f.permanent then greatest(o.attempts + 1, $5) else o.attempts + 1 end,
        last_error = f.error,
-       next_attempt_at = now() + f.delay_ms * interval '1 millisecond',
-       locked_until = null
+       next_attempt_at = case when f.permanent or o.attempts + 1 >= $5 then 'infinity'::timestamptz
+                              else now() + f.delay_ms * interval '1 millisecond' end
   from unnest($1::uuid[], $2::text[], $3::bigint[], $4::bool[]) as f(id, error, delay_ms, permanent)
  where o.id = f.id
    and o.published_at is null

@@ -25,8 +25,7 @@ pub struct RelayConfig {
     pub(crate) retention: Option<Duration>,
     pub(crate) prune_interval: Duration,
     pub(crate) prune_batch: i64,
-    pub(crate) vacuum_every: Option<u64>,
-    pub(crate) vacuum_min_interval: Duration,
+    pub(crate) batch_bytes: usize,
 }
 
 impl Default for RelayConfig {
@@ -46,8 +45,7 @@ impl Default for RelayConfig {
             retention: Some(Duration::from_secs(7 * 24 * 3600)),
             prune_interval: Duration::from_secs(60),
             prune_batch: 1_000,
-            vacuum_every: Some(50_000),
-            vacuum_min_interval: Duration::from_secs(10),
+            batch_bytes: 8 * 1024 * 1024,
         }
     }
 }
@@ -89,8 +87,11 @@ impl RelayConfig {
         self
     }
 
-    /// How long a claimed row is held by this relay before another may take it
-    /// (if this one died). Must exceed the publish timeout. Default 30 s.
+    /// How long a relay that stops answering (frozen, cut off) keeps its
+    /// shards before another replica takes them over; also the bound on one
+    /// batch, publishing and marking. At least twice the publish timeout, and
+    /// the stream's duplicate window must exceed lease + publish timeout.
+    /// Default 30 s.
     #[must_use]
     pub fn lease(mut self, d: Duration) -> Self {
         self.lease = d;
@@ -150,18 +151,12 @@ impl RelayConfig {
         self
     }
 
-    /// Run `VACUUM outbox_events` after this relay has marked this many rows
-    /// (at most once per 10 s); `None` leaves it to autovacuum. Default 50,000.
-    ///
-    /// Every mark leaves a dead row version and a dead entry in the partial
-    /// indexes the claim scans; autovacuum visits a table at most once per
-    /// `autovacuum_naptime` (1 min by default, a server-wide setting), which a
-    /// steady drain outruns. Vacuuming from the relay keeps the claim's cost
-    /// flat. It needs the table's owner (or `MAINTAIN`); without it Postgres
-    /// skips the table with a warning and nothing else changes.
+    /// Bound on the bytes of one batch (payloads and attributes), so large
+    /// payloads cannot exhaust a relay's memory: rows past it wait for the next
+    /// batch (a batch always takes at least one row). Default 8 MiB.
     #[must_use]
-    pub fn vacuum_every(mut self, rows: Option<u64>) -> Self {
-        self.vacuum_every = rows;
+    pub fn batch_bytes(mut self, bytes: usize) -> Self {
+        self.batch_bytes = bytes;
         self
     }
 
@@ -209,8 +204,8 @@ impl RelayConfig {
         if self.max_in_flight == 0 {
             return bad("max in flight must be at least 1".into());
         }
-        if self.vacuum_every == Some(0) {
-            return bad("vacuum threshold must be positive (or disabled)".into());
+        if self.batch_bytes == 0 {
+            return bad("batch bytes must be positive".into());
         }
         if self.retention.is_some_and(|r| r.is_zero()) {
             return bad("retention window must be positive (or disabled)".into());

@@ -65,7 +65,10 @@ mod stream;
 pub use config::{BATCH_SIZE_RANGE, RelayConfig};
 pub use error::{BoxError, Error, ErrorKind, Result};
 pub use relay::{BatchReport, NOTIFY_CHANNEL, Relay};
-pub use sink::{FailureKind, JetStreamSink, OutgoingMessage, PublishAck, PublishFailure, Sink};
+pub use sink::{
+    DEFAULT_MAX_PAYLOAD, FailureKind, JetStreamSink, OutgoingMessage, PublishAck, PublishFailure,
+    Sink,
+};
 pub use stream::{DEFAULT_DUPLICATE_WINDOW, StreamSpec};
 
 pub use async_nats::jetstream::stream::StorageType;

@@ -8,7 +8,6 @@
 //! | `outbox_publish_failures_total` | counter | `reason` |
 //! | `outbox_rows_capped_total` | counter | |
 //! | `outbox_pruned_total` | counter | |
-//! | `outbox_vacuum_seconds` | histogram | (relay-triggered `VACUUM`) |
 //! | `outbox_batch_size` | histogram | |
 //! | `outbox_publish_latency_seconds` | histogram | (publish → PubAck) |
 //! | `outbox_commit_to_ack_seconds` | histogram | (row `created_at` → PubAck) |
@@ -30,7 +29,6 @@ pub(crate) const DUPLICATES: &str = "outbox_duplicates_acked_total";
 pub(crate) const FAILURES: &str = "outbox_publish_failures_total";
 pub(crate) const CAPPED: &str = "outbox_rows_capped_total";
 pub(crate) const PRUNED: &str = "outbox_pruned_total";
-pub(crate) const VACUUM: &str = "outbox_vacuum_seconds";
 pub(crate) const BATCH_SIZE: &str = "outbox_batch_size";
 pub(crate) const PUBLISH_LATENCY: &str = "outbox_publish_latency_seconds";
 pub(crate) const COMMIT_TO_ACK: &str = "outbox_commit_to_ack_seconds";
@@ -55,11 +53,6 @@ pub fn describe() {
         "Rows that reached the attempt cap and are left alone"
     );
     describe_counter!(PRUNED, "Published rows deleted by retention");
-    describe_histogram!(
-        VACUUM,
-        Unit::Seconds,
-        "Relay-triggered VACUUM of outbox_events"
-    );
     describe_histogram!(BATCH_SIZE, Unit::Count, "Rows claimed per batch");
     describe_histogram!(PUBLISH_LATENCY, Unit::Seconds, "Publish to PubAck");
     describe_histogram!(COMMIT_TO_ACK, Unit::Seconds, "Row created_at to PubAck");
@@ -104,10 +97,6 @@ pub(crate) fn capped(n: usize) {
 
 pub(crate) fn pruned(n: u64) {
     counter!(PRUNED).increment(n);
-}
-
-pub(crate) fn vacuumed(took: Duration) {
-    histogram!(VACUUM).record(took);
 }
 
 pub(crate) fn batch(size: usize) {

@@ -68,6 +68,13 @@ impl FailureKind {
         }
     }
 
+    /// Whether the broker, not the row, is at fault (not connected, no ack in
+    /// time, no stream answering): the row is tried again later at no cost to
+    /// its attempts.
+    pub fn is_broker_fault(self) -> bool {
+        matches!(self, Self::Unavailable | Self::Timeout | Self::NoStream)
+    }
+
     /// Whether retrying the same row can never succeed.
     pub fn is_permanent(self) -> bool {
         matches!(self, Self::TooLarge | Self::Invalid)
@@ -118,7 +125,16 @@ pub trait Sink: Send + Sync + 'static {
     fn is_available(&self) -> bool {
         true
     }
+
+    /// The largest message (payload and headers) the broker accepts; larger
+    /// rows are parked without being fetched whole.
+    fn max_payload(&self) -> usize {
+        DEFAULT_MAX_PAYLOAD
+    }
 }
+
+/// NATS' default `max_payload`, used until the server has said otherwise.
+pub const DEFAULT_MAX_PAYLOAD: usize = 1024 * 1024;
 
 /// Publishes to NATS JetStream and awaits every PubAck.
 #[derive(Clone)]
@@ -127,6 +143,7 @@ pub struct JetStreamSink {
     context: jetstream::Context,
     timeout: Duration,
     expected_stream: Option<String>,
+    captures: Option<Vec<String>>,
 }
 
 impl fmt::Debug for JetStreamSink {
@@ -149,6 +166,7 @@ impl JetStreamSink {
             context,
             timeout,
             expected_stream: None,
+            captures: None,
         }
     }
 
@@ -157,6 +175,15 @@ impl JetStreamSink {
     #[must_use]
     pub fn expect_stream(mut self, stream: impl Into<String>) -> Self {
         self.expected_stream = Some(stream.into());
+        self
+    }
+
+    /// The subjects the stream captures: a message on any other subject is
+    /// refused as [`FailureKind::Invalid`] before it is sent, instead of being
+    /// answered by "no responders", which looks like a broker fault.
+    #[must_use]
+    pub fn captures(mut self, subjects: Vec<String>) -> Self {
+        self.captures = Some(subjects);
         self
     }
 
@@ -172,6 +199,21 @@ impl Sink for JetStreamSink {
             return Err(PublishFailure::new(
                 FailureKind::Unavailable,
                 "not connected to NATS",
+            ));
+        }
+        if let Some(filters) = &self.captures
+            && !filters.iter().any(|f| subject_matches(f, &message.subject))
+        {
+            return Err(PublishFailure::new(
+                FailureKind::Invalid,
+                format!(
+                    "event type `{}` is not captured by the stream{} (subjects {filters:?})",
+                    message.subject,
+                    self.expected_stream
+                        .as_deref()
+                        .map(|s| format!(" `{s}`"))
+                        .unwrap_or_default()
+                ),
             ));
         }
         let mut headers = HeaderMap::new();
@@ -210,6 +252,28 @@ impl Sink for JetStreamSink {
     fn is_available(&self) -> bool {
         self.client.connection_state() == State::Connected
     }
+
+    fn max_payload(&self) -> usize {
+        match self.client.server_info().max_payload {
+            0 => DEFAULT_MAX_PAYLOAD,
+            n => n,
+        }
+    }
+}
+
+/// Whether NATS subject `subject` matches `filter` (`*` one token, `>` the rest).
+fn subject_matches(filter: &str, subject: &str) -> bool {
+    let mut f = filter.split('.');
+    let mut s = subject.split('.');
+    loop {
+        match (f.next(), s.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(_)) => {}
+            (Some(a), Some(b)) if a == b => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
 }
 
 fn classify(e: jetstream::context::PublishError) -> PublishFailure {
@@ -223,4 +287,21 @@ fn classify(e: jetstream::context::PublishError) -> PublishFailure {
         _ => FailureKind::Rejected,
     };
     PublishFailure::new(kind, e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::subject_matches;
+
+    #[test]
+    fn filters_match_like_nats() {
+        assert!(subject_matches("a.>", "a.b"));
+        assert!(subject_matches("a.>", "a.b.c"));
+        assert!(!subject_matches("a.>", "a"));
+        assert!(subject_matches("a.*.c", "a.b.c"));
+        assert!(!subject_matches("a.*", "a.b.c"));
+        assert!(subject_matches("a.b", "a.b"));
+        assert!(!subject_matches("a.b", "a.c"));
+        assert!(subject_matches(">", "x.y"));
+    }
 }

@@ -457,13 +457,16 @@ async fn migrated_table_matches_the_contract() {
         ("published_at", "timestamp with time zone", "YES"),
         ("attempts", "integer", "NO"),
     ];
-    // Documented extensions: nullable, so writers in any language may ignore them.
+    // Documented extensions: nullable or filled by the database (seq by a
+    // trigger, shard generated), so writers in any language may ignore them.
     let extensions = [
         ("next_attempt_at", "timestamp with time zone", "YES"),
         ("locked_until", "timestamp with time zone", "YES"),
         ("last_error", "text", "YES"),
         ("traceparent", "text", "YES"),
         ("tracestate", "text", "YES"),
+        ("seq", "bigint", "NO"),
+        ("shard", "smallint", "YES"),
     ];
     let expected: Vec<(&str, &str, &str)> = contract.iter().chain(&extensions).copied().collect();
     let actual: Vec<(&str, &str, &str)> = columns

@@ -179,7 +179,10 @@ async fn committed_events_arrive_once_with_envelope_and_msg_id() {
             sent.traceparent()
         );
         let received = Envelope::<Value>::from_json(&message.payload).unwrap();
-        assert_eq!(&received, sent);
+        let sequence = received
+            .sequence()
+            .expect("every message carries `sequence`");
+        assert_eq!(received, sent.clone().with_sequence(sequence));
     }
     assert_eq!(unpublished(&db).await, 0);
     assert_eq!(
@@ -208,12 +211,8 @@ async fn a_relay_killed_between_publish_and_mark_republishes_and_the_stream_stor
     commit(&db, &events).await;
     let relay = relay(&db, broker.url(), "CRASH", fast_config()).await;
 
-    // The first relay claims and publishes, then dies before marking: its
-    // rows stay unpublished with a lease that then runs out.
-    sqlx::query("update outbox_events set locked_until = now() + interval '1 hour'")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    // The first relay publishes, then dies before marking: its rows stay
+    // unpublished, and the next owner of their shards publishes them again.
     let sink = JetStreamSink::new(connect(broker.url()).await, Duration::from_secs(5));
     for e in &events {
         let ack = sink
@@ -228,15 +227,6 @@ async fn a_relay_killed_between_publish_and_mark_republishes_and_the_stream_stor
             .unwrap();
         assert!(!ack.duplicate);
     }
-    assert_eq!(
-        relay.drain().await.unwrap().claimed,
-        0,
-        "leased rows are not claimed"
-    );
-    sqlx::query("update outbox_events set locked_until = now() - interval '1 second'")
-        .execute(&db.pool)
-        .await
-        .unwrap();
 
     let report = relay.drain().await.unwrap();
     assert_eq!(report.published, 20);
@@ -252,7 +242,7 @@ async fn a_relay_killed_between_publish_and_mark_republishes_and_the_stream_stor
 }
 
 #[tokio::test]
-async fn broker_outage_backs_off_then_delivers_everything() {
+async fn broker_outage_costs_no_attempts_then_delivers_everything() {
     let db = TestDb::new().await.unwrap();
     let mut broker = NatsServer::start().unwrap();
     let url = broker.url();
@@ -276,45 +266,19 @@ async fn broker_outage_backs_off_then_delivers_everything() {
         .collect();
     commit(&db, &events).await;
 
-    // Attempts grow, with errors recorded, and the rows stay unpublished.
-    wait_until("attempts to grow", Duration::from_secs(20), || async {
-        scalar(
-            &db,
-            "select count(*) from outbox_events where attempts >= 3",
-        )
-        .await
-            > 0
-    })
-    .await
-    .unwrap();
-    let started = std::time::Instant::now();
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let elapsed = started.elapsed();
-    let max_attempts = scalar(&db, "select max(attempts)::bigint from outbox_events").await;
-    // 100 ms doubling to an 800 ms cap: within ~5 s a row can fail at most
-    // ~10 times. A hot loop would fail thousands of times.
-    assert!(
-        max_attempts <= 12,
-        "attempts {max_attempts} after {elapsed:?}: no hot loop"
-    );
+    // The broker, not the rows, is at fault: rows wait with their attempts
+    // untouched, however long the outage (here several times the whole
+    // backoff budget of the fast config).
+    tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(unpublished(&db).await, 30);
     assert_eq!(
         scalar(
             &db,
-            "select count(*) from outbox_events where attempts > 0 and last_error is null"
+            "select count(*) from outbox_events where attempts > 0 or next_attempt_at is not null"
         )
         .await,
         0,
-        "every failure records its error"
-    );
-    // Only the head of each subject is ever tried while it fails.
-    assert_eq!(
-        scalar(
-            &db,
-            "select count(distinct subject) from outbox_events where attempts > 0"
-        )
-        .await,
-        scalar(&db, "select count(*) from outbox_events where attempts > 0").await,
+        "a broker outage costs no attempts"
     );
 
     broker.start_again().unwrap();
@@ -476,15 +440,19 @@ async fn poison_rows_block_only_their_own_subject() {
     .execute(&db.pool)
     .await
     .unwrap();
-    // 2. a body over the broker's max payload (1 MiB)
-    let huge = event(
-        "orders.created",
-        "too_big",
-        json!({"blob": "x".repeat(1_200_000)}),
-    );
+    // 2. a body over the broker's max payload (1 MiB), written by plain SQL
+    //    (the library refuses to write it)
+    sqlx::query(
+        "insert into outbox_events (id, event_type, source, subject, time, data)
+         values ($1, 'orders.created', 'php', 'too_big', now(), jsonb_build_object('blob', repeat('x', 1200000)))",
+    )
+    .bind(Uuid::now_v7())
+    .execute(&db.pool)
+    .await
+    .unwrap();
     // 3. a subject no stream captures
     let nostream = event("inventory.moved", "no_stream", json!({}));
-    commit(&db, &[huge, nostream]).await;
+    commit(&db, &[nostream]).await;
     // Followers of each poisoned subject, and healthy traffic.
     let mut followers = Vec::new();
     for subject in ["bad_type", "too_big", "no_stream"] {
@@ -528,7 +496,10 @@ async fn poison_rows_block_only_their_own_subject() {
     assert_eq!(errors[0].0, "bad_type");
     assert!(errors[0].1.contains("invalid"), "{errors:?}");
     assert_eq!(errors[1].0, "no_stream");
-    assert!(errors[1].1.contains("no_stream"), "{errors:?}");
+    assert!(
+        errors[1].1.contains("not captured by the stream"),
+        "{errors:?}"
+    );
     assert_eq!(errors[2].0, "too_big");
     assert!(errors[2].1.contains("too_large"), "{errors:?}");
     // The followers wait behind their poisoned heads, never published.
@@ -751,43 +722,4 @@ async fn a_blocked_subject_with_a_long_queue_does_not_starve_the_others() {
         .await,
         1
     );
-}
-
-#[tokio::test]
-async fn the_relay_vacuums_the_table_after_enough_marks() {
-    let db = TestDb::new().await.unwrap();
-    let broker = nats().unwrap();
-    let vacuums = || async {
-        scalar(
-            &db,
-            "select (vacuum_count + autovacuum_count)::bigint from pg_stat_user_tables where relname = 'outbox_events'",
-        )
-        .await
-    };
-    let before = vacuums().await;
-    let relay = relay(
-        &db,
-        broker.url(),
-        "VACUUM",
-        fast_config().vacuum_every(Some(50)),
-    )
-    .await;
-    let shutdown = CancellationToken::new();
-    let run = {
-        let shutdown = shutdown.clone();
-        tokio::spawn(async move { relay.run(shutdown).await })
-    };
-    let events: Vec<_> = (0..100)
-        .map(|i| event("orders.created", &format!("o{}", i % 10), json!({"n": i})))
-        .collect();
-    commit(&db, &events).await;
-    wait_until(
-        "a vacuum after 100 marks",
-        Duration::from_secs(20),
-        || async { unpublished(&db).await == 0 && vacuums().await > before },
-    )
-    .await
-    .unwrap();
-    shutdown.cancel();
-    run.await.unwrap().unwrap();
 }

@@ -83,7 +83,9 @@ struct Args {
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
     publish_timeout: Duration,
 
-    /// How long claimed rows are held before another replica may take them.
+    /// How long a relay that stops answering keeps its shards before another
+    /// replica takes them over; also bounds one batch. The stream's duplicate
+    /// window must be longer than this plus the publish timeout.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     lease: Duration,
 
@@ -175,7 +177,15 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if let Some(d) = args.duplicate_window {
         stream = stream.duplicate_window(d);
     }
-    let relay = Relay::jetstream(pool, nats, &stream, config).await?;
+    let shutdown = CancellationToken::new();
+    tokio::spawn(cancel_on_signal(
+        shutdown.clone(),
+        "finishing the current batch",
+    ));
+    // A broker that is down at start is waited for, not an error.
+    let Some(relay) = Relay::connect_jetstream(pool, nats, stream, config, &shutdown).await? else {
+        return Ok(ExitCode::SUCCESS);
+    };
 
     if args.once {
         let report = relay.drain().await?;
@@ -192,11 +202,6 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         });
     }
 
-    let shutdown = CancellationToken::new();
-    tokio::spawn(cancel_on_signal(
-        shutdown.clone(),
-        "finishing the current batch",
-    ));
     relay.run(shutdown).await?;
     Ok(ExitCode::SUCCESS)
 }

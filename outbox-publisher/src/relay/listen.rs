@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use sqlx::postgres::PgListener;
-use tokio::sync::Notify;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
@@ -15,7 +15,11 @@ use crate::backoff::LoopBackoff;
 use crate::sink::Sink;
 
 impl<S: Sink> Relay<S> {
-    pub(super) async fn listen_loop(&self, wake: &Notify, shutdown: &CancellationToken) {
+    pub(super) async fn listen_loop(
+        &self,
+        wake: &watch::Sender<u64>,
+        shutdown: &CancellationToken,
+    ) {
         if !self.config.listen {
             return;
         }
@@ -29,7 +33,7 @@ impl<S: Sink> Relay<S> {
                             retry.reset();
                             listener = Some(l);
                             // Anything committed while we were not listening.
-                            wake.notify_one();
+                            wake.send_modify(|n| *n += 1);
                         }
                         Err(e) => debug!(error = %e, "LISTEN failed"),
                     },
@@ -45,9 +49,9 @@ impl<S: Sink> Relay<S> {
             };
             tokio::select! {
                 received = active.try_recv() => match received {
-                    Ok(Some(_)) => wake.notify_one(),
+                    Ok(Some(_)) => wake.send_modify(|n| *n += 1),
                     // The connection was lost; notifications may have been missed.
-                    Ok(None) => wake.notify_one(),
+                    Ok(None) => wake.send_modify(|n| *n += 1),
                     Err(e) => {
                         debug!(error = %e, "LISTEN connection lost");
                         listener = None;

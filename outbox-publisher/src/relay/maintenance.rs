@@ -1,8 +1,4 @@
-//! The relay's background upkeep: backlog gauges, retention, and vacuuming
-//! the rows that marking leaves dead.
-
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+//! The relay's background upkeep: backlog gauges and retention.
 
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -15,42 +11,20 @@ use crate::sink::Sink;
 impl<S: Sink> Relay<S> {
     pub(super) async fn stats_loop(&self, shutdown: &CancellationToken) {
         while !shutdown.is_cancelled() {
+            // One relay reports the table-wide figures: the owner of shard 0.
+            if !self.shards.owned().contains(&0) {
+                tokio::select! {
+                    () = tokio::time::sleep(self.config.stats_interval) => {}
+                    () = shutdown.cancelled() => {}
+                }
+                continue;
+            }
             match self.store.stats(self.config.max_attempts).await {
                 Ok(stats) => metrics::stats(&stats),
                 Err(e) => debug!(error = %e, "reading backlog failed"),
             }
             tokio::select! {
                 () = tokio::time::sleep(self.config.stats_interval) => {}
-                () = shutdown.cancelled() => {}
-            }
-        }
-    }
-
-    /// Vacuums the table once enough rows were marked (see
-    /// [`RelayConfig::vacuum_every`]), so dead index entries do not pile up
-    /// between autovacuum visits.
-    pub(super) async fn vacuum_loop(&self, shutdown: &CancellationToken) {
-        let Some(threshold) = self.config.vacuum_every else {
-            return;
-        };
-        let mut last: Option<Instant> = None;
-        while !shutdown.is_cancelled() {
-            let due = self.marked_since_vacuum.load(Ordering::Relaxed) >= threshold
-                && last.is_none_or(|t| t.elapsed() >= self.config.vacuum_min_interval);
-            if due {
-                self.marked_since_vacuum.store(0, Ordering::Relaxed);
-                let started = Instant::now();
-                last = Some(started);
-                match self.store.vacuum().await {
-                    Ok(()) => {
-                        metrics::vacuumed(started.elapsed());
-                        debug!(took = ?started.elapsed(), "vacuumed outbox_events");
-                    }
-                    Err(e) => debug!(error = %e, "vacuum failed"),
-                }
-            }
-            tokio::select! {
-                () = tokio::time::sleep(Duration::from_secs(1)) => {}
                 () = shutdown.cancelled() => {}
             }
         }

@@ -1,0 +1,245 @@
+//! One batch: claim from the checked-out shards, publish, record every outcome,
+//! move the cursors.
+//!
+//! Every row read ends the batch in one of these states:
+//! - **published**: acked by JetStream (a duplicate ack counts) and marked;
+//! - **failed**: refused for a reason of its own (recorded, backed off, or
+//!   parked at once when it can never be published as it is);
+//! - **deferred**: held back behind an earlier failed row of its subject and
+//!   moved to the retry lane, due when that row is;
+//! - **unresolved**: not tried (behind a broker fault or an unresolved row of
+//!   its subject, past the byte budget, out of time). Nothing is written; the
+//!   shard's cursor stops before it, so the next batch reads it again.
+//!
+//! A broker fault (not connected, no ack in time, no stream answering) leaves
+//! the row unresolved and costs it no attempt: only a refusal of the row
+//! itself counts toward its cap.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use futures::StreamExt;
+use tracing::{debug, error};
+use uuid::Uuid;
+
+use super::shards::Checkout;
+use super::{BatchReport, Relay, message};
+use crate::error::Result;
+use crate::metrics;
+use crate::sink::{PublishFailure, Sink};
+use crate::store::{Blocker, ClaimRequest, ClaimedRow, Failure};
+
+/// What happened to one publishable row.
+#[derive(Debug)]
+enum Outcome {
+    Published {
+        duplicate: bool,
+    },
+    Failed(PublishFailure),
+    /// A broker fault, or not tried.
+    Unresolved,
+}
+
+impl<S: Sink> Relay<S> {
+    /// Claims from `checkout`'s shards, publishes, marks, and advances cursors.
+    pub(super) async fn run_batch(&self, checkout: &Checkout<'_>) -> Result<BatchReport> {
+        let settled = self.horizon.settled(&self.store).await?;
+        let cursors = checkout.cursors();
+        let per_shard = self
+            .config
+            .batch_size
+            .div_ceil(checkout.ids().len().max(1))
+            .max(1);
+        let max_payload = self.sink.max_payload();
+        let rows = self
+            .store
+            .claim(&ClaimRequest {
+                shards: checkout.ids(),
+                cursors: &cursors,
+                per_shard,
+                max_attempts: self.config.max_attempts,
+                byte_budget: self.config.batch_bytes,
+                max_message: max_payload,
+            })
+            .await?;
+        if rows.is_empty() {
+            for &shard in checkout.ids() {
+                checkout.advance(shard, settled);
+            }
+            return Ok(BatchReport::default());
+        }
+        metrics::batch(rows.len());
+        let claimed_at = Instant::now();
+        let deadline = claimed_at
+            + self
+                .config
+                .lease
+                .saturating_sub(self.config.publish_timeout);
+
+        // Sort rows out: deferred, unresolved, or to publish (per subject, in
+        // seq order; a subject stops at its first row that is not published).
+        let mut report = BatchReport {
+            claimed: rows.len(),
+            ..BatchReport::default()
+        };
+        // Main-lane rows read per shard, and the highest seq read.
+        let mut read: HashMap<i16, (usize, i64)> = HashMap::new();
+        for row in rows.iter().filter(|r| !r.retry) {
+            let e = read.entry(row.shard).or_insert((0, 0));
+            e.0 += 1;
+            e.1 = e.1.max(row.seq);
+        }
+        let mut deferred: Vec<(Uuid, Option<chrono::DateTime<chrono::Utc>>)> = Vec::new();
+        let mut unresolved: Vec<ClaimedRow> = Vec::new();
+        let mut chains: Vec<Vec<ClaimedRow>> = Vec::new();
+        let mut chain_of: HashMap<String, usize> = HashMap::new();
+        for row in rows {
+            if row.over_budget {
+                unresolved.push(row);
+                continue;
+            }
+            match row.blocker {
+                Some(Blocker::Parked) => deferred.push((row.id, None)),
+                Some(Blocker::Until(t)) => deferred.push((row.id, Some(t))),
+                Some(Blocker::DueNow) => unresolved.push(row),
+                None => {
+                    let i = *chain_of.entry(row.subject.clone()).or_insert_with(|| {
+                        chains.push(Vec::new());
+                        chains.len() - 1
+                    });
+                    chains[i].push(row);
+                }
+            }
+        }
+
+        let results: Vec<Vec<(ClaimedRow, Outcome)>> = futures::stream::iter(chains)
+            .map(|chain| self.publish_chain(chain, deadline, max_payload))
+            .buffer_unordered(self.config.max_in_flight)
+            .collect()
+            .await;
+
+        let mut published: Vec<Uuid> = Vec::new();
+        let mut woken: Vec<String> = Vec::new();
+        let mut failures: Vec<Failure> = Vec::new();
+        let mut broker_faults = 0;
+        let mut first_fault: Option<String> = None;
+        for (row, outcome) in results.into_iter().flatten() {
+            match outcome {
+                Outcome::Published { duplicate } => {
+                    published.push(row.id);
+                    report.duplicates += usize::from(duplicate);
+                    if row.retry {
+                        woken.push(row.subject);
+                    }
+                }
+                Outcome::Failed(failure) if failure.kind().is_broker_fault() => {
+                    metrics::failed(failure.kind());
+                    broker_faults += 1;
+                    first_fault.get_or_insert_with(|| failure.to_string());
+                    unresolved.push(row);
+                }
+                Outcome::Failed(failure) => {
+                    metrics::failed(failure.kind());
+                    let attempt = u32::try_from(row.attempts).unwrap_or(0).saturating_add(1);
+                    failures.push(Failure {
+                        id: row.id,
+                        error: failure.to_string(),
+                        retry_in: self.backoff.delay(attempt),
+                        permanent: failure.kind().is_permanent(),
+                    });
+                }
+                Outcome::Unresolved => unresolved.push(row),
+            }
+        }
+        report.published = published.len();
+        report.failed = failures.len();
+        report.deferred = deferred.len();
+        report.unresolved = unresolved.len();
+        report.broker_faults = broker_faults;
+        self.note_broker_health(report.published, broker_faults, first_fault.as_deref());
+
+        self.store.mark_published(&published).await?;
+        let capped = self
+            .store
+            .mark_failed(&failures, self.config.max_attempts)
+            .await?;
+        for row in &capped {
+            error!(
+                event_id = %row.id,
+                subject = %row.subject,
+                event_type = %row.event_type,
+                attempts = row.attempts,
+                last_error = row.last_error.as_deref().unwrap_or_default(),
+                "outbox row parked at the attempt cap; its subject is blocked until an operator resets it"
+            );
+        }
+        metrics::capped(capped.len());
+        self.store.defer(&deferred, self.config.backoff_max).await?;
+        woken.sort_unstable();
+        woken.dedup();
+        let woken: Vec<&str> = woken.iter().map(String::as_str).collect();
+        self.store.wake_followers(&woken).await?;
+
+        // Cursors: up to the settled horizon, not past the last main-lane row
+        // read when the shard had more, never past an unresolved row.
+        let mut stop: HashMap<i16, i64> = HashMap::new();
+        for row in unresolved.iter().filter(|r| !r.retry) {
+            let e = stop.entry(row.shard).or_insert(i64::MAX);
+            *e = (*e).min(row.seq - 1);
+        }
+        for &shard in checkout.ids() {
+            let mut to = settled;
+            if let Some(&(n, last)) = read.get(&shard)
+                && n >= per_shard
+            {
+                to = to.min(last);
+            }
+            if let Some(&s) = stop.get(&shard) {
+                to = to.min(s);
+            }
+            checkout.advance(shard, to);
+        }
+        debug!(?report, took = ?claimed_at.elapsed(), "batch done");
+        Ok(report)
+    }
+
+    /// Publishes one subject's rows in order; the first row not published
+    /// stops the rest (they stay unresolved).
+    async fn publish_chain(
+        &self,
+        chain: Vec<ClaimedRow>,
+        deadline: Instant,
+        max_payload: usize,
+    ) -> Vec<(ClaimedRow, Outcome)> {
+        let mut out = Vec::with_capacity(chain.len());
+        let mut stopped = false;
+        for row in chain {
+            if stopped || Instant::now() >= deadline {
+                out.push((row, Outcome::Unresolved));
+                stopped = true;
+                continue;
+            }
+            let started = Instant::now();
+            let result = match message::to_message(&row, max_payload) {
+                Ok(m) => self.sink.publish(m).await.map(|ack| ack.duplicate),
+                Err(e) => Err(e),
+            };
+            match result {
+                Ok(duplicate) => {
+                    let since_commit = row
+                        .created_at
+                        .and_then(|t| (chrono::Utc::now() - t).to_std().ok())
+                        .unwrap_or_default();
+                    metrics::published(&row.event_type, duplicate, started.elapsed(), since_commit);
+                    out.push((row, Outcome::Published { duplicate }));
+                }
+                Err(failure) => {
+                    debug!(event_id = %row.id, subject = %row.subject, error = %failure, "publish failed");
+                    out.push((row, Outcome::Failed(failure)));
+                    stopped = true;
+                }
+            }
+        }
+        out
+    }
+}

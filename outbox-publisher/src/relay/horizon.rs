@@ -1,0 +1,79 @@
+//! The settled-seq horizon: the highest `seq` below which no transaction can
+//! still commit a row.
+//!
+//! A shard's cursor may only pass seqs that are settled, or a transaction that
+//! took its seq early and commits late would land behind the cursor and never
+//! be read (the watermark trap). The migration's trigger takes the writer's
+//! transaction id *before* its seq. So if `last_seq` is read, and afterwards a
+//! snapshot `S` is taken, every transaction holding a seq ≤ `last_seq` either
+//! had committed before `S` or is listed in `S`'s running transactions. Once
+//! all of those are seen finished by a later snapshot, `last_seq` is settled:
+//! every row up to it is committed (and visible to any later statement) or
+//! will never exist.
+//!
+//! One statement per tick (`queries/horizon.sql`) reads the sequence, takes a
+//! snapshot, and checks whether the previous candidate's running transactions
+//! have finished. Because a statement's snapshot is taken before it reads the
+//! sequence, the seq read by tick *k* is paired with the snapshot of tick
+//! *k + 1*, and settles at tick *k + 2* at the earliest. A writer transaction
+//! that stays open holds the horizon back until it ends; rows keep flowing
+//! (claims do not wait for the horizon), only the cursors stop, and claims
+//! re-read the rows published since (their dead index entries) meanwhile.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Mutex;
+
+use crate::error::Result;
+use crate::store::Store;
+
+/// Ticks closer together than this reuse the last result.
+const MIN_TICK_INTERVAL: Duration = Duration::from_millis(5);
+
+#[derive(Debug, Default)]
+struct State {
+    last_tick: Option<Instant>,
+    /// `last_seq` read by the previous tick: not yet paired with a snapshot.
+    unpaired: Option<i64>,
+    /// A seq and a snapshot taken after it was read, waiting to settle.
+    candidate: Option<(i64, String)>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Horizon {
+    state: Mutex<State>,
+    settled: AtomicI64,
+}
+
+impl Horizon {
+    /// The settled seq, after a tick if one is due. Every row with a seq at or
+    /// below it that will ever be visible is visible to statements that start
+    /// after this returns.
+    pub(crate) async fn settled(&self, store: &Store) -> Result<i64> {
+        // Another worker ticking: its result is not needed to stay safe, only
+        // to move on; use the value settled so far.
+        if let Ok(mut state) = self.state.try_lock()
+            && state
+                .last_tick
+                .is_none_or(|t| t.elapsed() >= MIN_TICK_INTERVAL)
+        {
+            let checking = state.candidate.as_ref().map(|c| c.1.clone());
+            let tick = store.tick(checking.as_deref()).await?;
+            state.last_tick = Some(Instant::now());
+            if checking.is_some()
+                && tick.settled
+                && let Some((seq, _)) = state.candidate.take()
+            {
+                self.settled.fetch_max(seq, Ordering::AcqRel);
+            }
+            if state.candidate.is_none()
+                && let Some(seq) = state.unpaired
+            {
+                state.candidate = Some((seq, tick.snapshot));
+            }
+            state.unpaired = Some(tick.last_seq);
+        }
+        Ok(self.settled.load(Ordering::Acquire))
+    }
+}

@@ -1,0 +1,155 @@
+//! The publisher loops: each worker checks out its part of the owned shards,
+//! runs a batch, and goes straight on while there is work, or waits for a
+//! wake-up (a commit's NOTIFY, a change of owned shards) or the poll interval.
+
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::{BatchReport, Relay};
+use crate::backoff::LoopBackoff;
+use crate::error::Result;
+use crate::sink::Sink;
+
+/// Consecutive batches without progress after which `drain` gives up on rows
+/// that are neither published nor failed (not counting broker faults).
+const DRAIN_STALLS: usize = 20;
+
+impl<S: Sink> Relay<S> {
+    pub(super) async fn worker(
+        &self,
+        mut wake: watch::Receiver<u64>,
+        shutdown: &CancellationToken,
+    ) {
+        let mut owned = self.shards.subscribe();
+        let mut idle = LoopBackoff::new(Duration::from_millis(100), Duration::from_secs(10));
+        while !shutdown.is_cancelled() {
+            wake.borrow_and_update();
+            owned.borrow_and_update();
+            let pause = if self.sink.is_available() {
+                let checkout = self.shards.checkout(self.config.workers);
+                if checkout.is_empty() {
+                    Some(self.config.poll_interval)
+                } else {
+                    let result = self.run_batch(&checkout).await;
+                    drop(checkout);
+                    self.note_db_health(&result);
+                    match result {
+                        Ok(report) if report.claimed == 0 => {
+                            idle.reset();
+                            Some(self.config.poll_interval)
+                        }
+                        Ok(report) if report.progress() == 0 && report.broker_faults > 0 => {
+                            Some(idle.next())
+                        }
+                        Ok(report) if report.progress() == 0 => Some(self.config.poll_interval),
+                        // Progress: more may be waiting, go straight on.
+                        Ok(_) => {
+                            idle.reset();
+                            None
+                        }
+                        Err(_) => Some(idle.next()),
+                    }
+                }
+            } else {
+                self.note_broker_health(0, 1, Some("not connected to NATS"));
+                Some(idle.next())
+            };
+            if let Some(pause) = pause {
+                tokio::select! {
+                    _ = wake.changed() => {}
+                    _ = owned.changed() => {}
+                    () = tokio::time::sleep(pause) => {}
+                    () = shutdown.cancelled() => {}
+                }
+            }
+        }
+    }
+
+    /// Publishes what this relay's shards hold until nothing is left to
+    /// claim, prunes once if retention is on, and returns the totals. Rows in
+    /// backoff are not waited for; a broker that is down is.
+    ///
+    /// Alone, a relay owns every shard and drains the whole table; beside
+    /// running replicas it drains its share of the shards.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Database`](crate::ErrorKind::Database) if a claim or mark fails.
+    pub async fn drain(&self) -> Result<BatchReport> {
+        let stop = CancellationToken::new();
+        self.shards.reset_changes();
+        let work = async {
+            let result = self.drain_owned().await;
+            stop.cancel();
+            result
+        };
+        let (result, ()) = tokio::join!(work, self.shards.maintain(&stop));
+        let total = result?;
+        if self.config.retention.is_some() {
+            self.prune().await?;
+        }
+        Ok(total)
+    }
+
+    async fn drain_owned(&self) -> Result<BatchReport> {
+        let mut owned = self.shards.subscribe();
+        while *owned.borrow_and_update() == 0 {
+            if owned.changed().await.is_err() {
+                return Ok(BatchReport::default());
+            }
+        }
+        let mut total = BatchReport::default();
+        let mut idle = LoopBackoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        let mut stalls = 0;
+        loop {
+            let checkout = self.shards.checkout(1);
+            if checkout.is_empty() {
+                return Ok(total);
+            }
+            let report = self.run_batch(&checkout).await?;
+            drop(checkout);
+            total.add(report);
+            if report.claimed == 0 {
+                return Ok(total);
+            }
+            if report.progress() > 0 {
+                stalls = 0;
+                idle.reset();
+            } else if report.broker_faults > 0 {
+                tokio::time::sleep(idle.next()).await;
+            } else {
+                stalls += 1;
+                if stalls >= DRAIN_STALLS {
+                    return Ok(total);
+                }
+            }
+        }
+    }
+
+    pub(super) fn note_broker_health(&self, published: usize, faults: usize, error: Option<&str>) {
+        use std::sync::atomic::Ordering;
+        if published == 0 && faults > 0 && self.broker_up.swap(false, Ordering::Relaxed) {
+            warn!(
+                error = error.unwrap_or_default(),
+                "broker unavailable; rows wait, without losing attempts, until it is back"
+            );
+        } else if published > 0 && !self.broker_up.swap(true, Ordering::Relaxed) {
+            info!("publishing recovered");
+        }
+    }
+
+    pub(super) fn note_db_health(&self, result: &Result<BatchReport>) {
+        use std::sync::atomic::Ordering;
+        match result {
+            Err(e) if self.db_up.swap(false, Ordering::Relaxed) => {
+                warn!(error = %e, "outbox database unavailable; retrying with backoff");
+            }
+            Ok(_) if !self.db_up.swap(true, Ordering::Relaxed) => {
+                info!("outbox database available again");
+            }
+            _ => {}
+        }
+    }
+}
