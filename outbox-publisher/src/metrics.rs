@@ -9,6 +9,7 @@
 //! | `outbox_rows_capped_total` | counter | |
 //! | `outbox_pruned_total` | counter | |
 //! | `outbox_batch_size` | histogram | |
+//! | `outbox_batch_phase_seconds` | histogram | `phase`: `horizon`, `claim`, `publish`, `mark` |
 //! | `outbox_publish_latency_seconds` | histogram | (publish → PubAck) |
 //! | `outbox_commit_to_ack_seconds` | histogram | (row `created_at` → PubAck) |
 //! | `outbox_backlog` | gauge | (unpublished rows under the cap) |
@@ -30,6 +31,7 @@ pub(crate) const FAILURES: &str = "outbox_publish_failures_total";
 pub(crate) const CAPPED: &str = "outbox_rows_capped_total";
 pub(crate) const PRUNED: &str = "outbox_pruned_total";
 pub(crate) const BATCH_SIZE: &str = "outbox_batch_size";
+pub(crate) const BATCH_PHASE: &str = "outbox_batch_phase_seconds";
 pub(crate) const PUBLISH_LATENCY: &str = "outbox_publish_latency_seconds";
 pub(crate) const COMMIT_TO_ACK: &str = "outbox_commit_to_ack_seconds";
 pub(crate) const BACKLOG: &str = "outbox_backlog";
@@ -54,6 +56,11 @@ pub fn describe() {
     );
     describe_counter!(PRUNED, "Published rows deleted by retention");
     describe_histogram!(BATCH_SIZE, Unit::Count, "Rows claimed per batch");
+    describe_histogram!(
+        BATCH_PHASE,
+        Unit::Seconds,
+        "Time a batch spends per phase: horizon tick, claim, publish, mark"
+    );
     describe_histogram!(PUBLISH_LATENCY, Unit::Seconds, "Publish to PubAck");
     describe_histogram!(COMMIT_TO_ACK, Unit::Seconds, "Row created_at to PubAck");
     describe_gauge!(
@@ -101,6 +108,11 @@ pub(crate) fn pruned(n: u64) {
 
 pub(crate) fn batch(size: usize) {
     histogram!(BATCH_SIZE).record(size as f64);
+}
+
+/// Time a batch spent in `phase` (`horizon`, `claim`, `publish`, `mark`).
+pub(crate) fn phase(phase: &'static str, took: Duration) {
+    histogram!(BATCH_PHASE, "phase" => phase).record(took);
 }
 
 pub(crate) fn stats(stats: &Stats) {

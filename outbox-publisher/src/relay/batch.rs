@@ -43,7 +43,9 @@ enum Outcome {
 impl<S: Sink> Relay<S> {
     /// Claims from `checkout`'s shards, publishes, marks, and advances cursors.
     pub(super) async fn run_batch(&self, checkout: &Checkout<'_>) -> Result<BatchReport> {
+        let started = Instant::now();
         let settled = self.horizon.settled(&self.store).await?;
+        metrics::phase("horizon", started.elapsed());
         let cursors = checkout.cursors();
         let per_shard = self
             .config
@@ -51,6 +53,7 @@ impl<S: Sink> Relay<S> {
             .div_ceil(checkout.ids().len().max(1))
             .max(1);
         let max_payload = self.sink.max_payload();
+        let started = Instant::now();
         let rows = self
             .store
             .claim(&ClaimRequest {
@@ -62,6 +65,7 @@ impl<S: Sink> Relay<S> {
                 max_message: max_payload,
             })
             .await?;
+        metrics::phase("claim", started.elapsed());
         if rows.is_empty() {
             for &shard in checkout.ids() {
                 checkout.advance(shard, settled);
@@ -112,11 +116,13 @@ impl<S: Sink> Relay<S> {
             }
         }
 
+        let started = Instant::now();
         let results: Vec<Vec<(ClaimedRow, Outcome)>> = futures::stream::iter(chains)
             .map(|chain| self.publish_chain(chain, deadline, max_payload))
             .buffer_unordered(self.config.max_in_flight)
             .collect()
             .await;
+        metrics::phase("publish", started.elapsed());
 
         let mut published: Vec<Uuid> = Vec::new();
         let mut woken: Vec<String> = Vec::new();
@@ -158,6 +164,7 @@ impl<S: Sink> Relay<S> {
         report.broker_faults = broker_faults;
         self.note_broker_health(report.published, broker_faults, first_fault.as_deref());
 
+        let started = Instant::now();
         self.store.mark_published(&published).await?;
         let capped = self
             .store
@@ -179,6 +186,7 @@ impl<S: Sink> Relay<S> {
         woken.dedup();
         let woken: Vec<&str> = woken.iter().map(String::as_str).collect();
         self.store.wake_followers(&woken).await?;
+        metrics::phase("mark", started.elapsed());
 
         // Cursors: up to the settled horizon, not past the last main-lane row
         // read when the shard had more, never past an unresolved row.
