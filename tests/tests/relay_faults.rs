@@ -1001,6 +1001,10 @@ async fn four_replicas_drain_a_large_backlog_once_and_in_order_through_a_kill_9(
     .await
     .unwrap_or_else(|e| relays.fail(e, &mut replicas));
     replicas[1].kill9().await;
+    assert!(
+        count_where(&db.pool, "published_at is null").await > 0,
+        "killed before the end of the drain"
+    );
     replicas[1].start().await.unwrap();
 
     let drained = wait_until(
