@@ -9,7 +9,6 @@
 //! stands by), two replicas `--unordered` (both consume), one replica
 //! (ordered). Rounds alternate the modes' order.
 
-use std::error::Error;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -19,17 +18,19 @@ use outbox_testkit::{Program, create_database};
 use serde_json::json;
 use sqlx::PgPool;
 
-use crate::publish_all;
+use crate::Args;
+use crate::harness::{Env, Result, publish_all};
+use crate::stats::{Spread, num, ratios};
 
 /// One way of running billing.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Mode {
-    pub(crate) name: &'static str,
+struct Mode {
+    name: &'static str,
     replicas: usize,
     unordered: bool,
 }
 
-pub(crate) const MODES: [Mode; 3] = [
+const MODES: [Mode; 3] = [
     Mode {
         name: "2 replicas, ordered (default)",
         replicas: 2,
@@ -47,8 +48,62 @@ pub(crate) const MODES: [Mode; 3] = [
     },
 ];
 
+/// Billing as processes: ordered replicas against unordered ones and one alone.
+pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Result<()> {
+    println!(
+        "\n## Consumer order: billing as processes, {} events per mode",
+        args.consumer_events
+    );
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); MODES.len()];
+    for round in 0..args.rounds {
+        let mut order: Vec<usize> = (0..MODES.len()).collect();
+        order.rotate_left(round % MODES.len());
+        for i in order {
+            let mode = MODES[i];
+            let rate = billing_rate(
+                &env.admin,
+                &env.admin_url,
+                &env.nats_url,
+                &env.bin_dir,
+                mode,
+                round,
+                args.consumer_events,
+            )
+            .await?;
+            println!(
+                "round {round}: billing, {:<30} {:>8} events/s",
+                mode.name,
+                num(rate, 0)
+            );
+            rates[i].push(rate);
+        }
+    }
+    let mut out = format!(
+        "### Consumer order ({} events, {} rounds)\n\n\
+         | billing | events/s, median (range) |\n|---|---:|\n",
+        num(args.consumer_events as f64, 0),
+        args.rounds
+    );
+    for (i, mode) in MODES.iter().enumerate() {
+        out.push_str(&format!("| {} | {} |\n", mode.name, Spread::of(&rates[i])));
+    }
+    out.push('\n');
+    for (label, of, to) in [
+        ("2 ordered / 2 unordered", 0, 1),
+        ("2 ordered / 1 replica", 0, 2),
+    ] {
+        out.push_str(&format!(
+            "{label}, per round: {}\n",
+            Spread::of(&ratios(&rates[of], &rates[to])).show(2)
+        ));
+    }
+    println!("\n{out}");
+    summary.push(out);
+    Ok(())
+}
+
 /// Events per second billing handled (invoice committed) in `mode`.
-pub(crate) async fn billing_rate(
+async fn billing_rate(
     admin: &PgPool,
     admin_url: &str,
     nats_url: &str,
@@ -56,7 +111,7 @@ pub(crate) async fn billing_rate(
     mode: Mode,
     round: usize,
     events: usize,
-) -> Result<f64, Box<dyn Error>> {
+) -> Result<f64> {
     let name = format!(
         "bench_billing_{round}_{}",
         mode.replicas * 2 + usize::from(mode.unordered)
@@ -132,21 +187,4 @@ pub(crate) async fn billing_rate(
     }
     pool.close().await;
     Ok((events - at_start) as f64 / elapsed.as_secs_f64())
-}
-
-/// Median and range.
-pub(crate) fn summary(mut values: Vec<f64>) -> (f64, f64, f64) {
-    values.sort_by(f64::total_cmp);
-    let median = if values.is_empty() {
-        0.0
-    } else if values.len() % 2 == 1 {
-        values[values.len() / 2]
-    } else {
-        (values[values.len() / 2 - 1] + values[values.len() / 2]) / 2.0
-    };
-    (
-        median,
-        values.first().copied().unwrap_or(0.0),
-        values.last().copied().unwrap_or(0.0),
-    )
 }

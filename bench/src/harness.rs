@@ -1,0 +1,619 @@
+//! What every part shares: a fresh database and stream per mode, the events,
+//! and the shipped `outbox-relay` binary run as a process with its default
+//! flags, read through its Prometheus metrics, `/proc` and its log.
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::context::GetStreamErrorKind;
+use async_nats::jetstream::{self, stream::Config};
+use futures::StreamExt;
+use outbox_core::{Envelope, Outbox};
+use outbox_publisher::DEFAULT_DUPLICATE_WINDOW;
+use outbox_testkit::{Program, create_database};
+use serde_json::json;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) type Result<T, E = BoxError> = std::result::Result<T, E>;
+
+/// The subjects every bench stream captures; every bench event is `bench.created`.
+pub(crate) const SUBJECTS: &str = "bench.>";
+const EVENT_TYPE: &str = "bench.created";
+/// The size of one published message body (the CloudEvents JSON with its
+/// `sequence`), give or take the digits of the counters in it.
+pub(crate) const MESSAGE_BYTES: usize = 300;
+/// How often a drain's progress is read from the stream.
+pub(crate) const POLL: Duration = Duration::from_millis(50);
+/// The share of a drain's rows whose time is reported as its tail.
+pub(crate) const TAIL: f64 = 0.05;
+/// A drain that publishes nothing for this long has failed.
+const STALL: Duration = Duration::from_secs(60);
+
+/// The servers, the binaries and the names handed out in this run.
+#[derive(Debug)]
+pub(crate) struct Env {
+    pub(crate) admin: PgPool,
+    pub(crate) admin_url: String,
+    pub(crate) nats_url: String,
+    pub(crate) js: jetstream::Context,
+    pub(crate) bin_dir: PathBuf,
+    pub(crate) logs: PathBuf,
+    next: AtomicUsize,
+    notes: Mutex<Vec<String>>,
+}
+
+/// One mode's own database.
+#[derive(Debug)]
+pub(crate) struct Db {
+    pub(crate) name: String,
+    pub(crate) url: String,
+    pub(crate) pool: PgPool,
+}
+
+impl Env {
+    pub(crate) async fn new(admin_url: &str, nats_url: &str) -> Result<Self> {
+        if let Some((key, _)) = std::env::vars().find(|(k, _)| {
+            k.starts_with("OUTBOX_") && !k.starts_with("OUTBOX_TEST_") && k != "OUTBOX_STREAM"
+        }) {
+            return Err(format!(
+                "{key} is set and the relays would inherit it; unset it, they run with their defaults"
+            )
+            .into());
+        }
+        let bin_dir = std::env::current_exe()?
+            .parent()
+            .map(std::path::Path::to_path_buf)
+            .ok_or("no directory for this executable")?;
+        let logs = std::env::temp_dir()
+            .join("outbox-bench")
+            .join(std::process::id().to_string());
+        std::fs::create_dir_all(&logs)?;
+        let admin = PgPoolOptions::new()
+            .max_connections(4)
+            .connect(admin_url)
+            .await?;
+        let client = async_nats::connect(nats_url).await?;
+        Ok(Self {
+            admin,
+            admin_url: admin_url.to_owned(),
+            nats_url: nats_url.to_owned(),
+            js: jetstream::new(client),
+            bin_dir,
+            logs,
+            next: AtomicUsize::new(0),
+            notes: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn serial(&self) -> usize {
+        self.next.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// A fresh, migrated database.
+    pub(crate) async fn database(&self, label: &str) -> Result<Db> {
+        let name = format!("bench_{}_{}_{label}", std::process::id(), self.serial());
+        let url = create_database(&self.admin_url, &name).await?;
+        let pool = PgPoolOptions::new()
+            .max_connections(20)
+            .acquire_timeout(Duration::from_secs(60))
+            .connect(&url)
+            .await?;
+        outbox_core::migrate(&pool).await?;
+        Ok(Db { name, url, pool })
+    }
+
+    pub(crate) async fn drop_database(&self, db: Db) -> Result<()> {
+        db.pool.close().await;
+        sqlx::query(&format!(
+            "drop database if exists \"{}\" with (force)",
+            db.name
+        ))
+        .execute(&self.admin)
+        .await?;
+        Ok(())
+    }
+
+    /// A stream name not used before in this run.
+    pub(crate) fn stream_name(&self) -> String {
+        format!("BENCH_{}_{}", std::process::id(), self.serial())
+    }
+
+    /// Creates `name` as `outbox-relay` would with its defaults.
+    pub(crate) async fn create_stream(&self, name: &str) -> Result<()> {
+        self.js
+            .create_stream(Config {
+                name: name.into(),
+                subjects: vec![SUBJECTS.into()],
+                duplicate_window: DEFAULT_DUPLICATE_WINDOW,
+                ..Default::default()
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Deletes `name` (its messages would otherwise fill the disk, and its
+    /// subjects would overlap the next stream's).
+    pub(crate) async fn delete_stream(&self, name: &str) {
+        let _ = self.js.delete_stream(name).await;
+    }
+
+    /// Messages stored in `name`; 0 while it does not exist.
+    pub(crate) async fn stream_messages(&self, name: &str) -> Result<u64> {
+        match self.js.get_stream(name).await {
+            Ok(mut stream) => Ok(stream.info().await?.state.messages),
+            Err(e)
+                if matches!(e.kind(), GetStreamErrorKind::JetStream(ref js)
+                if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+            {
+                Ok(0)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Something the reader of the summary should know (a relay's warning,
+    /// error or failed exit).
+    pub(crate) fn note(&self, line: String) {
+        println!("  note: {line}");
+        if let Ok(mut notes) = self.notes.lock() {
+            notes.push(line);
+        }
+    }
+
+    pub(crate) fn notes(&self) -> Vec<String> {
+        self.notes.lock().map(|n| n.clone()).unwrap_or_default()
+    }
+}
+
+/// The payload of event `n`, padded with `pad` bytes.
+fn payload(n: u64, pad: usize) -> serde_json::Value {
+    json!({
+        "n": n,
+        "plan": "pro",
+        "amount_cents": 1234,
+        "customer_id": "cust_123456",
+        "note": "x".repeat(pad),
+    })
+}
+
+/// The padding that makes a message body [`MESSAGE_BYTES`] long.
+pub(crate) fn pad() -> Result<usize> {
+    let probe =
+        Envelope::new(EVENT_TYPE, "bench", "entity_100", payload(10_000, 0))?.with_sequence(10_000);
+    Ok(MESSAGE_BYTES.saturating_sub(probe.to_json()?.len()))
+}
+
+/// `n` events over `subjects` entities, with the sequence the relay would
+/// give them in a fresh table (so a raw publish sends the relay's bytes).
+pub(crate) fn envelopes(n: usize, subjects: usize, pad: usize) -> Result<Vec<Envelope>> {
+    (0..n as u64)
+        .map(|i| {
+            Ok(Envelope::new(
+                EVENT_TYPE,
+                "bench",
+                format!("entity_{}", i % subjects as u64),
+                payload(i, pad),
+            )?
+            .with_sequence(i + 1))
+        })
+        .collect()
+}
+
+/// Writes `events` through the outbox in one statement, then vacuums, so
+/// every mode starts from the same settled table.
+pub(crate) async fn insert_events(pool: &PgPool, events: &[Envelope]) -> Result<()> {
+    let mut tx = pool.begin().await?;
+    Outbox::unvalidated().enqueue_all(&mut tx, events).await?;
+    tx.commit().await?;
+    vacuum(pool).await
+}
+
+async fn vacuum(pool: &PgPool) -> Result<()> {
+    sqlx::query("vacuum analyze outbox_events")
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+/// Unpublished rows left.
+pub(crate) async fn unpublished(pool: &PgPool) -> Result<i64> {
+    Ok(
+        sqlx::query_scalar("select count(*) from outbox_events where published_at is null")
+            .fetch_one(pool)
+            .await?,
+    )
+}
+
+/// Waits (up to 30 s) until no row is unpublished: the stream can hold a
+/// batch's messages before the relay has marked them.
+pub(crate) async fn wait_marked(pool: &PgPool) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = unpublished(pool).await?;
+        if left == 0 {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(
+                format!("{left} rows still unpublished 30 s after the stream was full").into(),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Publishes each envelope on its event type with `Nats-Msg-Id`, up to 1,024
+/// acks in flight, every PubAck awaited; returns how long that took.
+pub(crate) async fn publish_all(js: &jetstream::Context, events: &[Envelope]) -> Result<Duration> {
+    let bodies: Vec<(String, String, bytes::Bytes)> = events
+        .iter()
+        .map(|e| {
+            Ok((
+                e.event_type().as_str().to_owned(),
+                e.id().to_string(),
+                e.to_json()?.into(),
+            ))
+        })
+        .collect::<Result<_, outbox_core::Error>>()?;
+    let started = Instant::now();
+    let acks = futures::stream::iter(bodies)
+        .map(|(subject, id, body)| async move {
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", id.as_str());
+            js.publish_with_headers(subject, headers, body).await?.await
+        })
+        .buffer_unordered(1_024)
+        .collect::<Vec<_>>()
+        .await;
+    let elapsed = started.elapsed();
+    for ack in acks {
+        ack?;
+    }
+    Ok(elapsed)
+}
+
+/// Polls `stream` every [`POLL`] until it holds `n` messages and returns the
+/// samples (seconds since `started`, messages). `each` runs at every poll
+/// (with the messages so far) and
+/// stops the wait with its error; so does a relay that dies, or a stream
+/// that gains nothing for a minute.
+pub(crate) async fn wait_for_messages(
+    env: &Env,
+    stream: &str,
+    n: usize,
+    started: Instant,
+    relays: &mut [RelayProc],
+    mut each: impl FnMut(&[RelayProc], u64) -> Result<()>,
+) -> Result<Vec<(f64, u64)>> {
+    let mut samples = Vec::new();
+    let mut last = (0, Instant::now());
+    loop {
+        let messages = env.stream_messages(stream).await?;
+        samples.push((started.elapsed().as_secs_f64(), messages));
+        if messages >= n as u64 {
+            return Ok(samples);
+        }
+        if messages > last.0 {
+            last = (messages, Instant::now());
+        } else if last.1.elapsed() > STALL {
+            return Err(format!("{stream}: {messages} of {n} messages, none for {STALL:?}").into());
+        }
+        for relay in relays.iter_mut() {
+            if relay.died() {
+                return Err(format!(
+                    "{} exited at {messages} of {n} messages; its log:\n{}",
+                    relay.name(),
+                    relay.log_tail()
+                )
+                .into());
+            }
+        }
+        each(relays, messages)?;
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// When the stream first held all but the last [`TAIL`] of `rows`, and
+/// when it held them all: seconds since the start.
+fn bulk_and_end(samples: &[(f64, u64)], rows: usize) -> (f64, f64) {
+    let end = samples.last().map_or(0.0, |s| s.0);
+    let mark = (rows as f64 * (1.0 - TAIL)).ceil() as u64;
+    let bulk = samples.iter().find(|s| s.1 >= mark).map_or(end, |s| s.0);
+    (bulk, end)
+}
+
+/// Seconds the last [`TAIL`] of `rows` took to reach the stream. A drain
+/// whose rate holds to the end spends about that share of its time here.
+pub(crate) fn tail_secs(samples: &[(f64, u64)], rows: usize) -> f64 {
+    let (bulk, end) = bulk_and_end(samples, rows);
+    end - bulk
+}
+
+/// Rows per second until all but the last [`TAIL`] were in the stream.
+pub(crate) fn bulk_rate(samples: &[(f64, u64)], rows: usize) -> f64 {
+    let (bulk, _) = bulk_and_end(samples, rows);
+    rows as f64 * (1.0 - TAIL) / bulk
+}
+
+/// The relay's batch phases and publish count, summed over relays and rounds.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Phases {
+    pub(crate) seconds: BTreeMap<String, f64>,
+    pub(crate) batches: BTreeMap<String, f64>,
+    pub(crate) published: f64,
+}
+
+impl Phases {
+    fn parse(text: &str) -> Self {
+        let mut out = Self::default();
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let Some((series, value)) = line.rsplit_once(' ') else {
+                continue;
+            };
+            let Ok(value) = value.parse::<f64>() else {
+                continue;
+            };
+            let (name, labels) = series.split_once('{').unwrap_or((series, ""));
+            let phase = labels
+                .split_once("phase=\"")
+                .and_then(|(_, rest)| rest.split_once('"'))
+                .map(|(p, _)| p.to_owned());
+            match (name, phase) {
+                ("outbox_batch_phase_seconds_sum", Some(p)) => {
+                    *out.seconds.entry(p).or_default() += value;
+                }
+                ("outbox_batch_phase_seconds_count", Some(p)) => {
+                    *out.batches.entry(p).or_default() += value;
+                }
+                ("outbox_published_total", _) => out.published += value,
+                _ => {}
+            }
+        }
+        out
+    }
+
+    pub(crate) fn record(&mut self, phase: &str, took: Duration) {
+        *self.seconds.entry(phase.to_owned()).or_default() += took.as_secs_f64();
+        *self.batches.entry(phase.to_owned()).or_default() += 1.0;
+    }
+
+    pub(crate) fn add(&mut self, other: &Self) {
+        for (k, v) in &other.seconds {
+            *self.seconds.entry(k.clone()).or_default() += v;
+        }
+        for (k, v) in &other.batches {
+            *self.batches.entry(k.clone()).or_default() += v;
+        }
+        self.published += other.published;
+    }
+
+    /// Each phase's share of the time all phases took.
+    pub(crate) fn share(&self, phase: &str) -> Option<f64> {
+        let total: f64 = self.seconds.values().sum();
+        let s = self.seconds.get(phase)?;
+        (total > 0.0).then(|| s / total)
+    }
+
+    /// Mean time a claimed batch took through every phase, and rows per batch.
+    pub(crate) fn per_batch(&self) -> Option<(Duration, f64)> {
+        let batches = *self.batches.get("claim")?;
+        if batches == 0.0 {
+            return None;
+        }
+        let total: f64 = self.seconds.values().sum();
+        Some((
+            Duration::from_secs_f64(total / batches),
+            self.published / batches,
+        ))
+    }
+}
+
+/// One `outbox-relay` process: default flags but for `--stream`,
+/// `--subjects` and `--metrics-addr`.
+#[derive(Debug)]
+pub(crate) struct RelayProc {
+    program: Program,
+    metrics: SocketAddr,
+    log: PathBuf,
+}
+
+impl RelayProc {
+    pub(crate) async fn start(env: &Env, name: &str, db_url: &str, stream: &str) -> Result<Self> {
+        let bin = env.bin_dir.join("outbox-relay");
+        if !bin.is_file() {
+            return Err(format!(
+                "{} is missing: cargo build --release -p outbox-publisher --bins",
+                bin.display()
+            )
+            .into());
+        }
+        let metrics = SocketAddr::from((
+            [127, 0, 0, 1],
+            TcpListener::bind("127.0.0.1:0")?.local_addr()?.port(),
+        ));
+        let mut program = Program::new(name, bin, &env.logs)
+            .env("DATABASE_URL", db_url)
+            .env("NATS_URL", &env.nats_url)
+            .args([
+                "--stream",
+                stream,
+                "--subjects",
+                SUBJECTS,
+                "--metrics-addr",
+                &metrics.to_string(),
+            ]);
+        program.start().await?;
+        Ok(Self {
+            log: env.logs.join(format!("{name}.log")),
+            program,
+            metrics,
+        })
+    }
+
+    pub(crate) fn name(&self) -> &str {
+        &self.program.name
+    }
+
+    fn died(&mut self) -> bool {
+        self.program.died()
+    }
+
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+
+    /// Its `/metrics`, read now.
+    pub(crate) async fn phases(&self) -> Result<Phases> {
+        let mut conn = tokio::time::timeout(
+            Duration::from_secs(5),
+            tokio::net::TcpStream::connect(self.metrics),
+        )
+        .await??;
+        conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+            .await?;
+        let mut response = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut response)).await??;
+        let response = String::from_utf8_lossy(&response);
+        let (head, body) = response
+            .split_once("\r\n\r\n")
+            .ok_or("no HTTP response from /metrics")?;
+        if !head.lines().next().is_some_and(|l| l.contains(" 200")) {
+            return Err(format!("{}: /metrics answered {head}", self.name()).into());
+        }
+        Ok(Phases::parse(body))
+    }
+
+    /// SIGTERM; notes a failed exit and every warning or error in its log.
+    pub(crate) async fn stop(mut self, env: &Env) {
+        let code = self.program.terminate().await;
+        if code != Some(0) {
+            env.note(format!("{} exited with {code:?}", self.name()));
+        }
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let flagged: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+            .collect();
+        if let Some(first) = flagged.first() {
+            env.note(format!(
+                "{}: {} warning/error lines in {}, first: {first}",
+                self.name(),
+                flagged.len(),
+                self.log.display()
+            ));
+        }
+    }
+}
+
+/// Stops every relay (see [`RelayProc::stop`]).
+pub(crate) async fn stop_all(env: &Env, relays: Vec<RelayProc>) {
+    for relay in relays {
+        relay.stop(env).await;
+    }
+}
+
+/// A drain by `replicas` relay processes of the `rows` already in `db`.
+#[derive(Debug)]
+pub(crate) struct Drain {
+    /// From the first process's start until the stream held every row.
+    pub(crate) elapsed: Duration,
+    pub(crate) samples: Vec<(f64, u64)>,
+    pub(crate) phases: Phases,
+    /// Still running; stop them with [`stop_all`].
+    pub(crate) relays: Vec<RelayProc>,
+}
+
+impl Drain {
+    pub(crate) fn rate(&self, rows: usize) -> f64 {
+        rows as f64 / self.elapsed.as_secs_f64()
+    }
+
+    /// See [`tail_secs`].
+    pub(crate) fn tail(&self, rows: usize) -> f64 {
+        tail_secs(&self.samples, rows)
+    }
+
+    /// See [`bulk_rate`].
+    pub(crate) fn bulk_rate(&self, rows: usize) -> f64 {
+        bulk_rate(&self.samples, rows)
+    }
+}
+
+/// Starts `replicas` relays on `db` publishing into a new `stream`, waits
+/// until every row is in the stream and marked, and reads their metrics.
+pub(crate) async fn drain(
+    env: &Env,
+    db: &Db,
+    stream: &str,
+    rows: usize,
+    replicas: usize,
+    each: impl FnMut(&[RelayProc], u64) -> Result<()>,
+) -> Result<Drain> {
+    let started = Instant::now();
+    let mut relays = Vec::with_capacity(replicas);
+    for i in 0..replicas {
+        relays.push(RelayProc::start(env, &format!("{stream}_relay{i}"), &db.url, stream).await?);
+    }
+    let samples = match wait_for_messages(env, stream, rows, started, &mut relays, each).await {
+        Ok(samples) => samples,
+        Err(e) => {
+            stop_all(env, relays).await;
+            return Err(e);
+        }
+    };
+    let elapsed = started.elapsed();
+    wait_marked(&db.pool).await?;
+    let messages = env.stream_messages(stream).await?;
+    if messages != rows as u64 {
+        env.note(format!("{stream}: {messages} messages for {rows} rows"));
+    }
+    let mut phases = Phases::default();
+    for relay in &relays {
+        phases.add(&relay.phases().await?);
+    }
+    Ok(Drain {
+        elapsed,
+        samples,
+        phases,
+        relays,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phases_from_prometheus_text() {
+        let text = "# TYPE outbox_batch_phase_seconds summary\n\
+            outbox_batch_phase_seconds{phase=\"claim\",quantile=\"0.5\"} 0.01\n\
+            outbox_batch_phase_seconds_sum{phase=\"claim\"} 1.5\n\
+            outbox_batch_phase_seconds_count{phase=\"claim\"} 10\n\
+            outbox_batch_phase_seconds_sum{phase=\"publish\"} 4.5\n\
+            outbox_published_total{event_type=\"bench.created\"} 2000\n";
+        let p = Phases::parse(text);
+        assert_eq!(p.seconds["claim"], 1.5);
+        assert_eq!(p.batches["claim"], 10.0);
+        assert_eq!(p.published, 2000.0);
+        assert_eq!(p.share("publish"), Some(0.75));
+        let (per, rows) = p.per_batch().unwrap();
+        assert_eq!((per.as_millis(), rows), (600, 200.0));
+    }
+
+    #[test]
+    fn the_tail_is_the_time_of_the_last_rows() {
+        let samples = [(0.0, 0), (1.0, 90), (2.0, 95), (3.0, 99), (4.0, 100)];
+        assert_eq!(tail_secs(&samples, 100), 2.0);
+        assert_eq!(bulk_rate(&samples, 100), 47.5);
+    }
+}

@@ -1,0 +1,303 @@
+//! Part 1: the relay against a raw publisher and a simple batched relay.
+//!
+//! The same events, [`MESSAGE_BYTES`](crate::harness::MESSAGE_BYTES) each,
+//! over `--subjects` entities. Modes, side by side in every round (order
+//! rotated), each on a fresh database and stream:
+//!
+//! - **raw**: the envelopes published straight to JetStream, pipelined (1,024
+//!   acks in flight), every PubAck awaited: the ceiling for any relay.
+//! - **simple relay**: the loop most outboxes start with, in this process:
+//!   `begin; select … where published_at is null order by created_at limit 500
+//!   for update skip locked`, publish all pipelined and await every ack,
+//!   `update … set published_at = now() where id = any($1); commit`.
+//! - **outbox-relay × N**: the shipped binary as N processes with default
+//!   flags.
+//!
+//! Rows are written (one statement) and vacuumed before the relays start; the
+//! clock runs from the start until the stream holds every event.
+
+use std::time::{Duration, Instant};
+
+use async_nats::HeaderMap;
+use async_nats::jetstream;
+use chrono::{DateTime, Utc};
+use outbox_core::{Envelope, EventId};
+use sqlx::{Connection, PgConnection};
+use uuid::Uuid;
+
+use crate::Args;
+use crate::harness::{
+    Env, Phases, Result, TAIL, bulk_rate, drain, envelopes, insert_events, pad, publish_all,
+    stop_all, tail_secs, wait_for_messages, wait_marked,
+};
+use crate::stats::{Spread, num, ratios};
+
+#[derive(Debug, Clone, Copy)]
+enum Mode {
+    Raw,
+    Simple,
+    Relay(usize),
+}
+
+impl Mode {
+    fn name(self) -> String {
+        match self {
+            Self::Raw => "raw JetStream publish".into(),
+            Self::Simple => "simple batched relay (500, skip locked)".into(),
+            Self::Relay(1) => "outbox-relay, 1 process".into(),
+            Self::Relay(n) => format!("outbox-relay, {n} processes"),
+        }
+    }
+}
+
+pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Result<()> {
+    let events = envelopes(args.events, args.subjects, pad()?)?;
+    let bytes: usize = events
+        .iter()
+        .map(|e| e.to_json().map(|j| j.len()))
+        .sum::<Result<_, _>>()?;
+    println!(
+        "\n## Relay vs raw: {} events over {} subjects, {} bytes per message on average",
+        args.events,
+        args.subjects,
+        bytes / events.len().max(1)
+    );
+    let mut modes = vec![Mode::Raw, Mode::Simple];
+    modes.extend(args.replicas.iter().map(|&n| Mode::Relay(n)));
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
+    let mut bulks: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
+    let mut tails: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
+    let mut phases: Vec<Phases> = vec![Phases::default(); modes.len()];
+    for round in 0..args.rounds {
+        let mut order: Vec<usize> = (0..modes.len()).collect();
+        order.rotate_left(round % modes.len());
+        for i in order {
+            let run = match modes[i] {
+                Mode::Raw => raw(env, &events).await?,
+                Mode::Simple => simple(env, &events).await?,
+                Mode::Relay(n) => relays(env, &events, n).await?,
+            };
+            println!(
+                "round {round}: {:<42} {:>9} events/s{}",
+                modes[i].name(),
+                num(run.rate, 0),
+                run.tail
+                    .map(|t| format!(
+                        " ({} to {:.0} %, the last {:.0} % in {t:.2} s)",
+                        num(run.bulk, 0),
+                        (1.0 - TAIL) * 100.0,
+                        TAIL * 100.0
+                    ))
+                    .unwrap_or_default()
+            );
+            rates[i].push(run.rate);
+            bulks[i].push(run.bulk);
+            tails[i].extend(run.tail);
+            phases[i].add(&run.phases);
+        }
+    }
+
+    let mut out = format!(
+        "### Relay vs raw ({} events, {} subjects, ~{} B messages, {} rounds)\n\n\
+         | path | events/s, median (range) | ratio to raw, median (range) | events/s until {:.0} % published | last {:.0} % took, s |\n\
+         |---|---:|---:|---:|---:|\n",
+        num(args.events as f64, 0),
+        num(args.subjects as f64, 0),
+        bytes / events.len().max(1),
+        args.rounds,
+        (1.0 - TAIL) * 100.0,
+        TAIL * 100.0
+    );
+    for (i, mode) in modes.iter().enumerate() {
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {} |\n",
+            mode.name(),
+            Spread::of(&rates[i]),
+            Spread::of(&ratios(&rates[i], &rates[0])).show(2),
+            Spread::of(&bulks[i]),
+            if tails[i].is_empty() {
+                "–".into()
+            } else {
+                Spread::of(&tails[i]).show(2)
+            }
+        ));
+    }
+    out.push_str(
+        "\nWhere a batch spends its time (share of the phase sums over all rounds; \
+         outbox-relay from `outbox_batch_phase_seconds_sum`, the simple relay timed in-process):\n\n\
+         | relay | horizon | claim | publish | mark | batches | rows/batch | ms/batch |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for (i, mode) in modes.iter().enumerate().skip(1) {
+        let p = &phases[i];
+        let share = |phase| {
+            p.share(phase)
+                .map_or("–".into(), |s| format!("{:.0} %", s * 100.0))
+        };
+        let (per, rows) = p.per_batch().unwrap_or((Duration::ZERO, 0.0));
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {:.0} | {:.1} |\n",
+            mode.name(),
+            share("horizon"),
+            share("claim"),
+            share("publish"),
+            share("mark"),
+            num(p.batches.get("claim").copied().unwrap_or(0.0), 0),
+            rows,
+            per.as_secs_f64() * 1e3
+        ));
+    }
+    println!("\n{out}");
+    summary.push(out);
+    Ok(())
+}
+
+/// One mode's result in one round.
+#[derive(Debug)]
+struct Run {
+    rate: f64,
+    /// The rate until all but the tail was published.
+    bulk: f64,
+    /// Seconds the last events took (none for raw: one pipelined burst).
+    tail: Option<f64>,
+    phases: Phases,
+}
+
+async fn raw(env: &Env, events: &[Envelope]) -> Result<Run> {
+    let stream = env.stream_name();
+    env.create_stream(&stream).await?;
+    let elapsed = publish_all(&env.js, events).await?;
+    let stored = env.stream_messages(&stream).await?;
+    env.delete_stream(&stream).await;
+    if stored != events.len() as u64 {
+        return Err(format!("raw: {stored} messages stored of {}", events.len()).into());
+    }
+    Ok(Run {
+        rate: events.len() as f64 / elapsed.as_secs_f64(),
+        bulk: events.len() as f64 / elapsed.as_secs_f64(),
+        tail: None,
+        phases: Phases::default(),
+    })
+}
+
+async fn relays(env: &Env, events: &[Envelope], replicas: usize) -> Result<Run> {
+    let db = env.database("relay").await?;
+    insert_events(&db.pool, events).await?;
+    let stream = env.stream_name();
+    let run = drain(env, &db, &stream, events.len(), replicas, |_, _| Ok(())).await?;
+    let result = Run {
+        rate: run.rate(events.len()),
+        bulk: run.bulk_rate(events.len()),
+        tail: Some(run.tail(events.len())),
+        phases: run.phases,
+    };
+    stop_all(env, run.relays).await;
+    env.delete_stream(&stream).await;
+    env.drop_database(db).await?;
+    Ok(result)
+}
+
+async fn simple(env: &Env, events: &[Envelope]) -> Result<Run> {
+    let db = env.database("simple").await?;
+    insert_events(&db.pool, events).await?;
+    let stream = env.stream_name();
+    env.create_stream(&stream).await?;
+    let conn = PgConnection::connect(&db.url).await?;
+    let started = Instant::now();
+    let task = tokio::spawn(simple_relay(conn, env.js.clone()));
+    let waited = wait_for_messages(env, &stream, events.len(), started, &mut [], |_, _| {
+        if task.is_finished() {
+            Err("the simple relay stopped before the stream was full".into())
+        } else {
+            Ok(())
+        }
+    })
+    .await;
+    let elapsed = started.elapsed();
+    if waited.is_err() && !task.is_finished() {
+        task.abort();
+    }
+    let phases = task.await??;
+    let samples = waited?;
+    wait_marked(&db.pool).await?;
+    env.delete_stream(&stream).await;
+    env.drop_database(db).await?;
+    Ok(Run {
+        rate: events.len() as f64 / elapsed.as_secs_f64(),
+        bulk: bulk_rate(&samples, events.len()),
+        tail: Some(tail_secs(&samples, events.len())),
+        phases,
+    })
+}
+
+type Row = (
+    Uuid,
+    String,
+    String,
+    String,
+    DateTime<Utc>,
+    serde_json::Value,
+    i64,
+);
+
+/// Claims 500 rows with a row lock each, publishes them all, awaits every
+/// ack, marks them in one statement and commits; until nothing is left.
+async fn simple_relay(mut conn: PgConnection, js: jetstream::Context) -> Result<Phases> {
+    let mut phases = Phases::default();
+    loop {
+        let t = Instant::now();
+        let mut tx = conn.begin().await?;
+        let rows: Vec<Row> = sqlx::query_as(
+            "select id, event_type, source, subject, time, data, seq
+               from outbox_events
+              where published_at is null
+              order by created_at
+              limit 500
+                for update skip locked",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        phases.record("claim", t.elapsed());
+        if rows.is_empty() {
+            tx.commit().await?;
+            return Ok(phases);
+        }
+        let t = Instant::now();
+        let mut ids = Vec::with_capacity(rows.len());
+        let mut acks = Vec::with_capacity(rows.len());
+        for (id, event_type, source, subject, time, data, seq) in rows {
+            let envelope = Envelope::from_parts(
+                EventId::from_uuid(id),
+                event_type,
+                source,
+                subject,
+                time,
+                data,
+            )?
+            .with_sequence(u64::try_from(seq)?);
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", envelope.id().to_string().as_str());
+            acks.push(
+                js.publish_with_headers(
+                    envelope.event_type().as_str().to_owned(),
+                    headers,
+                    envelope.to_json()?.into(),
+                )
+                .await?,
+            );
+            ids.push(id);
+        }
+        for ack in acks {
+            ack.await?;
+        }
+        phases.record("publish", t.elapsed());
+        let t = Instant::now();
+        sqlx::query("update outbox_events set published_at = now() where id = any($1)")
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        phases.record("mark", t.elapsed());
+        phases.published += ids.len() as f64;
+    }
+}
