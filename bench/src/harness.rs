@@ -216,6 +216,31 @@ pub(crate) async fn insert_events(pool: &PgPool, events: &[Envelope]) -> Result<
     vacuum(pool).await
 }
 
+/// `rows` events shaped like [`envelopes`], written by the database in one
+/// statement (a million envelopes would not fit the bench's memory
+/// comfortably), then vacuumed.
+pub(crate) async fn insert_series(
+    pool: &PgPool,
+    rows: usize,
+    subjects: usize,
+    pad: usize,
+) -> Result<()> {
+    sqlx::query(
+        "insert into outbox_events (id, event_type, source, subject, time, data)
+         select gen_random_uuid(), $4, 'bench', 'entity_' || (i % $2), now(),
+                jsonb_build_object('n', i, 'plan', 'pro', 'amount_cents', 1234,
+                                   'customer_id', 'cust_123456', 'note', repeat('x', $3))
+           from generate_series(0, $1 - 1) i",
+    )
+    .bind(i64::try_from(rows)?)
+    .bind(i64::try_from(subjects)?)
+    .bind(i32::try_from(pad)?)
+    .bind(EVENT_TYPE)
+    .execute(pool)
+    .await?;
+    vacuum(pool).await
+}
+
 async fn vacuum(pool: &PgPool) -> Result<()> {
     sqlx::query("vacuum analyze outbox_events")
         .execute(pool)
@@ -319,6 +344,35 @@ pub(crate) async fn wait_for_messages(
         each(relays, messages)?;
         tokio::time::sleep(POLL).await;
     }
+}
+
+/// Rates over consecutive `window`s of a drain's samples, from the first
+/// sample that shows a message (start-up excluded) to the last full window.
+pub(crate) fn window_rates(samples: &[(f64, u64)], window: Duration) -> Vec<f64> {
+    let Some(first) = samples.iter().position(|&(_, m)| m > 0) else {
+        return Vec::new();
+    };
+    let samples = &samples[first..];
+    let at = |t: f64| -> f64 {
+        match samples.iter().position(|&(s, _)| s >= t) {
+            None => samples.last().map_or(0.0, |&(_, m)| m as f64),
+            Some(0) => samples[0].1 as f64,
+            Some(i) => {
+                let (t0, m0) = samples[i - 1];
+                let (t1, m1) = samples[i];
+                m0 as f64 + (m1 as f64 - m0 as f64) * (t - t0) / (t1 - t0)
+            }
+        }
+    };
+    let (start, end) = (samples[0].0, samples[samples.len() - 1].0);
+    let w = window.as_secs_f64();
+    let mut rates = Vec::new();
+    let mut t = start;
+    while t + w <= end {
+        rates.push((at(t + w) - at(t)) / w);
+        t += w;
+    }
+    rates
 }
 
 /// When the stream first held all but the last [`TAIL`] of `rows`, and
@@ -472,6 +526,27 @@ impl RelayProc {
         lines[lines.len().saturating_sub(20)..].join("\n")
     }
 
+    /// The process id: our child whose command line names its metrics address.
+    pub(crate) fn pid(&self) -> Option<u32> {
+        let me = std::process::id();
+        let needle = self.metrics.to_string();
+        std::fs::read_dir("/proc")
+            .ok()?
+            .flatten()
+            .find_map(|entry| {
+                let pid = entry.file_name().to_str()?.parse::<u32>().ok()?;
+                let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+                let ppid = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?;
+                if ppid.parse::<u32>().ok()? != me {
+                    return None;
+                }
+                let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+                String::from_utf8_lossy(&cmdline)
+                    .contains(&needle)
+                    .then_some(pid)
+            })
+    }
+
     /// Its `/metrics`, read now.
     pub(crate) async fn phases(&self) -> Result<Phases> {
         let mut conn = tokio::time::timeout(
@@ -615,5 +690,20 @@ mod tests {
         let samples = [(0.0, 0), (1.0, 90), (2.0, 95), (3.0, 99), (4.0, 100)];
         assert_eq!(tail_secs(&samples, 100), 2.0);
         assert_eq!(bulk_rate(&samples, 100), 47.5);
+    }
+
+    #[test]
+    fn windows_skip_start_up_and_the_partial_tail() {
+        let samples: Vec<(f64, u64)> = (0..=50)
+            .map(|i: u32| {
+                (
+                    f64::from(i) * 0.1,
+                    if i < 10 { 0 } else { u64::from(i - 10) * 100 },
+                )
+            })
+            .collect();
+        let rates = window_rates(&samples, Duration::from_secs(1));
+        assert_eq!(rates.len(), 3);
+        assert!(rates.iter().all(|r| (r - 1000.0).abs() < 1e-6));
     }
 }

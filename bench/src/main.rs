@@ -9,8 +9,8 @@
 //!
 //! ```text
 //! cargo build --release -p outbox-bench -p outbox-publisher --bins
-//! target/release/outbox-bench                         # relay vs raw, 5 rounds
-//! target/release/outbox-bench --events 5000 --rounds 1
+//! target/release/outbox-bench                         # every relay part, 5 rounds
+//! target/release/outbox-bench --events 5000 --drain-rows 20000 --rss-rows 0 --rounds 1
 //! ```
 //!
 //! Parts (`--parts`, comma-separated):
@@ -18,14 +18,21 @@
 //! 1. `raw-vs-relay` ([`raw_vs_relay`]): raw JetStream publishing, a simple
 //!    batched relay and `outbox-relay` with 1, 2 and 4 processes, and where a
 //!    batch spends its time.
-//! 2. `consumer` ([`consumer`], not run by default): the `billing` binary,
+//! 2. `drain` ([`drain`]): a sustained drain with the vacuum horizon free and
+//!    pinned by an open snapshot, rate per window.
+//! 3. `rss` ([`rss`]): the relay's memory draining a million rows.
+//! 4. `consumer` ([`consumer`], not run by default): the `billing` binary,
 //!    ordered replicas against unordered ones; needs
 //!    `cargo build --release -p example-billing` too.
 
 mod consumer;
+mod drain;
 mod harness;
 mod raw_vs_relay;
+mod rss;
 mod stats;
+
+use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use outbox_testkit::{nats, postgres};
@@ -36,6 +43,8 @@ use crate::harness::{Env, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Part {
     RawVsRelay,
+    Drain,
+    Rss,
     Consumer,
 }
 
@@ -50,10 +59,10 @@ pub(crate) struct Args {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "raw-vs-relay"
+        default_value = "raw-vs-relay,drain,rss"
     )]
     parts: Vec<Part>,
-    /// Rounds of every part.
+    /// Rounds of every part (except rss, run once).
     #[arg(long, default_value_t = 5)]
     pub(crate) rounds: usize,
     /// Events for relay vs raw.
@@ -65,9 +74,25 @@ pub(crate) struct Args {
     /// `outbox-relay` process counts to compare in relay vs raw.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     pub(crate) replicas: Vec<usize>,
+    /// Backlog for the sustained drain (0 skips it).
+    #[arg(long, default_value_t = 300_000)]
+    pub(crate) drain_rows: usize,
+    /// Window for drain rates.
+    #[arg(long, default_value = "2s", value_parser = parse_secs)]
+    pub(crate) window: Duration,
+    /// Backlog the relay's memory is watched draining (0 skips it).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub(crate) rss_rows: usize,
     /// Events per mode of the consumer-order comparison.
     #[arg(long, default_value_t = 20_000)]
     pub(crate) consumer_events: usize,
+}
+
+fn parse_secs(s: &str) -> Result<Duration, String> {
+    s.trim_end_matches('s')
+        .parse::<f64>()
+        .map(Duration::from_secs_f64)
+        .map_err(|e| e.to_string())
 }
 
 #[tokio::main]
@@ -92,6 +117,12 @@ async fn main() -> Result<()> {
     let runs = |part| args.parts.contains(&part);
     if runs(Part::RawVsRelay) && args.events > 0 {
         raw_vs_relay::run(&env, &args, &mut summary).await?;
+    }
+    if runs(Part::Drain) && args.drain_rows > 0 {
+        drain::run(&env, &args, &mut summary).await?;
+    }
+    if runs(Part::Rss) && args.rss_rows > 0 {
+        rss::run(&env, &args, &mut summary).await?;
     }
     if runs(Part::Consumer) && args.consumer_events > 0 {
         consumer::run(&env, &args, &mut summary).await?;
