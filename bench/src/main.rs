@@ -20,17 +20,22 @@
 //!    batch spends its time.
 //! 2. `drain` ([`drain`]): a sustained drain with the vacuum horizon free and
 //!    pinned by an open snapshot, rate per window.
-//! 3. `rss` ([`rss`]): the relay's memory draining a million rows.
-//! 4. `consumer` ([`consumer`], not run by default): the `billing` binary,
+//! 3. `latency` ([`latency`]): commit → broker at a paced 1,000 events/s.
+//! 4. `rss` ([`rss`]): the relay's memory draining a million rows.
+//! 5. `writers` ([`writers`]): writer commits/s with the NOTIFY trigger on
+//!    and off.
+//! 6. `consumer` ([`consumer`], not run by default): the `billing` binary,
 //!    ordered replicas against unordered ones; needs
 //!    `cargo build --release -p example-billing` too.
 
 mod consumer;
 mod drain;
 mod harness;
+mod latency;
 mod raw_vs_relay;
 mod rss;
 mod stats;
+mod writers;
 
 use std::time::Duration;
 
@@ -44,7 +49,9 @@ use crate::harness::{Env, Result};
 enum Part {
     RawVsRelay,
     Drain,
+    Latency,
     Rss,
+    Writers,
     Consumer,
 }
 
@@ -59,7 +66,7 @@ pub(crate) struct Args {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "raw-vs-relay,drain,rss"
+        default_value = "raw-vs-relay,drain,latency,rss,writers"
     )]
     parts: Vec<Part>,
     /// Rounds of every part (except rss, run once).
@@ -80,9 +87,21 @@ pub(crate) struct Args {
     /// Window for drain rates.
     #[arg(long, default_value = "2s", value_parser = parse_secs)]
     pub(crate) window: Duration,
+    /// Paced write rate for the latency part, events per second.
+    #[arg(long, default_value_t = 1_000)]
+    pub(crate) rate: usize,
+    /// How long the latency part writes, in seconds.
+    #[arg(long, default_value_t = 10)]
+    pub(crate) latency_secs: u64,
     /// Backlog the relay's memory is watched draining (0 skips it).
     #[arg(long, default_value_t = 1_000_000)]
     pub(crate) rss_rows: usize,
+    /// Concurrent writers in the writer part.
+    #[arg(long, default_value_t = 16)]
+    pub(crate) writers: usize,
+    /// How long each writer mode runs, in seconds.
+    #[arg(long, default_value_t = 10)]
+    pub(crate) writer_secs: u64,
     /// Events per mode of the consumer-order comparison.
     #[arg(long, default_value_t = 20_000)]
     pub(crate) consumer_events: usize,
@@ -121,8 +140,14 @@ async fn main() -> Result<()> {
     if runs(Part::Drain) && args.drain_rows > 0 {
         drain::run(&env, &args, &mut summary).await?;
     }
+    if runs(Part::Latency) && args.rate > 0 && args.latency_secs > 0 {
+        latency::run(&env, &args, &mut summary).await?;
+    }
     if runs(Part::Rss) && args.rss_rows > 0 {
         rss::run(&env, &args, &mut summary).await?;
+    }
+    if runs(Part::Writers) && args.writers > 0 {
+        writers::run(&env, &args, &mut summary).await?;
     }
     if runs(Part::Consumer) && args.consumer_events > 0 {
         consumer::run(&env, &args, &mut summary).await?;

@@ -50,6 +50,16 @@ pub(crate) fn ratios(of: &[f64], to: &[f64]) -> Vec<f64> {
     of.iter().zip(to).map(|(a, b)| a / b).collect()
 }
 
+/// The `p`-th percentile (0–100) of `values`, nearest rank.
+pub(crate) fn percentile(values: &mut [f64], p: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * values.len() as f64).ceil() as usize;
+    values[rank.clamp(1, values.len()) - 1]
+}
+
 /// `value` with `decimals` digits and thousands separators on the integer part.
 pub(crate) fn num(value: f64, decimals: usize) -> String {
     let text = format!("{value:.decimals$}");
@@ -78,6 +88,14 @@ mod tests {
         let s = Spread::of(&[3.0, 1.0, 2.0]);
         assert_eq!((s.median, s.low, s.high), (2.0, 1.0, 3.0));
         assert_eq!(Spread::of(&[4.0, 1.0, 2.0, 3.0]).median, 2.5);
+    }
+
+    #[test]
+    fn percentiles_by_nearest_rank() {
+        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&mut v, 50.0), 50.0);
+        assert_eq!(percentile(&mut v, 99.0), 99.0);
+        assert_eq!(percentile(&mut v, 100.0), 100.0);
     }
 
     #[test]

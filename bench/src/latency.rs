@@ -1,0 +1,191 @@
+//! Part 3: commit → broker latency at a paced write rate.
+//!
+//! One `outbox-relay` process with default flags. A JetStream ordered
+//! consumer (`DeliverPolicy::New`) is subscribed before anything is written;
+//! one warm-up event must arrive before the clock starts. Then writers commit
+//! one event per transaction at `--rate` per second for `--latency-secs`,
+//! each noting the instant its COMMIT returned; the consumer notes the
+//! instant each event arrived. Latency = arrival − commit, on this process's
+//! monotonic clock.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::consumer::{DeliverPolicy, pull::OrderedConfig};
+use futures::StreamExt;
+use outbox_core::{Envelope, Outbox};
+use serde_json::json;
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+use crate::Args;
+use crate::harness::{Env, RelayProc, Result, SUBJECTS, stop_all};
+use crate::stats::{Spread, num, percentile};
+
+/// Concurrent writer connections sharing the paced schedule.
+const WRITERS: usize = 8;
+
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    p50: f64,
+    p99: f64,
+    max: f64,
+    written_rate: f64,
+}
+
+pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Result<()> {
+    println!(
+        "\n## Commit → broker latency: {} events/s for {} s, 1 outbox-relay process",
+        args.rate, args.latency_secs
+    );
+    let mut runs = Vec::new();
+    for round in 0..args.rounds {
+        let run = one(env, args).await?;
+        println!(
+            "round {round}: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (written at {} events/s)",
+            run.p50,
+            run.p99,
+            run.max,
+            num(run.written_rate, 0)
+        );
+        runs.push(run);
+    }
+    let pick = |f: fn(&Run) -> f64| -> Vec<f64> { runs.iter().map(f).collect() };
+    let out = format!(
+        "### Commit → broker latency ({} events/s for {} s, {} rounds)\n\n\
+         | | median (range) |\n|---|---:|\n\
+         | p50, ms | {} |\n| p99, ms | {} |\n| max, ms | {} |\n| written, events/s | {} |\n",
+        num(args.rate as f64, 0),
+        args.latency_secs,
+        args.rounds,
+        Spread::of(&pick(|r| r.p50)).show(1),
+        Spread::of(&pick(|r| r.p99)).show(1),
+        Spread::of(&pick(|r| r.max)).show(1),
+        Spread::of(&pick(|r| r.written_rate)),
+    );
+    println!("\n{out}");
+    summary.push(out);
+    Ok(())
+}
+
+fn event(n: usize) -> Result<Envelope> {
+    Ok(Envelope::new(
+        "bench.created",
+        "bench",
+        format!("entity_{}", n % 1_000),
+        json!({"n": n, "plan": "pro", "amount_cents": 1234, "customer_id": "cust_123456"}),
+    )?)
+}
+
+async fn one(env: &Env, args: &Args) -> Result<Run> {
+    let db = env.database("latency").await?;
+    let stream = env.stream_name();
+    let relay = RelayProc::start(env, &format!("{stream}_relay0"), &db.url, &stream).await?;
+    let relays = vec![relay];
+
+    // The relay creates the stream; subscribe once it exists.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let js_stream = loop {
+        if let Ok(s) = env.js.get_stream(&stream).await {
+            break s;
+        }
+        if Instant::now() > deadline {
+            stop_all(env, relays).await;
+            return Err(format!("{stream} not created within 30 s").into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let consumer = js_stream
+        .create_consumer(OrderedConfig {
+            deliver_policy: DeliverPolicy::New,
+            filter_subject: SUBJECTS.into(),
+            ..Default::default()
+        })
+        .await?;
+    let mut messages = consumer.messages().await?;
+    let (arrived_tx, mut arrived) = mpsc::unbounded_channel::<(Uuid, Instant)>();
+    let reader = tokio::spawn(async move {
+        while let Some(Ok(message)) = messages.next().await {
+            let at = Instant::now();
+            let id = serde_json::from_slice::<serde_json::Value>(&message.payload)
+                .ok()
+                .and_then(|v| v["id"].as_str().and_then(|s| Uuid::parse_str(s).ok()));
+            if let Some(id) = id
+                && arrived_tx.send((id, at)).is_err()
+            {
+                return;
+            }
+        }
+    });
+
+    // Warm-up: one event through before the clock starts.
+    let warm = event(0)?;
+    let mut tx = db.pool.begin().await?;
+    Outbox::unvalidated().enqueue(&mut tx, &warm).await?;
+    tx.commit().await?;
+    let ready = tokio::time::timeout(Duration::from_secs(30), arrived.recv()).await;
+    if !matches!(ready, Ok(Some((id, _))) if id == *warm.id().as_uuid()) {
+        reader.abort();
+        stop_all(env, relays).await;
+        return Err("the warm-up event did not arrive within 30 s".into());
+    }
+
+    let total = args.rate * args.latency_secs as usize;
+    let interval = Duration::from_secs_f64(1.0 / args.rate as f64);
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|_| {
+            let pool = db.pool.clone();
+            let next = next.clone();
+            tokio::spawn(async move {
+                let mut committed = Vec::new();
+                loop {
+                    let n = next.fetch_add(1, Ordering::Relaxed);
+                    if n >= total {
+                        return Ok::<_, crate::harness::BoxError>(committed);
+                    }
+                    tokio::time::sleep_until((started + interval * n as u32).into()).await;
+                    let e = event(n)?;
+                    let mut tx = pool.begin().await?;
+                    Outbox::unvalidated().enqueue(&mut tx, &e).await?;
+                    tx.commit().await?;
+                    committed.push((*e.id().as_uuid(), Instant::now()));
+                }
+            })
+        })
+        .collect();
+    let mut commits = HashMap::with_capacity(total);
+    for writer in writers {
+        commits.extend(writer.await??);
+    }
+    let written_rate = total as f64 / started.elapsed().as_secs_f64();
+
+    let mut latencies = Vec::with_capacity(total);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while latencies.len() < total {
+        match tokio::time::timeout_at(deadline, arrived.recv()).await {
+            Ok(Some((id, at))) => {
+                if let Some(committed) = commits.get(&id) {
+                    latencies.push(at.saturating_duration_since(*committed).as_secs_f64() * 1e3);
+                }
+            }
+            _ => break,
+        }
+    }
+    reader.abort();
+    stop_all(env, relays).await;
+    env.delete_stream(&stream).await;
+    env.drop_database(db).await?;
+    if latencies.len() < total {
+        return Err(format!("{} of {total} events arrived within 30 s", latencies.len()).into());
+    }
+    Ok(Run {
+        p50: percentile(&mut latencies, 50.0),
+        p99: percentile(&mut latencies, 99.0),
+        max: percentile(&mut latencies, 100.0),
+        written_rate,
+    })
+}

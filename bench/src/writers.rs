@@ -1,0 +1,99 @@
+//! Part 5: what the NOTIFY trigger costs writers.
+//!
+//! `--writers` connections, each looping `begin; insert one event
+//! (Outbox::enqueue); commit` for `--writer-secs`, with the migration's
+//! `outbox_events_notify` trigger in place, and dropped. No relay runs: this
+//! is the write path alone. Rounds alternate the order.
+
+use std::time::{Duration, Instant};
+
+use outbox_core::{Envelope, Outbox};
+use serde_json::json;
+use sqlx::{Connection, PgConnection};
+use tokio::sync::Barrier;
+
+use crate::Args;
+use crate::harness::{BoxError, Env, Result};
+use crate::stats::{Spread, num, ratios};
+
+const MODES: [&str; 2] = ["NOTIFY trigger on (default)", "NOTIFY trigger off"];
+
+pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Result<()> {
+    println!(
+        "\n## Writers: {} connections, one event per transaction, {} s",
+        args.writers, args.writer_secs
+    );
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); MODES.len()];
+    for round in 0..args.rounds {
+        let mut order: Vec<usize> = (0..MODES.len()).collect();
+        order.rotate_left(round % MODES.len());
+        for i in order {
+            let rate = one(env, args, i == 0).await?;
+            println!(
+                "round {round}: {:<28} {:>8} commits/s",
+                MODES[i],
+                num(rate, 0)
+            );
+            rates[i].push(rate);
+        }
+    }
+    let mut out = format!(
+        "### Writers ({} connections, one event per transaction, {} s, {} rounds)\n\n\
+         | trigger | commits/s, median (range) |\n|---|---:|\n",
+        args.writers, args.writer_secs, args.rounds
+    );
+    for (i, mode) in MODES.iter().enumerate() {
+        out.push_str(&format!("| {mode} | {} |\n", Spread::of(&rates[i])));
+    }
+    out.push_str(&format!(
+        "\noff / on, per round: {}\n",
+        Spread::of(&ratios(&rates[1], &rates[0])).show(2)
+    ));
+    println!("\n{out}");
+    summary.push(out);
+    Ok(())
+}
+
+async fn one(env: &Env, args: &Args, notify: bool) -> Result<f64> {
+    let db = env.database("writers").await?;
+    if !notify {
+        sqlx::query("drop trigger outbox_events_notify on outbox_events")
+            .execute(&db.pool)
+            .await?;
+    }
+    let duration = Duration::from_secs(args.writer_secs);
+    let barrier = std::sync::Arc::new(Barrier::new(args.writers + 1));
+    let mut tasks = Vec::with_capacity(args.writers);
+    for w in 0..args.writers {
+        let mut conn = PgConnection::connect(&db.url).await?;
+        let barrier = barrier.clone();
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            let deadline = Instant::now() + duration;
+            let mut commits = 0_u64;
+            while Instant::now() < deadline {
+                let event = Envelope::new(
+                    "bench.created",
+                    "bench",
+                    format!("entity_{w}_{}", commits % 64),
+                    json!({"n": commits, "plan": "pro", "amount_cents": 1234, "customer_id": "cust_123456"}),
+                )?;
+                let mut tx = conn.begin().await?;
+                Outbox::unvalidated().enqueue(&mut tx, &event).await?;
+                tx.commit().await?;
+                commits += 1;
+            }
+            conn.close().await?;
+            Ok::<_, BoxError>(commits)
+        }));
+    }
+    barrier.wait().await;
+    let started = Instant::now();
+    let mut commits = 0;
+    for task in tasks {
+        commits += task.await??;
+    }
+    let elapsed = started.elapsed();
+    env.drop_database(db).await?;
+    Ok(commits as f64 / elapsed.as_secs_f64())
+}
