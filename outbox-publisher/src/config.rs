@@ -31,7 +31,7 @@ pub struct RelayConfig {
 impl Default for RelayConfig {
     fn default() -> Self {
         Self {
-            batch_size: 200,
+            batch_size: 1_000,
             poll_interval: Duration::from_millis(500),
             max_attempts: 20,
             backoff_base: Duration::from_secs(1),
@@ -51,7 +51,8 @@ impl Default for RelayConfig {
 }
 
 impl RelayConfig {
-    /// Rows claimed per batch. Default 200; 1 to 5,000.
+    /// Rows read per batch, split over the shards a worker reads (at least
+    /// 128 per shard). Default 1,000; 1 to 5,000.
     #[must_use]
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n;

@@ -55,8 +55,8 @@ struct Args {
     #[arg(long, value_parser = humantime::parse_duration)]
     duplicate_window: Option<Duration>,
 
-    /// Rows claimed per batch (1–5000).
-    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 200)]
+    /// Rows read per batch (1–5000).
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 1000)]
     batch_size: usize,
 
     /// Concurrent claim → publish → mark loops in this process.

@@ -29,6 +29,9 @@ use crate::metrics;
 use crate::sink::{PublishFailure, Sink};
 use crate::store::{Blocker, ClaimRequest, ClaimedRow, Failure};
 
+/// Rows a claim may read from one shard, whatever the batch is split over.
+const MIN_PER_SHARD: usize = 128;
+
 /// What happened to one publishable row.
 #[derive(Debug)]
 enum Outcome {
@@ -47,11 +50,13 @@ impl<S: Sink> Relay<S> {
         let settled = self.horizon.settled(&self.store).await?;
         metrics::phase("horizon", started.elapsed());
         let cursors = checkout.cursors();
+        // A share of the batch per shard, but never so little that a few busy
+        // shards are read a handful of rows at a time.
         let per_shard = self
             .config
             .batch_size
             .div_ceil(checkout.ids().len().max(1))
-            .max(1);
+            .max(self.config.batch_size.min(MIN_PER_SHARD));
         let max_payload = self.sink.max_payload();
         let started = Instant::now();
         let rows = self

@@ -100,11 +100,26 @@ impl<S: Sink> Relay<S> {
                 return Ok(BatchReport::default());
             }
         }
+        // The workers in parallel, then one pass over every owned shard: a
+        // worker stops when its part is empty, which says nothing of the others.
+        let workers = self.config.workers;
+        let mut total = BatchReport::default();
+        for report in
+            futures::future::join_all((0..workers).map(|_| self.drain_part(workers))).await
+        {
+            total.add(report?);
+        }
+        total.add(self.drain_part(1).await?);
+        Ok(total)
+    }
+
+    /// Runs batches over `1 / parts` of the owned shards until one is empty.
+    async fn drain_part(&self, parts: usize) -> Result<BatchReport> {
         let mut total = BatchReport::default();
         let mut idle = LoopBackoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let mut stalls = 0;
         loop {
-            let checkout = self.shards.checkout(1);
+            let checkout = self.shards.checkout(parts);
             if checkout.is_empty() {
                 return Ok(total);
             }
