@@ -46,8 +46,11 @@
 //!
 //! # Features
 //!
-//! - `cli` (default): the `outbox-relay` binary (clap, Prometheus exporter,
-//!   tracing-subscriber).
+//! - `cli` (off by default): the `outbox-relay` binary and the helpers
+//!   binaries share ([`cli`]: NATS flags, logging, signal shutdown), with clap,
+//!   the Prometheus exporter and tracing-subscriber. A library user's build
+//!   compiles none of them. `cargo install outbox-publisher --features cli`
+//!   installs the binary.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(warnings))))]
 
