@@ -727,3 +727,187 @@ async fn a_blocked_subject_with_a_long_queue_does_not_starve_the_others() {
         1
     );
 }
+
+/// The watermark trap against the per-shard cursors: a transaction takes its
+/// seq, stays open while thousands of later rows on every shard are published
+/// (moving the cursors on), then commits. Its event must be read at once, not
+/// at the next full sweep of its shard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seq_taken_before_thousands_of_published_rows_and_committed_after_them_is_published_at_once()
+ {
+    let db = TestDb::new().await.unwrap();
+    let broker = nats().unwrap();
+    let relay = relay(&db, broker.url(), "LATE", fast_config()).await;
+    let shutdown = CancellationToken::new();
+    let run = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { relay.run(shutdown).await })
+    };
+
+    let mut slow = db.pool.begin().await.unwrap();
+    let late = event("orders.created", "late", json!({"who": "slow"}));
+    Outbox::unvalidated()
+        .enqueue(&mut slow, &late)
+        .await
+        .unwrap();
+    // Later seqs on every shard, committed and published while `slow` is open.
+    for round in 0..10 {
+        let events: Vec<_> = (0..200)
+            .map(|i| event("orders.created", &format!("s{i}"), json!({"round": round})))
+            .collect();
+        commit(&db, &events).await;
+    }
+    wait_until(
+        "the 2,000 later rows published",
+        Duration::from_secs(60),
+        || async {
+            scalar(
+                &db,
+                "select count(*) from outbox_events where published_at is not null",
+            )
+            .await
+                == 2_000
+        },
+    )
+    .await
+    .unwrap();
+    // More batches on every shard after that, so any cursor that could move
+    // past the open transaction's seq has done so.
+    commit(
+        &db,
+        &(0..200)
+            .map(|i| event("orders.created", &format!("s{i}"), json!({"round": 10})))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    wait_until(
+        "the next 200 published",
+        Duration::from_secs(30),
+        || async {
+            scalar(
+                &db,
+                "select count(*) from outbox_events where published_at is not null",
+            )
+            .await
+                == 2_200
+        },
+    )
+    .await
+    .unwrap();
+    let (late_seq, max_seq): (i64, i64) = sqlx::query_as(
+        "select (select min(seq) from outbox_events where published_at is not null) - 1,
+                (select max(seq) from outbox_events)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        late_seq < max_seq,
+        "the open transaction holds the lowest seq"
+    );
+
+    slow.commit().await.unwrap();
+    // Well inside the 60 s sweep: only a cursor that waited for the open
+    // transaction finds it this fast.
+    wait_until(
+        "the late commit published",
+        Duration::from_secs(10),
+        || async { unpublished(&db).await == 0 },
+    )
+    .await
+    .unwrap();
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+    let ids: HashSet<String> = stream_messages(broker.url(), "LATE")
+        .await
+        .iter()
+        .map(msg_id)
+        .collect();
+    assert!(ids.contains(&late.id().to_string()));
+    assert_eq!(ids.len(), 2_201);
+}
+
+/// An operator repairs a parked row and makes it due: it is published, then
+/// the rows deferred behind it, in order, without waiting out their deferral.
+#[tokio::test]
+async fn a_repaired_parked_row_is_published_first_and_its_followers_after_it_in_order() {
+    let db = TestDb::new().await.unwrap();
+    let broker = nats().unwrap();
+    let config = fast_config()
+        .max_attempts(3)
+        .backoff_base(Duration::from_millis(20))
+        .backoff_max(Duration::from_secs(60));
+    let relay = relay(&db, broker.url(), "REPAIR", config).await;
+    let bad = Uuid::now_v7();
+    sqlx::query(
+        "insert into outbox_events (id, event_type, source, subject, time, data, traceparent)
+         values ($1, 'orders.created', 'php', 'fixme', now(), '{\"n\": 0}', 'not a traceparent')",
+    )
+    .bind(bad)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let followers: Vec<_> = (1..=3)
+        .map(|n| event("orders.created", "fixme", json!({"n": n})))
+        .collect();
+    commit(&db, &followers).await;
+    commit(&db, &[event("orders.created", "other", json!({}))]).await;
+
+    let shutdown = CancellationToken::new();
+    let run = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { relay.run(shutdown).await })
+    };
+    wait_until(
+        "the bad row parked, its followers deferred, the rest published",
+        Duration::from_secs(20),
+        || async {
+            scalar(
+                &db,
+                "select count(*) from outbox_events
+                  where subject = 'fixme' and attempts >= 3 and next_attempt_at = 'infinity'
+                    and last_error like '%traceparent%'",
+            )
+            .await
+                == 1
+                && scalar(
+                    &db,
+                    "select count(*) from outbox_events
+                      where subject = 'fixme' and attempts = 0 and next_attempt_at > now()",
+                )
+                .await
+                    == 3
+                && unpublished(&db).await == 4
+        },
+    )
+    .await
+    .unwrap();
+
+    // The documented repair: fix the row, reset its attempts, make it due.
+    sqlx::query(
+        "update outbox_events
+            set traceparent = null, attempts = 0, next_attempt_at = now(), last_error = null
+          where id = $1",
+    )
+    .bind(bad)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // The followers were deferred for the 60 s cap; waking them is what makes
+    // this fast.
+    wait_until("all published", Duration::from_secs(10), || async {
+        unpublished(&db).await == 0
+    })
+    .await
+    .unwrap();
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+    let order: Vec<i64> = stream_messages(broker.url(), "REPAIR")
+        .await
+        .iter()
+        .map(|m| Envelope::<Value>::from_json(&m.payload).unwrap())
+        .filter(|e| e.subject() == "fixme")
+        .map(|e| e.data()["n"].as_i64().unwrap())
+        .collect();
+    assert_eq!(order, [0, 1, 2, 3]);
+}
