@@ -32,13 +32,20 @@
 //!   ack flagged duplicate counts). A relay killed between publish and mark
 //!   republishes with the same `Nats-Msg-Id`, which the stream's duplicate
 //!   window drops; consumers dedupe on the event id for the rest.
-//! - **Ordered per subject.** No event is published while an earlier
-//!   unpublished event of the same envelope `subject` exists, whether that one
-//!   failed, waits in backoff, or is held by another replica (see [`relay`]'s
-//!   design notes). Different subjects flow in parallel.
-//! - **No lock across the network.** Rows are claimed with a lease in one short
-//!   statement; publishing happens outside any transaction, each publish
+//! - **Ordered per subject, in insert order.** Rows are published per envelope
+//!   `subject` in `seq` order (assigned at insert), as a gap-free prefix, by
+//!   the one relay that owns the subject's shard; the order travels as the
+//!   CloudEvents `sequence` attribute. Different subjects flow in parallel.
+//!   See [`relay`]'s design notes.
+//! - **Cost independent of what was published.** Each shard is read from a
+//!   cursor that only passes settled seqs, so dead tuples of published rows are
+//!   not read again, even while an old snapshot pins the vacuum horizon.
+//! - **No lock across the network.** A batch is read by one statement that
+//!   writes nothing; publishing happens outside any transaction, each publish
 //!   bounded by a timeout.
+//! - **Broker faults cost no attempts; no row can stop the relay.** Every
+//!   column is checked before publishing; a row that can never be published is
+//!   parked with an error naming the fault and blocks only its own subject.
 //! - **Bounded retries.** Exponential backoff with jitter per row (1 s, 2 s, 4 s,
 //!   … capped at 5 min) and an attempt cap (20) past which a row is left alone,
 //!   logged at error level and counted.
@@ -47,7 +54,7 @@
 //! # Features
 //!
 //! - `cli` (off by default): the `outbox-relay` binary and the helpers
-//!   binaries share ([`cli`]: NATS flags, logging, signal shutdown), with clap,
+//!   binaries share (`cli`: NATS flags, logging, signal shutdown), with clap,
 //!   the Prometheus exporter and tracing-subscriber. A library user's build
 //!   compiles none of them. `cargo install outbox-publisher --features cli`
 //!   installs the binary.

@@ -652,6 +652,53 @@ async fn a_stream_that_differs_from_the_config_is_a_startup_error() {
     assert!(err.to_string().contains("does not exist"), "{err}");
 }
 
+/// A republish after a takeover must fall inside the stream's duplicate
+/// window, or the broker stores it twice: a window no longer than lease +
+/// publish timeout is refused at start-up, naming both.
+#[tokio::test]
+async fn a_duplicate_window_shorter_than_lease_plus_publish_timeout_is_a_startup_error() {
+    let db = TestDb::new().await.unwrap();
+    let broker = nats().unwrap();
+    let js = jetstream::new(connect(broker.url()).await);
+    js.create_stream(jetstream::stream::Config {
+        name: "SHORTWINDOW".into(),
+        subjects: SUBJECTS.iter().map(|s| s.to_string()).collect(),
+        duplicate_window: Duration::from_secs(10),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let config = fast_config()
+        .lease(Duration::from_secs(30))
+        .publish_timeout(Duration::from_secs(5));
+    let err = Relay::jetstream(
+        db.pool.clone(),
+        connect(broker.url()).await,
+        &stream_spec("SHORTWINDOW"),
+        config,
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config);
+    let msg = err.to_string();
+    assert!(
+        msg.contains("duplicate window of 10s") && msg.contains("35s"),
+        "{msg}"
+    );
+    // A lease that fits is accepted on the same stream.
+    let config = fast_config()
+        .lease(Duration::from_secs(4))
+        .publish_timeout(Duration::from_secs(1));
+    Relay::jetstream(
+        db.pool.clone(),
+        connect(broker.url()).await,
+        &stream_spec("SHORTWINDOW"),
+        config,
+    )
+    .await
+    .unwrap();
+}
+
 #[tokio::test]
 async fn shutdown_finishes_promptly() {
     let db = TestDb::new().await.unwrap();

@@ -13,14 +13,14 @@
 //! (20 zero-padded digits), so consumers compare events of one subject without
 //! trusting a clock.
 //!
-//! **Shards, one owner each** ([`shards`](self::shards)). Rows are hashed by
+//! **Shards, one owner each** ([`shards`]). Rows are hashed by
 //! subject into 64 shards; relays share them out through advisory locks, so
 //! one entity's rows are only ever read and published by one relay, and no
 //! claim looks at rows held by another. Workers in one relay split its shards
 //! the same way. N replicas or N workers add capacity instead of contention.
 //!
 //! **A cursor per shard, bounded by a settled horizon**
-//! ([`horizon`](self::horizon)). A claim reads a shard's *main lane* (fresh
+//! (`relay/horizon.rs`). A claim reads a shard's *main lane* (fresh
 //! rows: index `(shard, seq) where published_at is null and next_attempt_at is
 //! null`) from the shard's cursor on. Published rows leave dead index entries
 //! that no vacuum can remove while an old snapshot pins the horizon; reading
@@ -47,7 +47,7 @@
 //! **Faults.** Only a refusal of the row itself counts toward its attempts:
 //! broker faults (not connected, no ack in time, no stream answering) leave the
 //! row untouched, and the worker backs off. Every column is checked before a
-//! row is published ([`message`](self::message)); a row no client could
+//! row is published (`relay/message.rs`); a row no client could
 //! decode is parked with an error naming the fault, counted and logged once,
 //! and blocks only its own subject.
 //!

@@ -13,7 +13,7 @@
 //! the same rows.
 //!
 //! The lock session sets `idle_session_timeout` to the lease, and the relay
-//! confirms it every [`REBALANCE_INTERVAL`]; a relay frozen (or cut off) for
+//! confirms it every 500 ms; a relay frozen (or cut off) for
 //! longer than the lease loses its session and with it its shards, and its
 //! workers stop claiming once the last confirmation is older than half the
 //! lease. A deposed owner can still finish publishing the batch in hand
