@@ -25,6 +25,9 @@ impl<S: Sink> Relay<S> {
     ) {
         let mut owned = self.shards.subscribe();
         let mut idle = LoopBackoff::new(Duration::from_millis(100), Duration::from_secs(10));
+        // Consecutive empty batches: a worker sleeps only once it has found
+        // every part of the owned shards empty, not just its last one.
+        let mut empty = 0;
         while !shutdown.is_cancelled() {
             wake.borrow_and_update();
             owned.borrow_and_update();
@@ -36,10 +39,14 @@ impl<S: Sink> Relay<S> {
                     let result = self.run_batch(&checkout).await;
                     drop(checkout);
                     self.note_db_health(&result);
+                    empty = match &result {
+                        Ok(report) if report.claimed == 0 => empty + 1,
+                        _ => 0,
+                    };
                     match result {
                         Ok(report) if report.claimed == 0 => {
                             idle.reset();
-                            Some(self.config.poll_interval)
+                            (empty >= self.config.workers).then_some(self.config.poll_interval)
                         }
                         Ok(report) if report.progress() == 0 && report.broker_faults > 0 => {
                             Some(idle.next())
@@ -58,6 +65,7 @@ impl<S: Sink> Relay<S> {
                 Some(idle.next())
             };
             if let Some(pause) = pause {
+                empty = 0;
                 tokio::select! {
                     _ = wake.changed() => {}
                     _ = owned.changed() => {}
