@@ -52,7 +52,7 @@ impl Default for RelayConfig {
 
 impl RelayConfig {
     /// Rows read per batch, split over the shards a worker reads (at least
-    /// 128 per shard). Default 1,000; 1 to 5,000.
+    /// 16 per shard). Default 1,000; 1 to 5,000.
     #[must_use]
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n;

@@ -30,7 +30,7 @@ use crate::sink::{PublishFailure, Sink};
 use crate::store::{Blocker, ClaimRequest, ClaimedRow, Failure};
 
 /// Rows a claim may read from one shard, whatever the batch is split over.
-const MIN_PER_SHARD: usize = 128;
+const MIN_PER_SHARD: usize = 16;
 
 /// What happened to one publishable row.
 #[derive(Debug)]
