@@ -10,7 +10,9 @@
 use sqlx::{Connection, PgConnection};
 
 use crate::Args;
-use crate::harness::{Env, Result, TAIL, drain, insert_series, pad, stop_all, window_rates};
+use crate::harness::{
+    Db, Env, Result, TAIL, drain, insert_series, pad, repeat_if_killed, stop_all, window_rates,
+};
 use crate::stats::{Spread, num, ratios};
 
 const MODES: [&str; 2] = ["horizon free", "horizon pinned"];
@@ -37,7 +39,7 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
         let mut order: Vec<usize> = (0..MODES.len()).collect();
         order.rotate_left(round % MODES.len());
         for i in order {
-            let run = one(env, args, pad, i == 1).await?;
+            let run = repeat_if_killed(env, || one(env, args, pad, i == 1)).await?;
             println!(
                 "round {round}: {:<15} {:>9} rows/s ({} to {:.0} %)  per {:?}: first {}, last {}, slowest {}; last {:.0} % in {:.2} s",
                 MODES[i],
@@ -93,6 +95,21 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
 
 async fn one(env: &Env, args: &Args, pad: usize, pinned: bool) -> Result<Run> {
     let db = env.database("drain").await?;
+    let stream = env.stream_name();
+    let result = one_on(env, args, pad, pinned, &db, &stream).await;
+    env.delete_stream(&stream).await;
+    env.drop_database(db).await?;
+    result
+}
+
+async fn one_on(
+    env: &Env,
+    args: &Args,
+    pad: usize,
+    pinned: bool,
+    db: &Db,
+    stream: &str,
+) -> Result<Run> {
     insert_series(&db.pool, args.drain_rows, args.subjects, pad).await?;
     let mut pin = None;
     if pinned {
@@ -102,8 +119,7 @@ async fn one(env: &Env, args: &Args, pad: usize, pinned: bool) -> Result<Run> {
             .await?;
         pin = Some(conn);
     }
-    let stream = env.stream_name();
-    let run = drain(env, &db, &stream, args.drain_rows, 1, |_, _| Ok(())).await;
+    let run = drain(env, db, stream, args.drain_rows, 1, |_, _| Ok(())).await;
     if let Some(mut conn) = pin {
         // Still the same transaction: its snapshot held the horizon throughout.
         let open: bool = sqlx::query_scalar("select now() < statement_timestamp()")
@@ -129,8 +145,6 @@ async fn one(env: &Env, args: &Args, pad: usize, pinned: bool) -> Result<Run> {
     let tail = run.tail(args.drain_rows);
     let bulk = run.bulk_rate(args.drain_rows);
     stop_all(env, run.relays).await;
-    env.delete_stream(&stream).await;
-    env.drop_database(db).await?;
     Ok(Run {
         rate,
         bulk,

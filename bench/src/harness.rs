@@ -46,6 +46,9 @@ pub(crate) struct Env {
     pub(crate) js: jetstream::Context,
     pub(crate) bin_dir: PathBuf,
     pub(crate) logs: PathBuf,
+    /// This run's copy of `outbox-relay`, so a rebuild during the run cannot
+    /// change the binary between modes; `None` if it was not built.
+    relay_bin: Option<PathBuf>,
     next: AtomicUsize,
     notes: Mutex<Vec<String>>,
 }
@@ -76,6 +79,14 @@ impl Env {
             .join("outbox-bench")
             .join(std::process::id().to_string());
         std::fs::create_dir_all(&logs)?;
+        let built = bin_dir.join("outbox-relay");
+        let relay_bin = if built.is_file() {
+            let copy = logs.join("outbox-relay");
+            std::fs::copy(&built, &copy)?;
+            Some(copy)
+        } else {
+            None
+        };
         let admin = PgPoolOptions::new()
             .max_connections(4)
             .connect(admin_url)
@@ -88,9 +99,27 @@ impl Env {
             js: jetstream::new(client),
             bin_dir,
             logs,
+            relay_bin,
             next: AtomicUsize::new(0),
             notes: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Where the relay binary was copied from, and when it was built.
+    pub(crate) fn relay_built(&self) -> String {
+        let built = self.bin_dir.join("outbox-relay");
+        let when = std::fs::metadata(&built)
+            .and_then(|m| m.modified())
+            .ok()
+            .map(|t| {
+                chrono::DateTime::<chrono::Utc>::from(t)
+                    .format("%Y-%m-%d %H:%M:%S UTC")
+                    .to_string()
+            });
+        match (&self.relay_bin, when) {
+            (Some(_), Some(when)) => format!("{} (built {when})", built.display()),
+            _ => format!("{} missing", built.display()),
+        }
     }
 
     fn serial(&self) -> usize {
@@ -305,6 +334,41 @@ pub(crate) async fn publish_all(js: &jetstream::Context, events: &[Envelope]) ->
     Ok(elapsed)
 }
 
+/// A relay process ended on its own during a measurement.
+#[derive(Debug)]
+pub(crate) struct RelayDied(String);
+
+impl std::fmt::Display for RelayDied {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for RelayDied {}
+
+/// Runs one mode's measurement, and again (twice at most) if a relay process
+/// ended on its own: the relays stop only on a signal, and the bench sends
+/// none before a drain ends, so the run is void rather than slow. Each
+/// attempt cleans up after itself.
+pub(crate) async fn repeat_if_killed<T, F, Fut>(env: &Env, mut run: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let mut attempt = 0;
+    loop {
+        match run().await {
+            Err(e) if attempt < 2 && e.downcast_ref::<RelayDied>().is_some() => {
+                attempt += 1;
+                let first = e.to_string();
+                let first = first.lines().next().unwrap_or_default();
+                env.note(format!("run void and repeated: {first}"));
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Polls `stream` every [`POLL`] until it holds `n` messages and returns the
 /// samples (seconds since `started`, messages). `each` runs at every poll
 /// (with the messages so far) and
@@ -333,11 +397,11 @@ pub(crate) async fn wait_for_messages(
         }
         for relay in relays.iter_mut() {
             if relay.died() {
-                return Err(format!(
+                return Err(RelayDied(format!(
                     "{} exited at {messages} of {n} messages; its log:\n{}",
                     relay.name(),
                     relay.log_tail()
-                )
+                ))
                 .into());
             }
         }
@@ -481,14 +545,12 @@ pub(crate) struct RelayProc {
 
 impl RelayProc {
     pub(crate) async fn start(env: &Env, name: &str, db_url: &str, stream: &str) -> Result<Self> {
-        let bin = env.bin_dir.join("outbox-relay");
-        if !bin.is_file() {
-            return Err(format!(
-                "{} is missing: cargo build --release -p outbox-publisher --bins",
-                bin.display()
+        let bin = env.relay_bin.clone().ok_or_else(|| {
+            format!(
+                "{} is missing: cargo build --release -p outbox-publisher --features cli --bins",
+                env.bin_dir.join("outbox-relay").display()
             )
-            .into());
-        }
+        })?;
         let metrics = SocketAddr::from((
             [127, 0, 0, 1],
             TcpListener::bind("127.0.0.1:0")?.local_addr()?.port(),
@@ -518,6 +580,19 @@ impl RelayProc {
 
     fn died(&mut self) -> bool {
         self.program.died()
+    }
+
+    /// `Err(RelayDied)` if the process ended on its own, saying `when`.
+    pub(crate) fn check_alive(&mut self, when: &str) -> Result<()> {
+        if self.died() {
+            return Err(RelayDied(format!(
+                "{} exited {when}; its log:\n{}",
+                self.name(),
+                self.log_tail()
+            ))
+            .into());
+        }
+        Ok(())
     }
 
     fn log_tail(&self) -> String {

@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use crate::Args;
-use crate::harness::{Env, RelayProc, Result, SUBJECTS, stop_all};
+use crate::harness::{Db, Env, RelayProc, Result, SUBJECTS, repeat_if_killed, stop_all};
 use crate::stats::{Spread, num, percentile};
 
 /// Concurrent writer connections sharing the paced schedule.
@@ -42,7 +42,7 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
     );
     let mut runs = Vec::new();
     for round in 0..args.rounds {
-        let run = one(env, args).await?;
+        let run = repeat_if_killed(env, || one(env, args)).await?;
         println!(
             "round {round}: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (written at {} events/s)",
             run.p50,
@@ -82,13 +82,20 @@ fn event(n: usize) -> Result<Envelope> {
 async fn one(env: &Env, args: &Args) -> Result<Run> {
     let db = env.database("latency").await?;
     let stream = env.stream_name();
-    let relay = RelayProc::start(env, &format!("{stream}_relay0"), &db.url, &stream).await?;
-    let relays = vec![relay];
+    let result = one_on(env, args, &db, &stream).await;
+    env.delete_stream(&stream).await;
+    env.drop_database(db).await?;
+    result
+}
+
+async fn one_on(env: &Env, args: &Args, db: &Db, stream: &str) -> Result<Run> {
+    let relay = RelayProc::start(env, &format!("{stream}_relay0"), &db.url, stream).await?;
+    let mut relays = vec![relay];
 
     // The relay creates the stream; subscribe once it exists.
     let deadline = Instant::now() + Duration::from_secs(30);
     let js_stream = loop {
-        if let Ok(s) = env.js.get_stream(&stream).await {
+        if let Ok(s) = env.js.get_stream(stream).await {
             break s;
         }
         if Instant::now() > deadline {
@@ -128,7 +135,9 @@ async fn one(env: &Env, args: &Args) -> Result<Run> {
     let ready = tokio::time::timeout(Duration::from_secs(30), arrived.recv()).await;
     if !matches!(ready, Ok(Some((id, _))) if id == *warm.id().as_uuid()) {
         reader.abort();
+        let alive = relays[0].check_alive("before the warm-up event arrived");
         stop_all(env, relays).await;
+        alive?;
         return Err("the warm-up event did not arrive within 30 s".into());
     }
 
@@ -176,9 +185,9 @@ async fn one(env: &Env, args: &Args) -> Result<Run> {
         }
     }
     reader.abort();
+    let alive = relays[0].check_alive("while the writers wrote");
     stop_all(env, relays).await;
-    env.delete_stream(&stream).await;
-    env.drop_database(db).await?;
+    alive?;
     if latencies.len() < total {
         return Err(format!("{} of {total} events arrived within 30 s", latencies.len()).into());
     }

@@ -8,7 +8,8 @@
 //! rotated, each on a fresh database and stream.
 //!
 //! ```text
-//! cargo build --release -p outbox-bench -p outbox-publisher --bins
+//! cargo build --release -p outbox-bench
+//! cargo build --release -p outbox-publisher --features cli --bins
 //! target/release/outbox-bench                         # every relay part, 5 rounds
 //! target/release/outbox-bench --events 5000 --drain-rows 20000 --rss-rows 0 --rounds 1
 //! ```
@@ -126,9 +127,10 @@ async fn main() -> Result<()> {
         .await?;
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
-        "{}\nPostgreSQL {version}, nats-server at {}, {cores} cores; relay logs in {}",
+        "{}\nPostgreSQL {version}, nats-server at {}, {cores} cores\nrelay: {}, copied with its logs to {}",
         command.join(" "),
         env.nats_url,
+        env.relay_built(),
         env.logs.display()
     );
 
@@ -154,9 +156,10 @@ async fn main() -> Result<()> {
     }
 
     println!(
-        "\n# Summary\n\n`{}` — PostgreSQL {version}, {cores} cores, medians of {} rounds (range)\n",
+        "\n# Summary\n\n`{}` — PostgreSQL {version}, {cores} cores, medians of {} rounds (range); relay {}\n",
         command.join(" "),
-        args.rounds
+        args.rounds,
+        env.relay_built()
     );
     for section in &summary {
         println!("{section}");

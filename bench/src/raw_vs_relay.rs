@@ -27,8 +27,8 @@ use uuid::Uuid;
 
 use crate::Args;
 use crate::harness::{
-    Env, Phases, Result, TAIL, bulk_rate, drain, envelopes, insert_events, pad, publish_all,
-    stop_all, tail_secs, wait_for_messages, wait_marked,
+    Db, Env, Phases, Result, TAIL, bulk_rate, drain, envelopes, insert_events, pad, publish_all,
+    repeat_if_killed, stop_all, tail_secs, wait_for_messages, wait_marked,
 };
 use crate::stats::{Spread, num, ratios};
 
@@ -75,7 +75,7 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
             let run = match modes[i] {
                 Mode::Raw => raw(env, &events).await?,
                 Mode::Simple => simple(env, &events).await?,
-                Mode::Relay(n) => relays(env, &events, n).await?,
+                Mode::Relay(n) => repeat_if_killed(env, || relays(env, &events, n)).await?,
             };
             println!(
                 "round {round}: {:<42} {:>9} events/s{}",
@@ -182,9 +182,22 @@ async fn raw(env: &Env, events: &[Envelope]) -> Result<Run> {
 
 async fn relays(env: &Env, events: &[Envelope], replicas: usize) -> Result<Run> {
     let db = env.database("relay").await?;
-    insert_events(&db.pool, events).await?;
     let stream = env.stream_name();
-    let run = drain(env, &db, &stream, events.len(), replicas, |_, _| Ok(())).await?;
+    let result = relays_on(env, &db, &stream, events, replicas).await;
+    env.delete_stream(&stream).await;
+    env.drop_database(db).await?;
+    result
+}
+
+async fn relays_on(
+    env: &Env,
+    db: &Db,
+    stream: &str,
+    events: &[Envelope],
+    replicas: usize,
+) -> Result<Run> {
+    insert_events(&db.pool, events).await?;
+    let run = drain(env, db, stream, events.len(), replicas, |_, _| Ok(())).await?;
     let result = Run {
         rate: run.rate(events.len()),
         bulk: run.bulk_rate(events.len()),
@@ -192,20 +205,25 @@ async fn relays(env: &Env, events: &[Envelope], replicas: usize) -> Result<Run> 
         phases: run.phases,
     };
     stop_all(env, run.relays).await;
-    env.delete_stream(&stream).await;
-    env.drop_database(db).await?;
     Ok(result)
 }
 
 async fn simple(env: &Env, events: &[Envelope]) -> Result<Run> {
     let db = env.database("simple").await?;
-    insert_events(&db.pool, events).await?;
     let stream = env.stream_name();
-    env.create_stream(&stream).await?;
+    let result = simple_on(env, &db, &stream, events).await;
+    env.delete_stream(&stream).await;
+    env.drop_database(db).await?;
+    result
+}
+
+async fn simple_on(env: &Env, db: &Db, stream: &str, events: &[Envelope]) -> Result<Run> {
+    insert_events(&db.pool, events).await?;
+    env.create_stream(stream).await?;
     let conn = PgConnection::connect(&db.url).await?;
     let started = Instant::now();
     let task = tokio::spawn(simple_relay(conn, env.js.clone()));
-    let waited = wait_for_messages(env, &stream, events.len(), started, &mut [], |_, _| {
+    let waited = wait_for_messages(env, stream, events.len(), started, &mut [], |_, _| {
         if task.is_finished() {
             Err("the simple relay stopped before the stream was full".into())
         } else {
@@ -220,8 +238,6 @@ async fn simple(env: &Env, events: &[Envelope]) -> Result<Run> {
     let phases = task.await??;
     let samples = waited?;
     wait_marked(&db.pool).await?;
-    env.delete_stream(&stream).await;
-    env.drop_database(db).await?;
     Ok(Run {
         rate: events.len() as f64 / elapsed.as_secs_f64(),
         bulk: bulk_rate(&samples, events.len()),

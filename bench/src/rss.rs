@@ -6,7 +6,10 @@
 //! Run once, not per round: it is a bound, not a rate.
 
 use crate::Args;
-use crate::harness::{Env, POLL, Result, TAIL, drain, insert_series, pad, stop_all, window_rates};
+use crate::harness::{
+    Db, Env, POLL, Result, TAIL, drain, insert_series, pad, repeat_if_killed, stop_all,
+    window_rates,
+};
 use crate::stats::num;
 
 /// A field of `/proc/<pid>/status` in KiB.
@@ -28,12 +31,27 @@ fn mib(kib: u64) -> String {
 pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Result<()> {
     let rows = args.rss_rows;
     println!("\n## Relay memory draining {rows} rows, 1 outbox-relay process");
-    let db = env.database("rss").await?;
+    let out = repeat_if_killed(env, || async {
+        let db = env.database("rss").await?;
+        let stream = env.stream_name();
+        let result = measure(env, args, &db, &stream).await;
+        env.delete_stream(&stream).await;
+        env.drop_database(db).await?;
+        result
+    })
+    .await?;
+    println!("\n{out}");
+    summary.push(out);
+    Ok(())
+}
+
+/// Drains `--rss-rows` in `db` and returns the report.
+async fn measure(env: &Env, args: &Args, db: &Db, stream: &str) -> Result<String> {
+    let rows = args.rss_rows;
     insert_series(&db.pool, rows, args.subjects, pad()?).await?;
-    let stream = env.stream_name();
     let mut pid = None;
     let (mut first, mut max, mut samples) = (None, 0_u64, 0_usize);
-    let run = drain(env, &db, &stream, rows, 1, |relays, messages| {
+    let run = drain(env, db, stream, rows, 1, |relays, messages| {
         if pid.is_none() {
             pid = relays.first().and_then(|r| r.pid());
         }
@@ -53,8 +71,6 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
     let bulk = run.bulk_rate(rows);
     let windows = window_rates(&run.samples, args.window);
     stop_all(env, run.relays).await;
-    env.delete_stream(&stream).await;
-    env.drop_database(db).await?;
     if pid.is_none() || samples == 0 {
         return Err("could not read the relay's /proc/<pid>/status".into());
     }
@@ -81,7 +97,5 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
         TAIL * 100.0,
         tail,
     );
-    println!("\n{out}");
-    summary.push(out);
-    Ok(())
+    Ok(out)
 }
