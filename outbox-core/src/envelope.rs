@@ -410,18 +410,20 @@ impl<T: Serialize> Envelope<T> {
     where
         T: Clone,
     {
-        let data = serde_json::to_value(&self.data).map_err(|e| {
-            Error::new(
-                ErrorKind::Serialization,
-                format!(
-                    "payload of event type `{}` is not JSON-serializable: {e}",
-                    self.event_type
-                ),
-            )
-            .with_event_type(self.event_type.as_str())
-            .with_source(e)
-        })?;
+        let data = serde_json::to_value(&self.data).map_err(|e| self.not_serializable(e))?;
         Ok(self.clone().map_data(|_| data))
+    }
+
+    fn not_serializable(&self, e: serde_json::Error) -> Error {
+        Error::new(
+            ErrorKind::Serialization,
+            format!(
+                "payload of event type `{}` is not JSON-serializable: {e}",
+                self.event_type
+            ),
+        )
+        .with_event_type(self.event_type.as_str())
+        .with_source(e)
     }
 
     /// Encodes the envelope as CloudEvents structured-mode JSON.
@@ -447,17 +449,7 @@ impl<T: Serialize> Envelope<T> {
     /// # Errors
     /// [`ErrorKind::Serialization`] if the payload cannot be encoded.
     pub fn message_size(&self) -> Result<usize> {
-        let data = serde_json::to_vec(&self.data).map_err(|e| {
-            Error::new(
-                ErrorKind::Serialization,
-                format!(
-                    "payload of event type `{}` is not JSON-serializable: {e}",
-                    self.event_type
-                ),
-            )
-            .with_event_type(self.event_type.as_str())
-            .with_source(e)
-        })?;
+        let data = serde_json::to_vec(&self.data).map_err(|e| self.not_serializable(e))?;
         self.message_size_with_data_len(data.len())
     }
 }
