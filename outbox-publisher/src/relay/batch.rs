@@ -46,9 +46,8 @@ enum Outcome {
 impl<S: Sink> Relay<S> {
     /// Claims from `checkout`'s shards, publishes, marks, and advances cursors.
     pub(super) async fn run_batch(&self, checkout: &Checkout<'_>) -> Result<BatchReport> {
-        let started = Instant::now();
-        let settled = self.horizon.settled(&self.store).await?;
-        metrics::phase("horizon", started.elapsed());
+        // Settled before the claim's snapshot is taken: safe to move cursors to.
+        let settled = self.horizon.settled();
         let cursors = checkout.cursors();
         // A share of the batch per shard, but never so little that a few busy
         // shards are read a handful of rows at a time.
@@ -75,6 +74,7 @@ impl<S: Sink> Relay<S> {
             for &shard in checkout.ids() {
                 checkout.advance(shard, settled);
             }
+            self.tick_horizon().await?;
             return Ok(BatchReport::default());
         }
         metrics::batch(rows.len());
@@ -212,8 +212,18 @@ impl<S: Sink> Relay<S> {
             }
             checkout.advance(shard, to);
         }
+        self.tick_horizon().await?;
         debug!(?report, took = ?claimed_at.elapsed(), "batch done");
         Ok(report)
+    }
+
+    /// Moves the settled horizon on for the next batch, off the path from a
+    /// wake-up to its claim.
+    async fn tick_horizon(&self) -> Result<()> {
+        let started = Instant::now();
+        self.horizon.tick(&self.store).await?;
+        metrics::phase("horizon", started.elapsed());
+        Ok(())
     }
 
     /// Publishes one subject's rows in order; the first row not published

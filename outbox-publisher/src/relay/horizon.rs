@@ -47,10 +47,16 @@ pub(crate) struct Horizon {
 }
 
 impl Horizon {
-    /// The settled seq, after a tick if one is due. Every row with a seq at or
-    /// below it that will ever be visible is visible to statements that start
-    /// after this returns.
-    pub(crate) async fn settled(&self, store: &Store) -> Result<i64> {
+    /// The settled seq as of the last completed tick. Every row with a seq at
+    /// or below it that will ever be visible is visible to statements that
+    /// start after this returns.
+    pub(crate) fn settled(&self) -> i64 {
+        self.settled.load(Ordering::Acquire)
+    }
+
+    /// Runs a tick if one is due (and no other worker is running one).
+    /// Workers tick after a batch, so a wake-up goes straight to its claim.
+    pub(crate) async fn tick(&self, store: &Store) -> Result<()> {
         // Another worker ticking: its result is not needed to stay safe, only
         // to move on; use the value settled so far.
         if let Ok(mut state) = self.state.try_lock()
@@ -74,6 +80,6 @@ impl Horizon {
             }
             state.unpaired = Some(tick.last_seq);
         }
-        Ok(self.settled.load(Ordering::Acquire))
+        Ok(())
     }
 }
