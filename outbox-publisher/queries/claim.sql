@@ -16,7 +16,9 @@
 --    can never fail the claim for the others: a time outside years 1-9999
 --    (RFC 3339) or infinite, and data over the largest message (not fetched).
 --    Rows past the byte budget come without data and are left for the next
---    batch.
+--    batch. Sizes are the stored size of small uncompressed values (no
+--    rendering) and the text length of the others, so the bound holds for
+--    compressed values too.
 with main as (
   select r.*
     from unnest($1::smallint[], $2::bigint[]) as s(shard, after)
@@ -50,14 +52,27 @@ candidates as materialized (
 ids as (
   select coalesce(array_agg(id), '{}') as ids from candidates
 ),
+-- Whether any row of these shards waits in the retry lane at all: when none
+-- does (the common case), no candidate needs a blocker lookup.
+retrying as (
+  select exists (select 1
+                   from outbox_events r
+                  where r.shard = any($1::smallint[])
+                    and r.published_at is null
+                    and r.next_attempt_at is not null) as found
+),
+-- Sizes without rendering the JSON where the stored size tells: for a
+-- compressed or large value it does not, and its text length is taken.
 sized as (
-  select c.*, c.data::text as data_text
+  select c.*,
+         case when pg_column_compression(c.data) is not null or pg_column_size(c.data) > 8192
+              then octet_length(c.data::text)
+              else pg_column_size(c.data) end as data_len
     from candidates c
 ),
 budget as (
   select s.*,
-         octet_length(s.data_text) as data_len,
-         sum(octet_length(s.data_text) + octet_length(s.event_type) + octet_length(s.source)
+         sum(s.data_len + octet_length(s.event_type) + octet_length(s.source)
              + octet_length(s.subject) + coalesce(octet_length(s.traceparent), 0)
              + coalesce(octet_length(s.tracestate), 0))
            over (order by s.seq rows between unbounded preceding and 1 preceding) as before
@@ -74,7 +89,7 @@ select c.id, c.seq, c.shard, c.retry, c.event_type, c.source, c.subject,
        c.data_len::bigint as data_len,
        coalesce(c.before, 0) > 0 and coalesce(c.before, 0) + c.data_len > $5 as over_budget,
        case when c.data_len <= $6 and not (coalesce(c.before, 0) > 0 and coalesce(c.before, 0) + c.data_len > $5)
-            then c.data_text end as data,
+            then c.data::text end as data,
        b.seq is not null as blocked,
        b.seq is not null and (b.attempts >= $4 or not isfinite(b.next_attempt_at)) as blocker_parked,
        case when b.seq is not null and b.attempts < $4 and isfinite(b.next_attempt_at)
@@ -84,7 +99,8 @@ select c.id, c.seq, c.shard, c.retry, c.event_type, c.source, c.subject,
   left join lateral (
     select p.seq, p.attempts, p.next_attempt_at
       from outbox_events p
-     where p.subject = c.subject
+     where (select found from retrying)
+       and p.subject = c.subject
        and p.published_at is null
        and p.next_attempt_at is not null
        and p.seq < c.seq
