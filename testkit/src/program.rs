@@ -173,6 +173,16 @@ impl Program {
         }
     }
 
+    /// Sends `signal` (a `kill` name such as `STOP` or `CONT`) to the process.
+    pub async fn signal(&self, signal: &str) {
+        if let Some(pid) = self.child.as_ref().and_then(tokio::process::Child::id) {
+            let _ = Command::new("kill")
+                .args([format!("-{signal}"), pid.to_string()])
+                .status()
+                .await;
+        }
+    }
+
     /// Whether the process died on its own since the last check.
     pub fn died(&mut self) -> bool {
         let Some(child) = self.child.as_mut() else {

@@ -1036,3 +1036,98 @@ async fn four_replicas_drain_a_large_backlog_once_and_in_order_through_a_kill_9(
     assert_eq!(per_subject.len(), SUBJECTS as usize);
     assert_sequences(&messages);
 }
+
+// ---------------------------------------------------------------------------
+// 6. A relay frozen for longer than its lease.
+
+/// Shards held, per relay session: (sessions holding shards, shards held).
+async fn shard_holders(pool: &PgPool) -> (i64, i64) {
+    sqlx::query_as(
+        "select count(distinct pid), count(*) from pg_locks
+          where locktype = 'advisory' and classid::text::bigint = 1868722690 and granted",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_relay_frozen_longer_than_its_lease_loses_its_shards_and_nothing_is_lost_or_reordered() {
+    const SUBJECTS: i32 = 200;
+    let db = TestDb::new().await.unwrap();
+    let broker = nats().unwrap();
+    let relays = Relays::new(&db, broker.url(), "FROZEN", "frozen.>");
+    let extra = ["--lease", "3s", "--publish-timeout", "1s"];
+    let mut replicas = relays.start("frozen", 2, &extra).await;
+    wait_until(
+        "both relays holding shards",
+        Duration::from_secs(30),
+        || async { shard_holders(&db.pool).await == (2, 64) },
+    )
+    .await
+    .unwrap_or_else(|e| relays.fail(e, &mut replicas));
+
+    let insert = |round: i32| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query(
+                "insert into outbox_events (id, event_type, source, subject, time, data)
+                 select gen_random_uuid(), 'frozen.changed', 'writer', 'e-' || (g % $1), now(),
+                        jsonb_build_object('n', $2 * 100 + g / $1)
+                   from generate_series(0, 10 * $1 - 1) g
+                  order by g",
+            )
+            .bind(SUBJECTS)
+            .bind(round)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    };
+    // Frozen (SIGSTOP) with its shards: the server ends its idle lock session
+    // after the lease, and the other relay takes the shards over.
+    replicas[0].signal("STOP").await;
+    insert(1).await;
+    wait_until(
+        "every row published by the relay left running",
+        Duration::from_secs(60),
+        || async { count_where(&db.pool, "published_at is null").await == 0 },
+    )
+    .await
+    .unwrap_or_else(|e| relays.fail(e, &mut replicas));
+    assert_eq!(shard_holders(&db.pool).await, (1, 64));
+
+    // Thawed: it finds its session gone, rejoins, and takes its share back.
+    replicas[0].signal("CONT").await;
+    wait_until(
+        "the thawed relay holding shards again",
+        Duration::from_secs(30),
+        || async { shard_holders(&db.pool).await == (2, 64) },
+    )
+    .await
+    .unwrap_or_else(|e| relays.fail(e, &mut replicas));
+    insert(2).await;
+    wait_until(
+        "the second round published",
+        Duration::from_secs(60),
+        || async { count_where(&db.pool, "published_at is null").await == 0 },
+    )
+    .await
+    .unwrap_or_else(|e| relays.fail(e, &mut replicas));
+    for relay in &mut replicas {
+        relays.assert_running(relay);
+    }
+    let total = 2 * 10 * SUBJECTS as usize;
+    wait_until(
+        "the stream holds every event",
+        Duration::from_secs(10),
+        || async { stream_count(broker.url(), &relays.stream).await >= total as u64 },
+    )
+    .await
+    .unwrap();
+    let messages = read_stream(broker.url(), &relays.stream).await;
+    assert_eq!(messages.len(), total, "each event stored once");
+    assert_eq!(ids_once(&messages).len(), total);
+    assert_increasing_per_subject(&messages, "n");
+    assert_sequences(&messages);
+}
