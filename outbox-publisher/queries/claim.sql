@@ -2,8 +2,9 @@
 -- has one owner, so no other relay reads these rows meanwhile, and the caller
 -- publishes outside any transaction.
 --   $1 shards (smallint[]); $2 their cursors (bigint[]): every row of the
---   shard's main lane at or below the cursor is resolved; $3 rows per shard;
---   $4 max attempts; $5 byte budget of the batch; $6 largest message (bytes).
+--   shard's main lane at or below the cursor is resolved; $3 rows to read per
+--   shard (int[]); $4 max attempts; $5 byte budget of the batch; $6 largest
+--   message (bytes); $7 rows to read from the retry lane.
 --
 -- 1. main: per shard, the main lane (fresh rows) after the cursor, in seq
 --    order: one index range scan that starts past every row already published,
@@ -21,7 +22,7 @@
 --    compressed values too.
 with main as (
   select r.*
-    from unnest($1::smallint[], $2::bigint[]) as s(shard, after)
+    from unnest($1::smallint[], $2::bigint[], $3::int[]) as s(shard, after, rows)
    cross join lateral (
      select e.id, e.seq, e.shard, e.event_type, e.source, e.subject, e.time, e.data, e.created_at,
             e.attempts, e.traceparent, e.tracestate, false as retry
@@ -31,7 +32,7 @@ with main as (
         and e.next_attempt_at is null
         and e.seq > s.after
       order by e.seq
-      limit $3
+      limit s.rows
    ) r
 ),
 retry as (
@@ -44,7 +45,7 @@ retry as (
      and e.next_attempt_at <= now()
      and e.attempts < $4
    order by e.next_attempt_at
-   limit $3
+   limit $7
 ),
 candidates as materialized (
   select * from main union all select * from retry
@@ -70,13 +71,17 @@ sized as (
               else pg_column_size(c.data) end as data_len
     from candidates c
 ),
-budget as (
+row_sizes as (
   select s.*,
-         sum(s.data_len + octet_length(s.event_type) + octet_length(s.source)
-             + octet_length(s.subject) + coalesce(octet_length(s.traceparent), 0)
-             + coalesce(octet_length(s.tracestate), 0))
-           over (order by s.seq rows between unbounded preceding and 1 preceding) as before
+         s.data_len + octet_length(s.event_type) + octet_length(s.source)
+           + octet_length(s.subject) + coalesce(octet_length(s.traceparent), 0)
+           + coalesce(octet_length(s.tracestate), 0) as size
     from sized s
+),
+-- Bytes of the rows before each one (a running sum, computed incrementally).
+budget as (
+  select r.*, sum(r.size) over (order by r.seq rows unbounded preceding) - r.size as before
+    from row_sizes r
 )
 select c.id, c.seq, c.shard, c.retry, c.event_type, c.source, c.subject,
        case when isfinite(c.time)

@@ -11,6 +11,7 @@ use uuid::Uuid;
 use crate::error::{Error, Result};
 
 const CLAIM: &str = include_str!("../queries/claim.sql");
+const NO_JIT: &str = include_str!("../queries/no_jit.sql");
 const MARK_PUBLISHED: &str = include_str!("../queries/mark_published.sql");
 const MARK_FAILED: &str = include_str!("../queries/mark_failed.sql");
 const DEFER: &str = include_str!("../queries/defer.sql");
@@ -129,7 +130,10 @@ impl ClaimedRow {
 pub(crate) struct ClaimRequest<'a> {
     pub(crate) shards: &'a [i16],
     pub(crate) cursors: &'a [i64],
-    pub(crate) per_shard: usize,
+    /// Rows to read per shard, in `shards` order.
+    pub(crate) limits: &'a [i32],
+    /// Rows to read from the retry lane.
+    pub(crate) retry_limit: usize,
     pub(crate) max_attempts: i32,
     pub(crate) byte_budget: usize,
     pub(crate) max_message: usize,
@@ -201,27 +205,34 @@ impl Store {
         &self.pool
     }
 
-    /// Reads a batch (see `queries/claim.sql`).
+    /// Reads a batch (see `queries/claim.sql`), in a read-only transaction
+    /// with JIT off (`queries/no_jit.sql`).
     pub(crate) async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Vec<ClaimedRow>> {
-        let mut rows = sqlx::query(CLAIM)
-            .bind(req.shards)
-            .bind(req.cursors)
-            .bind(count(req.per_shard))
-            .bind(req.max_attempts)
-            .bind(count(req.byte_budget))
-            .bind(count(req.max_message))
-            .fetch(&self.pool);
-        let mut out = Vec::new();
-        while let Some(row) = rows
-            .try_next()
+        let failed = |e| Error::database("claiming outbox rows", e);
+        let mut tx = self.pool.begin().await.map_err(failed)?;
+        sqlx::query(NO_JIT)
+            .execute(&mut *tx)
             .await
-            .map_err(|e| Error::database("claiming outbox rows", e))?
+            .map_err(failed)?;
+        let mut out = Vec::new();
         {
-            out.push(
-                ClaimedRow::decode(&row)
-                    .map_err(|e| Error::database("decoding a claimed outbox row", e))?,
-            );
+            let mut rows = sqlx::query(CLAIM)
+                .bind(req.shards)
+                .bind(req.cursors)
+                .bind(req.limits)
+                .bind(req.max_attempts)
+                .bind(count(req.byte_budget))
+                .bind(count(req.max_message))
+                .bind(count(req.retry_limit))
+                .fetch(&mut *tx);
+            while let Some(row) = rows.try_next().await.map_err(failed)? {
+                out.push(
+                    ClaimedRow::decode(&row)
+                        .map_err(|e| Error::database("decoding a claimed outbox row", e))?,
+                );
+            }
         }
+        tx.commit().await.map_err(failed)?;
         Ok(out)
     }
 
@@ -368,12 +379,22 @@ impl Store {
             .map_err(|e| Error::database("giving up shards", e))
     }
 
+    /// Backlog figures, with JIT off (the counts are estimated expensive on a
+    /// large backlog).
     pub(crate) async fn stats(&self, max_attempts: i32) -> Result<Stats> {
-        sqlx::query_as(STATS)
-            .bind(max_attempts)
-            .fetch_one(&self.pool)
+        let failed = |e| Error::database("reading backlog", e);
+        let mut tx = self.pool.begin().await.map_err(failed)?;
+        sqlx::query(NO_JIT)
+            .execute(&mut *tx)
             .await
-            .map_err(|e| Error::database("reading backlog", e))
+            .map_err(failed)?;
+        let stats = sqlx::query_as(STATS)
+            .bind(max_attempts)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(failed)?;
+        tx.commit().await.map_err(failed)?;
+        Ok(stats)
     }
 
     /// Deletes one batch of published rows older than `window`; returns how many.

@@ -1095,7 +1095,13 @@ async fn a_relay_frozen_longer_than_its_lease_loses_its_shards_and_nothing_is_lo
     )
     .await
     .unwrap_or_else(|e| relays.fail(e, &mut replicas));
-    assert_eq!(shard_holders(&db.pool).await, (1, 64));
+    wait_until(
+        "the relay left running holding every shard",
+        Duration::from_secs(15),
+        || async { shard_holders(&db.pool).await == (1, 64) },
+    )
+    .await
+    .unwrap_or_else(|e| relays.fail(e, &mut replicas));
 
     // Thawed: it finds its session gone, rejoins, and takes its share back.
     replicas[0].signal("CONT").await;

@@ -49,13 +49,22 @@ impl<S: Sink> Relay<S> {
         // Settled before the claim's snapshot is taken: safe to move cursors to.
         let settled = self.horizon.settled();
         let cursors = checkout.cursors();
-        // A share of the batch per shard, but never so little that a few busy
-        // shards are read a handful of rows at a time.
-        let per_shard = self
+        // The batch is shared by the shards that had rows at their last read;
+        // the others are read a few rows deep, enough to notice new rows. So a
+        // backlog left in a few shards (the end of a drain, a few busy
+        // entities) is still read in full batches.
+        let had_rows = checkout.had_rows();
+        let busy = had_rows.iter().filter(|&&b| b).count().max(1);
+        let per_busy = self
             .config
             .batch_size
-            .div_ceil(checkout.ids().len().max(1))
+            .div_ceil(busy)
             .max(self.config.batch_size.min(MIN_PER_SHARD));
+        let idle = self.config.batch_size.min(MIN_PER_SHARD);
+        let limits: Vec<i32> = had_rows
+            .iter()
+            .map(|&b| i32::try_from(if b { per_busy } else { idle }).unwrap_or(i32::MAX))
+            .collect();
         let max_payload = self.sink.max_payload();
         let started = Instant::now();
         let rows = self
@@ -63,7 +72,8 @@ impl<S: Sink> Relay<S> {
             .claim(&ClaimRequest {
                 shards: checkout.ids(),
                 cursors: &cursors,
-                per_shard,
+                limits: &limits,
+                retry_limit: self.config.batch_size,
                 max_attempts: self.config.max_attempts,
                 byte_budget: self.config.batch_bytes,
                 max_message: max_payload,
@@ -73,6 +83,7 @@ impl<S: Sink> Relay<S> {
         if rows.is_empty() {
             for &shard in checkout.ids() {
                 checkout.advance(shard, settled);
+                checkout.set_had_rows(shard, false);
             }
             self.tick_horizon().await?;
             return Ok(BatchReport::default());
@@ -200,10 +211,12 @@ impl<S: Sink> Relay<S> {
             let e = stop.entry(row.shard).or_insert(i64::MAX);
             *e = (*e).min(row.seq - 1);
         }
-        for &shard in checkout.ids() {
+        for (i, &shard) in checkout.ids().iter().enumerate() {
             let mut to = settled;
+            let limit = usize::try_from(limits[i]).unwrap_or(usize::MAX);
+            checkout.set_had_rows(shard, read.contains_key(&shard));
             if let Some(&(n, last)) = read.get(&shard)
-                && n >= per_shard
+                && n >= limit
             {
                 to = to.min(last);
             }
@@ -213,7 +226,7 @@ impl<S: Sink> Relay<S> {
             checkout.advance(shard, to);
         }
         self.tick_horizon().await?;
-        debug!(?report, took = ?claimed_at.elapsed(), "batch done");
+        debug!(?report, settled, cursors = ?cursors.iter().take(3).collect::<Vec<_>>(), took = ?claimed_at.elapsed(), "batch done");
         Ok(report)
     }
 

@@ -55,6 +55,9 @@ struct Slot {
     /// Every main-lane row of the shard at or below this seq is resolved.
     cursor: AtomicI64,
     swept: Mutex<Option<Instant>>,
+    /// Whether its main lane had rows at the last read: shards that had share
+    /// the batch's rows, the others get a few, enough to notice new rows.
+    had_rows: AtomicBool,
 }
 
 /// The shards this relay owns and the session that holds them.
@@ -103,6 +106,20 @@ impl Checkout<'_> {
             .collect()
     }
 
+    /// Whether each checked-out shard had main-lane rows at its last read, in
+    /// `ids` order.
+    pub(crate) fn had_rows(&self) -> Vec<bool> {
+        self.ids
+            .iter()
+            .map(|&id| self.shards.slot(id).had_rows.load(Ordering::Acquire))
+            .collect()
+    }
+
+    /// Records whether a shard's main lane had rows at this read.
+    pub(crate) fn set_had_rows(&self, id: i16, had: bool) {
+        self.shards.slot(id).had_rows.store(had, Ordering::Release);
+    }
+
     /// Moves a shard's cursor forward to `seq` (never back).
     pub(crate) fn advance(&self, id: i16, seq: i64) {
         self.shards.slot(id).cursor.fetch_max(seq, Ordering::AcqRel);
@@ -126,6 +143,7 @@ impl Shards {
                     busy: AtomicBool::new(false),
                     cursor: AtomicI64::new(0),
                     swept: Mutex::new(None),
+                    had_rows: AtomicBool::new(true),
                 })
                 .collect(),
             workers,
@@ -199,6 +217,7 @@ impl Shards {
         let slot = self.slot(id);
         if owned {
             slot.cursor.store(0, Ordering::Release);
+            slot.had_rows.store(true, Ordering::Release);
             *slot.swept.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
         }
         slot.owned.store(owned, Ordering::Release);
