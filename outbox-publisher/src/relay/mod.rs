@@ -255,7 +255,9 @@ impl Relay<JetStreamSink> {
 }
 
 impl<S: Sink> Relay<S> {
-    /// A relay publishing to `sink`.
+    /// A relay publishing to `sink`. It opens connections of its own with
+    /// `pool`'s connect options and JIT off (at most `workers + 2`, plus one
+    /// for shard ownership and one for LISTEN); `pool` itself is not used.
     ///
     /// # Errors
     /// [`ErrorKind::Config`] if `config` is invalid.
@@ -264,7 +266,14 @@ impl<S: Sink> Relay<S> {
         let options = (*pool.connect_options()).clone();
         Ok(Self {
             shards: shards::Shards::new(options, config.workers, config.lease),
-            store: Store::new(pool),
+            // Workers, the pruner and the gauges; the shard session and the
+            // LISTEN connection are their own.
+            store: Store::new(
+                &pool,
+                u32::try_from(config.workers)
+                    .unwrap_or(u32::MAX)
+                    .saturating_add(2),
+            ),
             sink,
             backoff: Backoff::new(config.backoff_base, config.backoff_max),
             horizon: horizon::Horizon::default(),
