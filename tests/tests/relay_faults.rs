@@ -390,8 +390,6 @@ const ENTITIES: usize = 50;
 /// row lock, gets the next version, and A commits its event last. A's row has
 /// the earlier `created_at` (transaction start) but the later change.
 async fn race_writers(db: &TestDb, entities: std::ops::Range<usize>) {
-    const INSERT: &str = "insert into outbox_events (id, event_type, source, subject, time, data)
-         values ($1, 'entity.changed', $2, $3, now(), jsonb_build_object('version', $4::int))";
     const BUMP: &str = "update entities set version = version + 1 where id = $1 returning version";
     let ids: Vec<usize> = entities.collect();
     // Two connections per entity; 8 entities at a time stay within the pool.
@@ -408,14 +406,7 @@ async fn race_writers(db: &TestDb, entities: std::ops::Range<usize>) {
                     .fetch_one(&mut *b)
                     .await
                     .unwrap();
-                sqlx::query(INSERT)
-                    .bind(Uuid::now_v7())
-                    .bind("writer-b")
-                    .bind(&entity)
-                    .bind(v)
-                    .execute(&mut *b)
-                    .await
-                    .unwrap();
+                insert_version(&mut b, "writer-b", &entity, v).await;
                 // A's bump blocks on B's row lock until B commits.
                 let (a_version, committed) = tokio::join!(
                     sqlx::query_scalar::<_, i32>(BUMP)
@@ -426,19 +417,32 @@ async fn race_writers(db: &TestDb, entities: std::ops::Range<usize>) {
                 committed.unwrap();
                 let a_version = a_version.unwrap();
                 assert_eq!(a_version, v + 1);
-                sqlx::query(INSERT)
-                    .bind(Uuid::now_v7())
-                    .bind("writer-a")
-                    .bind(&entity)
-                    .bind(a_version)
-                    .execute(&mut *a)
-                    .await
-                    .unwrap();
+                insert_version(&mut a, "writer-a", &entity, a_version).await;
                 a.commit().await.unwrap();
             }
         });
         futures::future::join_all(races).await;
     }
+}
+
+/// `writer`'s event for `entity` at `version`, by plain SQL in `tx`.
+async fn insert_version(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    writer: &str,
+    entity: &str,
+    version: i32,
+) {
+    sqlx::query(
+        "insert into outbox_events (id, event_type, source, subject, time, data)
+         values ($1, 'entity.changed', $2, $3, now(), jsonb_build_object('version', $4::int))",
+    )
+    .bind(Uuid::now_v7())
+    .bind(writer)
+    .bind(entity)
+    .bind(version)
+    .execute(&mut **tx)
+    .await
+    .unwrap();
 }
 
 async fn entities_table(db: &TestDb) {
