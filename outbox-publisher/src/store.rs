@@ -91,7 +91,7 @@ impl ClaimedRow {
             blocker: None,
             decode_error: None,
         };
-        // The subject first: it is what a blocked row is deferred by.
+        // Whatever fails to decode from here on parks this row only.
         if let Err(e) = out.decode_rest(row, blocked) {
             out.decode_error = Some(e.to_string());
         }
