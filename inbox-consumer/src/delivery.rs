@@ -13,8 +13,8 @@ use outbox_core::{Envelope, EventId, EventType};
 use serde_json::Value;
 use sqlx::PgTransaction;
 
-use crate::dead_letter::{Poison, Reason};
 use crate::error::{Error, ErrorKind};
+use crate::poison::{Poison, Reason};
 
 /// Header carrying the W3C trace parent of the publisher.
 pub const TRACEPARENT_HEADER: &str = "traceparent";
@@ -242,8 +242,14 @@ pub enum Outcome {
     Handled,
     /// The inbox already held the event for this consumer: the handler was skipped.
     Duplicate,
-    /// An event of the same subject with a later time was already applied: the
-    /// handler was skipped (see [`SkipStale`](crate::ordering::SkipStale)).
+    /// A newer event of the same subject was already applied: the handler was
+    /// skipped, and the inbox row committed (a redelivery is a
+    /// [`Duplicate`](Self::Duplicate)). Newer means, for an event with a
+    /// `sequence`, an applied event with a higher sequence (events without one
+    /// are not compared with it); for an event without one, an applied event
+    /// with a later `time`. Sequences order the events of one outbox database
+    /// only: events of one subject from two producers' databases are not
+    /// comparable. See [`SkipStale`](crate::ordering::SkipStale).
     Stale,
 }
 

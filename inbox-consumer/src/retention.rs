@@ -19,7 +19,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 
 use crate::error::{Error, ErrorKind};
-use crate::runtime::RetryPolicy;
+use crate::retry::RetryPolicy;
 
 const PRUNE_INBOX: &str = include_str!("../queries/prune_inbox.sql");
 

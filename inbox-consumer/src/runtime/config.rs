@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, pull};
 
-use super::ack::RetryPolicy;
+use crate::retry::RetryPolicy;
 use crate::retention::Retention;
 
 /// Configuration of a [`Consumer`](super::Consumer): the JetStream durable pull

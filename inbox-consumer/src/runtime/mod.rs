@@ -120,7 +120,7 @@ use crate::delivery::{Delivery, Outcome};
 use crate::error::{BoxError, Error, Result};
 use crate::retention;
 
-pub use ack::RetryPolicy;
+pub use crate::retry::RetryPolicy;
 pub use config::ConsumerConfig;
 
 use dispatch::Dispatcher;
