@@ -104,6 +104,12 @@ impl Delivery {
     pub fn from_message(message: &jetstream::Message) -> Result<Self, Poison> {
         let info = DeliveryInfo::from_message(message)
             .map_err(|e| Poison::new(Reason::NotCloudEvent, e))?;
+        Self::decode(message, info)
+    }
+
+    /// [`from_message`](Self::from_message) with the JetStream metadata
+    /// already read.
+    pub(crate) fn decode(message: &jetstream::Message, info: DeliveryInfo) -> Result<Self, Poison> {
         let envelope = decode_envelope(&message.payload)?;
         let header = |name: &str| {
             message

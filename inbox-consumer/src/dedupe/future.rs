@@ -7,6 +7,7 @@ use std::task::{Context, Poll};
 
 use crate::delivery::Outcome;
 use crate::error::BoxError;
+use crate::runtime::BatchResults;
 
 type Inner = Pin<Box<dyn Future<Output = Result<Outcome, BoxError>> + Send>>;
 
@@ -33,6 +34,38 @@ impl fmt::Debug for ResponseFuture {
 
 impl Future for ResponseFuture {
     type Output = Result<Outcome, BoxError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+type Batch = Pin<Box<dyn Future<Output = Result<BatchResults, BoxError>> + Send>>;
+
+/// Resolves once the batch's transaction has committed, to one result per
+/// delivery (or to the error that stopped the whole batch).
+pub struct BatchFuture {
+    inner: Batch,
+}
+
+impl BatchFuture {
+    pub(crate) fn new(
+        inner: impl Future<Output = Result<BatchResults, BoxError>> + Send + 'static,
+    ) -> Self {
+        Self {
+            inner: Box::pin(inner),
+        }
+    }
+}
+
+impl fmt::Debug for BatchFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BatchFuture").finish_non_exhaustive()
+    }
+}
+
+impl Future for BatchFuture {
+    type Output = Result<BatchResults, BoxError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         self.inner.as_mut().poll(cx)

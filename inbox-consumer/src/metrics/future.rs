@@ -7,7 +7,6 @@ use std::time::Instant;
 
 use pin_project_lite::pin_project;
 
-use super::names;
 use crate::delivery::Outcome;
 
 pin_project! {
@@ -40,18 +39,8 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let out = ready!(this.inner.poll(cx));
-        let labels = this.labels.as_slice();
-        let counter = match &out {
-            Ok(Outcome::Handled) => Some(names::HANDLED),
-            Ok(Outcome::Stale) => Some(names::STALE),
-            Ok(Outcome::Duplicate) => None,
-            Err(_) => Some(names::FAILED),
-        };
-        if let Some(name) = counter {
-            metrics::counter!(name, labels).increment(1);
-            metrics::histogram!(names::HANDLER_DURATION, labels)
-                .record(this.start.elapsed().as_secs_f64());
-        }
+        let seconds = this.start.elapsed().as_secs_f64();
+        super::record(this.labels, out.as_ref().ok(), seconds);
         Poll::Ready(out)
     }
 }

@@ -1,6 +1,7 @@
 //! Counters and a latency histogram per delivery, through the `metrics` crate.
 //!
-//! [`Metrics`] wraps a `Service<Delivery, Response = Outcome>` and records,
+//! [`Metrics`] wraps a `Service<Delivery, Response = Outcome>` (or a batch
+//! service, per delivery of the batch) and records,
 //! labelled `consumer` and `event_type`:
 //!
 //! | name | kind | when |
@@ -12,10 +13,12 @@
 //!
 //! Elsewhere: `inbox_duplicates_total` is counted by
 //! [`Dedupe`](crate::dedupe::Dedupe) (so it is counted with or without this
-//! layer) and `inbox_dead_lettered_total` (with a `reason` label) by the runtime.
+//! layer), and `inbox_dead_lettered_total` (with a `reason` label) and
+//! `inbox_unrouted_total` by the runtime.
 //! Install any `metrics` recorder (for example `metrics-exporter-prometheus`)
 //! to export them.
 
+mod batch;
 pub mod future;
 mod layer;
 
@@ -40,6 +43,8 @@ pub mod names {
     pub const DUPLICATES: &str = "inbox_duplicates_total";
     /// Counter: messages dead-lettered (extra label `reason`).
     pub const DEAD_LETTERED: &str = "inbox_dead_lettered_total";
+    /// Counter: messages of a type no route handles, acked without an effect.
+    pub const UNROUTED: &str = "inbox_unrouted_total";
     /// Histogram: seconds from the start of a delivery's handling to its commit or failure.
     pub const HANDLER_DURATION: &str = "inbox_handler_duration_seconds";
 }
@@ -59,11 +64,29 @@ pub fn describe() {
         "Deliveries of events the inbox already held (skipped)"
     );
     describe_counter!(names::DEAD_LETTERED, "Messages dead-lettered, by reason");
+    describe_counter!(
+        names::UNROUTED,
+        "Messages of an event type no route handles, acked without an effect"
+    );
     describe_histogram!(
         names::HANDLER_DURATION,
         Unit::Seconds,
         "From the start of a delivery's handling to its commit or failure"
     );
+}
+
+/// Counts one delivery's result (`None`: failed) and, unless it was a
+/// duplicate, its latency.
+fn record(labels: &[(&'static str, String); 2], outcome: Option<&Outcome>, seconds: f64) {
+    let counter = match outcome {
+        Some(Outcome::Handled) => names::HANDLED,
+        Some(Outcome::Stale) => names::STALE,
+        Some(Outcome::Duplicate) => return,
+        None => names::FAILED,
+    };
+    let labels = labels.as_slice();
+    metrics::counter!(counter, labels).increment(1);
+    metrics::histogram!(names::HANDLER_DURATION, labels).record(seconds);
 }
 
 /// Records counts and latency of the inner service. See the [module docs](self).

@@ -3,52 +3,81 @@
 //! | result | JetStream |
 //! | --- | --- |
 //! | `Ok(Handled / Duplicate / Stale)` (committed) | `+ACK`, confirmed (`double_ack`) |
-//! | retryable error (rolled back) | `-NAK {delay}`, delay from [`RetryPolicy`] or [`HandlerError::retry_after`] |
-//! | retryable error on the last allowed delivery | dead letter (`max_deliveries`), then `+TERM` |
-//! | reject, undecodable payload, no route | dead letter, then `+TERM` |
+//! | the database unreachable, or a lock wait timed out (rolled back) | `-NAK {delay}`, whatever the delivery count: never dead-lettered |
+//! | other retryable error (rolled back) | `-NAK {delay}`, delay from [`RetryPolicy`](crate::RetryPolicy) or [`HandlerError::retry_after`] |
+//! | other retryable error once the delivery budget is spent | dead letter (`max_deliveries`), then `+TERM` |
+//! | reject, undecodable payload | dead letter, then `+TERM` |
+//! | no route for the event type | `+ACK`, counted (`inbox_unrouted_total`); or dead letter, by [`Unrouted`] |
 //! | [`ErrorKind::LeaseLost`] (an ordered consumer's deposed leader) | nothing: the new leader gets it |
 //!
 //! An error this crate does not know (from a third-party layer) is retried.
+//!
+//! The budget ([`ConsumerConfig::max_deliver`](super::ConsumerConfig::max_deliver)) is counted here, from the
+//! delivery count JetStream reports; the server's own `max_deliver` is
+//! unlimited, so no message ever ends because the broker stopped redelivering
+//! it. A failure that is not the event's fault (no database) does not spend the
+//! budget's last delivery: such a message is tried again until it commits.
 
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
 
-use crate::poison::Reason;
-use crate::retry::RetryPolicy;
+use super::config::{ConsumerConfig, Unrouted};
 use crate::delivery::Outcome;
 use crate::error::{Action, BoxError, Error, ErrorKind, HandlerError};
+use crate::poison::Reason;
+
+/// The longest nak delay while the database cannot be reached: once it is
+/// back, held-off messages return within this.
+pub(crate) const UNAVAILABLE_MAX_DELAY: Duration = Duration::from_secs(30);
 
 /// What to do with a message once its delivery finished.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Decision {
     Ack(Outcome),
+    /// No route for its type: acked without an effect, and counted.
+    Unrouted,
     Nak(Duration),
     DeadLetter(Reason),
     /// Another replica leads now: leave the message to it, neither ack nor nak.
     Abandon,
 }
 
-/// Decides the acknowledgement for a delivery's result.
+/// Decides the acknowledgement for a delivery's result, on its `delivered`-th
+/// delivery.
 pub(crate) fn decide(
     result: &Result<Outcome, BoxError>,
     delivered: u64,
-    max_deliver: i64,
-    retry: &RetryPolicy,
+    config: &ConsumerConfig,
 ) -> Decision {
-    let error = match result {
-        Ok(outcome) => return Decision::Ack(*outcome),
-        Err(error) => error,
-    };
-    match classify(error.as_ref()) {
+    match result {
+        Ok(outcome) => Decision::Ack(*outcome),
+        Err(error) => decide_error(error.as_ref(), delivered, config),
+    }
+}
+
+/// [`decide`] for a failure.
+pub(crate) fn decide_error(
+    error: &(dyn std::error::Error + Send + Sync + 'static),
+    delivered: u64,
+    config: &ConsumerConfig,
+) -> Decision {
+    match classify(error) {
+        Classified::Reject(Reason::Unroutable) if config.unrouted == Unrouted::Ack => {
+            Decision::Unrouted
+        }
         Classified::Reject(reason) => Decision::DeadLetter(reason),
         Classified::Abandon => Decision::Abandon,
+        Classified::Unavailable => {
+            Decision::Nak(config.retry.delay(delivered).min(UNAVAILABLE_MAX_DELAY))
+        }
         Classified::Retry(after) => {
-            let last = u64::try_from(max_deliver).is_ok_and(|max| max > 0 && delivered >= max);
-            if last {
+            let budget = config.max_deliver;
+            let spent = u64::try_from(budget).is_ok_and(|max| max > 0 && delivered >= max);
+            if spent {
                 Decision::DeadLetter(Reason::MaxDeliveries)
             } else {
-                Decision::Nak(after.unwrap_or_else(|| retry.delay(delivered)))
+                Decision::Nak(after.unwrap_or_else(|| config.retry.delay(delivered)))
             }
         }
     }
@@ -56,6 +85,8 @@ pub(crate) fn decide(
 
 enum Classified {
     Retry(Option<Duration>),
+    /// Not the event's fault: the database is unreachable or a lock wait timed out.
+    Unavailable,
     Reject(Reason),
     Abandon,
 }
@@ -69,6 +100,7 @@ fn classify(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Classifi
     }
     if let Some(handler) = error.downcast_ref::<HandlerError>() {
         return match handler.action() {
+            Action::Retry { .. } if unavailable(error) => Classified::Unavailable,
             Action::Retry { after } => Classified::Retry(after),
             Action::Reject => Classified::Reject(
                 handler
@@ -85,6 +117,9 @@ fn classify(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Classifi
     {
         return Classified::Reject(reason);
     }
+    if unavailable(error) {
+        return Classified::Unavailable;
+    }
     Classified::Retry(None)
 }
 
@@ -95,6 +130,35 @@ fn reject_reason(kind: ErrorKind) -> Option<Reason> {
         ErrorKind::InvalidEnvelope => Some(Reason::NotCloudEvent),
         _ => None,
     }
+}
+
+/// Whether `error` (or a cause of it) says the database could not be used at
+/// all, rather than that this event failed: no connection, a server shutting
+/// down or refusing connections, or a lock wait that timed out (another
+/// transaction, maybe of a frozen replica, holds what this one needs).
+pub(crate) fn unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(error);
+    while let Some(error) = cause {
+        if let Some(sqlx) = error.downcast_ref::<sqlx::Error>() {
+            return match sqlx {
+                sqlx::Error::Io(_)
+                | sqlx::Error::Tls(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed
+                | sqlx::Error::WorkerCrashed => true,
+                sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+                    // 08: connection exception; 57P01-03: shutting down or
+                    // starting; 53300: too many connections; 55P03: lock not
+                    // available (lock_timeout); 25P03: idle in transaction timeout.
+                    code.starts_with("08")
+                        || matches!(&*code, "57P01" | "57P02" | "57P03" | "53300" | "55P03" | "25P03")
+                }),
+                _ => false,
+            };
+        }
+        cause = error.source();
+    }
+    false
 }
 
 /// Sends `kind` for `message`, bounded by `timeout`. An `Ack` waits for the
@@ -122,85 +186,120 @@ pub(crate) async fn send(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::retry::RetryPolicy;
 
     fn err(e: impl Into<BoxError>) -> Result<Outcome, BoxError> {
         Err(e.into())
     }
 
+    fn config(budget: i64) -> ConsumerConfig {
+        ConsumerConfig::new("S", "c")
+            .max_deliver(budget)
+            .retry(RetryPolicy::default().base(Duration::from_secs(1)))
+    }
+
+    fn db_down() -> sqlx::Error {
+        sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionRefused))
+    }
+
     #[test]
     fn committed_outcomes_are_acked() {
-        let p = RetryPolicy::default();
         for o in [Outcome::Handled, Outcome::Duplicate, Outcome::Stale] {
-            assert_eq!(decide(&Ok(o), 1, 5, &p), Decision::Ack(o));
+            assert_eq!(decide(&Ok(o), 1, &config(5)), Decision::Ack(o));
         }
     }
 
     #[test]
-    fn retries_nak_with_growing_delay_until_the_last_delivery() {
-        let p = RetryPolicy::default().base(Duration::from_secs(1));
-        let e = || err(HandlerError::retry("db down"));
+    fn retries_nak_with_growing_delay_until_the_budget_is_spent() {
+        let c = config(3);
+        let e = || err(HandlerError::retry("handler failed"));
+        assert_eq!(decide(&e(), 1, &c), Decision::Nak(Duration::from_secs(1)));
+        assert_eq!(decide(&e(), 2, &c), Decision::Nak(Duration::from_secs(2)));
         assert_eq!(
-            decide(&e(), 1, 3, &p),
-            Decision::Nak(Duration::from_secs(1))
-        );
-        assert_eq!(
-            decide(&e(), 2, 3, &p),
-            Decision::Nak(Duration::from_secs(2))
-        );
-        assert_eq!(
-            decide(&e(), 3, 3, &p),
+            decide(&e(), 3, &c),
             Decision::DeadLetter(Reason::MaxDeliveries)
         );
-        // unlimited deliveries never dead-letter a retry
-        assert_eq!(decide(&e(), 99, -1, &p), Decision::Nak(p.delay(99)));
+        assert_eq!(
+            decide(&e(), 4, &c),
+            Decision::DeadLetter(Reason::MaxDeliveries)
+        );
+        // an unlimited budget never dead-letters a retry
+        let unlimited = config(-1);
+        assert_eq!(
+            decide(&e(), 99, &unlimited),
+            Decision::Nak(unlimited.retry.delay(99))
+        );
+    }
+
+    #[test]
+    fn an_unreachable_database_never_spends_the_budget() {
+        let c = config(3);
+        let from_dedupe = || err(Error::database("beginning the inbox transaction", db_down()));
+        let from_handler = || err(HandlerError::from(db_down()));
+        let pool = || err(Error::database("acquiring", sqlx::Error::PoolTimedOut));
+        for delivered in [1, 3, 50, 10_000] {
+            for e in [from_dedupe(), from_handler(), pool()] {
+                let Decision::Nak(delay) = decide(&e, delivered, &c) else {
+                    panic!("delivery {delivered} of {e:?} was not nak'ed");
+                };
+                assert!(delay <= UNAVAILABLE_MAX_DELAY);
+            }
+        }
+        // an error that is the event's own still ends in a dead letter
+        let other = err(Error::database("inserting", sqlx::Error::RowNotFound));
+        assert_eq!(
+            decide(&other, 3, &c),
+            Decision::DeadLetter(Reason::MaxDeliveries)
+        );
     }
 
     #[test]
     fn retry_after_overrides_the_policy() {
-        let p = RetryPolicy::default();
         let e = err(HandlerError::retry("busy").retry_after(Duration::from_millis(7)));
         assert_eq!(
-            decide(&e, 1, 3, &p),
+            decide(&e, 1, &config(3)),
             Decision::Nak(Duration::from_millis(7))
         );
     }
 
     #[test]
     fn rejects_are_dead_lettered_with_their_reason() {
-        let p = RetryPolicy::default();
+        let c = config(3);
         let rejected = err(HandlerError::reject("no such plan"));
-        assert_eq!(
-            decide(&rejected, 1, 3, &p),
-            Decision::DeadLetter(Reason::Rejected)
-        );
+        assert_eq!(decide(&rejected, 1, &c), Decision::DeadLetter(Reason::Rejected));
         let decode = err(HandlerError::reject(Error::new(
             ErrorKind::Decode,
             "bad data",
         )));
         assert_eq!(
-            decide(&decode, 1, 3, &p),
+            decide(&decode, 1, &c),
             Decision::DeadLetter(Reason::UndecodablePayload)
         );
+    }
+
+    #[test]
+    fn unrouted_types_are_acked_unless_configured_to_dead_letter() {
         let unroutable = err(Error::new(ErrorKind::Unroutable, "no route"));
+        assert_eq!(decide(&unroutable, 1, &config(3)), Decision::Unrouted);
+        let strict = config(3).unrouted(Unrouted::DeadLetter);
         assert_eq!(
-            decide(&unroutable, 1, 3, &p),
+            decide(&unroutable, 1, &strict),
             Decision::DeadLetter(Reason::Unroutable)
         );
     }
 
     #[test]
     fn a_deposed_leader_abandons_the_message() {
-        let p = RetryPolicy::default();
         let fenced = err(Error::new(ErrorKind::LeaseLost, "new leader"));
-        assert_eq!(decide(&fenced, 1, 3, &p), Decision::Abandon);
-        assert_eq!(decide(&fenced, 3, 3, &p), Decision::Abandon);
+        assert_eq!(decide(&fenced, 1, &config(3)), Decision::Abandon);
+        assert_eq!(decide(&fenced, 3, &config(3)), Decision::Abandon);
     }
 
     #[test]
     fn unknown_errors_are_retried() {
-        let p = RetryPolicy::default();
-        assert_eq!(decide(&err("timeout"), 1, 3, &p), Decision::Nak(p.delay(1)));
+        let c = config(3);
+        assert_eq!(decide(&err("timeout"), 1, &c), Decision::Nak(c.retry.delay(1)));
         let db = err(Error::new(ErrorKind::Database, "commit failed"));
-        assert_eq!(decide(&db, 2, 3, &p), Decision::Nak(p.delay(2)));
+        assert_eq!(decide(&db, 2, &c), Decision::Nak(c.retry.delay(2)));
     }
 }

@@ -31,6 +31,23 @@ pub struct ConsumerConfig {
     pub(crate) prune: bool,
     pub(crate) ordered: bool,
     pub(crate) lease_timeout: Duration,
+    pub(crate) unrouted: Unrouted,
+    pub(crate) max_batch: usize,
+}
+
+/// What the runtime does with a message whose event type no route handles
+/// (it arrived through a filter wider than the router).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Unrouted {
+    /// Ack it without an effect, count it (`inbox_unrouted_total`, labelled
+    /// `consumer` and `event_type`) and log it at debug level. The default:
+    /// a consumer that subscribes to a whole stream only wants its own types.
+    #[default]
+    Ack,
+    /// Dead-letter it as `unroutable`: every type on the filter is meant to be
+    /// handled, and one that is not is a deployment error to look at.
+    DeadLetter,
 }
 
 impl ConsumerConfig {
@@ -56,12 +73,16 @@ impl ConsumerConfig {
             prune: true,
             ordered: false,
             lease_timeout: Duration::from_secs(15),
+            unrouted: Unrouted::Ack,
+            max_batch: 64,
         }
     }
 
     /// Only these subjects (event types; wildcards allowed). Default: the
     /// whole stream. [`Router::event_types`](crate::Router::event_types) lists
-    /// a router's.
+    /// a router's, and [`for_router`](Self::for_router) sets them: subscribe to
+    /// what you handle. Types on the filter that no route handles are acked
+    /// and counted (see [`unrouted`](Self::unrouted)).
     #[must_use]
     pub fn filter_subjects(
         mut self,
@@ -79,8 +100,18 @@ impl ConsumerConfig {
         self
     }
 
-    /// Deliveries per message before the last failure is dead-lettered
-    /// (`-1`: unlimited, never dead-lettered for retries). Default: 10.
+    /// The delivery budget: on the delivery with this number (or a later
+    /// one), a failing event is dead-lettered instead of retried (`-1`:
+    /// unlimited, retried for ever). Default: 10.
+    ///
+    /// The runtime counts it, from the delivery count JetStream reports: the
+    /// durable consumer itself is created with an unlimited `max_deliver`, so
+    /// the broker never stops redelivering a message the runtime has not
+    /// finished (acked after its effect committed, or terminated after its
+    /// dead letter committed). A failure that is not the event's fault (the
+    /// database unreachable, a lock wait timed out) never ends in a dead
+    /// letter, however many deliveries it takes; and a dead letter that cannot
+    /// be written is retried like any database failure.
     #[must_use]
     pub fn max_deliver(mut self, max_deliver: i64) -> Self {
         self.max_deliver = max_deliver;
@@ -173,6 +204,39 @@ impl ConsumerConfig {
         self
     }
 
+    /// What to do with a message whose event type no route handles.
+    /// Default: [`Unrouted::Ack`] (acked and counted).
+    #[must_use]
+    pub fn unrouted(mut self, unrouted: Unrouted) -> Self {
+        self.unrouted = unrouted;
+        self
+    }
+
+    /// The most deliveries [`Consumer::run_batched`](super::Consumer::run_batched)
+    /// hands its service at once (one transaction for all of them, then the
+    /// acks). At least 1. Default: 64. A batch holds messages of distinct
+    /// subjects only, so it fills up to this size only with that many busy
+    /// subjects; [`max_buffered`](Self::max_buffered) should be at least
+    /// `concurrency × max_batch` for full batches.
+    #[must_use]
+    pub fn max_batch(mut self, max_batch: usize) -> Self {
+        self.max_batch = max_batch.max(1);
+        self
+    }
+
+    /// [`new`](Self::new), filtered to the event types `router` handles.
+    pub fn for_router<Req, Resp>(
+        stream: impl Into<String>,
+        durable: impl Into<String>,
+        router: &crate::Router<Req, Resp>,
+    ) -> Self
+    where
+        Req: Send + 'static,
+        Resp: Send + 'static,
+    {
+        Self::new(stream, durable).filter_subjects(router.event_types())
+    }
+
     /// Per-subject order across every replica of this consumer: no two events
     /// of one subject are ever handled at once, anywhere, and they are applied
     /// in stream order. Default: false.
@@ -230,7 +294,8 @@ impl ConsumerConfig {
             durable_name: Some(self.durable.clone()),
             ack_policy: AckPolicy::Explicit,
             ack_wait: self.ack_wait,
-            max_deliver: self.max_deliver,
+            // Unlimited: the runtime counts deliveries itself (see `max_deliver`).
+            max_deliver: -1,
             backoff: self.backoff.clone(),
             max_ack_pending: self.max_ack_pending,
             ..Default::default()

@@ -55,6 +55,11 @@ impl<J> Dispatcher<J> {
     pub(crate) fn queued(&self) -> usize {
         self.queued
     }
+
+    /// Every job waiting behind a busy key.
+    pub(crate) fn queued_jobs(&self) -> impl Iterator<Item = &J> {
+        self.waiting.values().flatten()
+    }
 }
 
 #[cfg(test)]

@@ -18,21 +18,39 @@
 //!   | reject, undecodable payload, no route | dead letter, `+TERM` |
 //!   | an error type this crate does not know (a third-party layer) | retried |
 //! - **Poison** (not JSON, not a CloudEvent, no valid id, undecodable payload,
-//!   no route, a reject, or the last allowed delivery failing) is written to
+//!   a reject, or a failure once the delivery budget is spent) is written to
 //!   `inbox_dead_letters` (and the DLQ subject, if configured) and terminated.
-//!   The consumer goes on; nothing is dropped silently.
-//! - **Concurrency.** Up to [`ConsumerConfig::concurrency`] deliveries run at
-//!   once, but never two of one envelope subject: later messages of a busy
-//!   subject wait, in arrival order, until it frees. Fetching pauses while all
-//!   slots are taken or [`ConsumerConfig::max_buffered`] messages are held.
-//! - **Long handlers** get an in-progress ack every
-//!   [`ConsumerConfig::progress_interval`]. Messages *queued* behind a busy
-//!   subject get none: if they wait longer than `ack_wait`, JetStream redelivers
-//!   them, the copy queues behind the original, and the inbox makes it a
-//!   duplicate, but each such wait counts toward `max_deliver`. Keep
-//!   `ack_wait` well above a subject's backlog × handler time.
-//! - **Broker outages**: a failed message stream is reopened after a pause;
-//!   ack failures are logged (the redelivery will be a duplicate).
+//!   The consumer goes on; nothing is dropped silently. A type no route
+//!   handles is acked and counted, or dead-lettered
+//!   ([`ConsumerConfig::unrouted`]).
+//! - **Nothing is lost, whatever the outage.** A message leaves the broker in
+//!   two ways only: acked after its effect committed, or terminated after its
+//!   dead letter committed. The durable consumer is created with an unlimited
+//!   `max_deliver`, so the broker never gives up on a message; the runtime
+//!   counts deliveries against its own budget
+//!   ([`ConsumerConfig::max_deliver`]). A database that cannot be reached (or
+//!   a lock wait that timed out) is not the event's fault: such failures are
+//!   nak'ed with a delay of at most 30 s, however many deliveries they take,
+//!   and never dead-lettered; a dead letter that cannot be written is nak'ed
+//!   and tried again.
+//! - **Concurrency.** Up to [`ConsumerConfig::concurrency`] deliveries (or
+//!   batches) run at once, but never two of one envelope subject: later
+//!   messages of a busy subject wait, in arrival order, until it frees. Each
+//!   pull asks for no more than the room left under
+//!   [`ConsumerConfig::max_buffered`], so the runtime never holds more.
+//! - **Every held message keeps its deadline.** A running delivery, and every
+//!   message waiting (behind a busy subject, for a free slot, or behind a
+//!   previous leader's unfinished event), gets an in-progress ack every
+//!   [`ConsumerConfig::progress_interval`], so JetStream redelivers none of
+//!   them while the runtime holds it, however slow the handler ahead.
+//! - **Batched handling** ([`Consumer::run_batched`]): up to
+//!   [`ConsumerConfig::max_batch`] deliveries of distinct subjects in one
+//!   transaction (inbox rows written set-based, handlers in order, one
+//!   commit), then their acks. A delivery whose handler fails is left out of
+//!   the commit and handled alone afterwards.
+//! - **Broker outages**: a failed pull is issued again after a pause (a pull
+//!   lost with a restarting broker ends after 7 s); ack failures are logged
+//!   (the redelivery will be a duplicate).
 //! - **Shutdown.** When the shutdown future resolves, fetching stops, and every
 //!   message already held (running or queued) is finished, committed and acked
 //!   before [`Consumer::run`] returns. Dropping the `run` future instead aborts
@@ -95,25 +113,22 @@
 //! the setting; it needs PostgreSQL 14 or later (`idle_session_timeout`).
 
 pub(crate) mod ack;
+mod batch;
 mod config;
 mod dispatch;
 pub(crate) mod lease;
 mod process;
+mod runner;
+mod session;
 mod takeover;
 
-use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, AckKind, consumer::PullConsumer};
-use futures::StreamExt;
-use outbox_core::EventId;
+use async_nats::jetstream::{self, consumer::PullConsumer};
 use sqlx::PgPool;
-use tokio::sync::watch;
-use tokio::task::JoinSet;
-use tokio::time::Instant;
 use tower::Service;
 
 use crate::delivery::{Delivery, Outcome};
@@ -121,26 +136,28 @@ use crate::error::{BoxError, Error, Result};
 use crate::retention;
 
 pub use crate::retry::RetryPolicy;
-pub use config::ConsumerConfig;
+pub use batch::BatchResults;
+pub use config::{ConsumerConfig, Unrouted};
 
-use dispatch::Dispatcher;
 use lease::Tenure;
 use process::Shared;
+use runner::{Batched, Runner, Single};
+use session::{Served, Session};
 use takeover::Backlog;
 
-/// How long to wait before re-opening a failed message stream.
-const REOPEN_DELAY: Duration = Duration::from_secs(1);
-/// Idle heartbeat of a pull request: a broker restart is noticed after two missed ones.
-const HEARTBEAT: Duration = Duration::from_secs(2);
-/// Lifetime of one pull request.
-const PULL_EXPIRES: Duration = Duration::from_secs(10);
+/// How long to wait before reading a previous leader's leftovers again after a failure.
+const RESCAN_DELAY: Duration = Duration::from_secs(1);
+
+/// A message and its decoded delivery.
+type Job = (jetstream::Message, Delivery);
 
 /// A durable pull consumer bound to a database: the runtime of the inbox.
 ///
 /// Build it with [`Consumer::new`], then [`run`](Consumer::run) a service stack
-/// on it. Several processes may run the same durable: JetStream shares the
-/// messages (or, [`ordered`](ConsumerConfig::ordered), one leads and the
-/// others stand by), the inbox keeps one effect per event.
+/// on it (or [`run_batched`](Consumer::run_batched) a batch stack). Several
+/// processes may run the same durable: JetStream shares the messages (or,
+/// [`ordered`](ConsumerConfig::ordered), one leads and the others stand by),
+/// the inbox keeps one effect per event.
 #[derive(Debug)]
 pub struct Consumer {
     shared: Arc<Shared>,
@@ -155,7 +172,8 @@ impl Consumer {
     /// [`ErrorKind::Nats`](crate::ErrorKind::Nats) if the stream is missing or
     /// the consumer cannot be created;
     /// [`ErrorKind::Config`](crate::ErrorKind::Config) if the retention window
-    /// is shorter than `max_deliver` redeliveries (see [`crate::retention`] and
+    /// is shorter than the delivery budget's redeliveries (see
+    /// [`crate::retention`] and
     /// [`check_window`](crate::retention::check_window)).
     pub async fn new(js: jetstream::Context, pool: PgPool, config: ConsumerConfig) -> Result<Self> {
         let stream = js
@@ -175,22 +193,22 @@ impl Consumer {
                         e,
                     )
                 })?;
-        let server = &consumer.cached_info().config;
         let redelivery = retention::redelivery_window(
-            server.ack_wait,
-            server.max_deliver,
-            &server.backoff,
+            config.ack_wait,
+            config.max_deliver,
+            &config.backoff,
             &config.retry,
         );
         retention::check_window(config.retention.get_window(), redelivery)?;
-        let max_deliver = server.max_deliver;
+        if config.filter_subjects.is_empty() {
+            tracing::info!(
+                consumer = %config.durable, stream = %config.stream,
+                "the consumer reads the whole stream: types no route handles are acked and counted \
+                 (ConsumerConfig::for_router subscribes to the router's types only)",
+            );
+        }
         Ok(Self {
-            shared: Arc::new(Shared {
-                js,
-                pool,
-                config,
-                max_deliver,
-            }),
+            shared: Arc::new(Shared { js, pool, config }),
             consumer,
         })
     }
@@ -208,7 +226,7 @@ impl Consumer {
     /// for `shutdown`), and goes back to standing by if it loses the lead.
     ///
     /// # Errors
-    /// None today: fetch and ack failures are logged and retried, and handler
+    /// None today: pull and ack failures are logged and retried, and handler
     /// failures are acked, nak'ed or dead-lettered per message. The `Result` is
     /// kept for start-up failures a future version may report.
     pub async fn run<S, F>(self, service: S, shutdown: F) -> Result<()>
@@ -216,6 +234,40 @@ impl Consumer {
         S: Service<Delivery, Response = Outcome> + Clone + Send + 'static,
         S::Error: Into<BoxError>,
         S::Future: Send + 'static,
+        F: Future<Output = ()> + Send,
+    {
+        self.drive(Single(service), shutdown).await
+    }
+
+    /// Runs `service` on batches of up to [`ConsumerConfig::max_batch`]
+    /// deliveries of distinct subjects, until `shutdown` resolves, then drains.
+    ///
+    /// The service answers one result per delivery, in order, once its one
+    /// transaction has committed: [`Dedupe`](crate::Dedupe) does this for any
+    /// `Service<InTx<Delivery>>` stack (writing the batch's inbox rows in one
+    /// statement), and [`Trace`](crate::Trace) and [`Metrics`](crate::Metrics)
+    /// wrap it as they wrap a single delivery. The committed deliveries are
+    /// then acked; each failed one is handled alone, through the same service
+    /// given a batch of one, and nak'ed, dead-lettered or (ordered) retried in
+    /// place as [`run`](Self::run) would. See the [module docs](self).
+    ///
+    /// # Errors
+    /// As [`run`](Self::run).
+    pub async fn run_batched<S, F>(self, service: S, shutdown: F) -> Result<()>
+    where
+        S: Service<Vec<Delivery>, Response = BatchResults> + Clone + Send + 'static,
+        S::Error: Into<BoxError>,
+        S::Future: Send + 'static,
+        F: Future<Output = ()> + Send,
+    {
+        let max = self.shared.config.max_batch;
+        self.drive(Batched { service, max }, shutdown).await
+    }
+
+    /// Serves with `runner`: leading first if ordered, then until shutdown.
+    async fn drive<R, F>(self, runner: R, shutdown: F) -> Result<()>
+    where
+        R: Runner + Clone,
         F: Future<Output = ()> + Send,
     {
         let shared = Arc::clone(&self.shared);
@@ -226,319 +278,68 @@ impl Consumer {
         let mut shutdown = std::pin::pin!(shutdown);
         tracing::info!(
             consumer = %config.durable, stream = %config.stream, concurrency = config.concurrency,
-            ordered = config.ordered, "inbox consumer started",
+            max_batch = runner.max_jobs(), ordered = config.ordered, "inbox consumer started",
         );
-        if config.ordered {
-            loop {
-                let tenure = tokio::select! {
-                    biased;
-                    () = shutdown.as_mut() => break,
-                    tenure = lease::acquire(&shared.pool, &config.durable, config.lease_timeout) => tenure,
-                };
-                match self
-                    .serve(service.clone(), shutdown.as_mut(), Some(tenure))
-                    .await
-                {
-                    Served::Shutdown(tenure) => {
-                        if let Some(tenure) = tenure {
-                            tenure.release().await;
-                        }
-                        break;
+        if !config.ordered {
+            let session = Session::new(&shared, &self.consumer, runner, None, Backlog::default());
+            session.run(shutdown.as_mut()).await;
+            tracing::info!(consumer = %config.durable, "inbox consumer stopped");
+            return Ok(());
+        }
+        loop {
+            let tenure = tokio::select! {
+                biased;
+                () = shutdown.as_mut() => break,
+                tenure = lease::acquire(&shared.pool, &config.durable, config.lease_timeout) => tenure,
+            };
+            match self.lead(runner.clone(), shutdown.as_mut(), tenure).await {
+                Served::Shutdown(tenure) => {
+                    if let Some(tenure) = tenure {
+                        tenure.release().await;
                     }
-                    Served::Deposed => {}
+                    break;
                 }
+                Served::Deposed => {}
             }
-        } else {
-            self.serve(service, shutdown.as_mut(), None).await;
         }
         tracing::info!(consumer = %config.durable, "inbox consumer stopped");
         Ok(())
     }
 
-    /// Fetches and handles messages until `shutdown` (then drains) or, when
-    /// leading, until the lead is lost (then drops everything it holds: the new
-    /// leader gets it all back from JetStream).
-    async fn serve<S, F>(
+    /// Serves as the leader of an ordered consumer: first lets a predecessor's
+    /// last pull expire, then reads what earlier leaders left unfinished.
+    async fn lead<R: Runner, F: Future<Output = ()>>(
         &self,
-        service: S,
+        runner: R,
         mut shutdown: Pin<&mut F>,
-        mut tenure: Option<Tenure>,
-    ) -> Served
-    where
-        S: Service<Delivery, Response = Outcome> + Clone + Send + 'static,
-        S::Error: Into<BoxError>,
-        S::Future: Send + 'static,
-        F: Future<Output = ()> + Send,
-    {
+        mut tenure: Tenure,
+    ) -> Served {
         let shared = &self.shared;
-        let config = &shared.config;
-        let mut backlog: Backlog<Job> = Backlog::default();
-        if let Some(lead) = &tenure
-            && !lead.clean_handover()
-        {
-            // The previous leader may still have a pull open: let it expire.
+        if !tenure.clean_handover() {
             tokio::select! {
                 biased;
-                () = shutdown.as_mut() => return Served::Shutdown(tenure),
-                () = lost(&mut tenure) => return Served::Deposed,
+                () = shutdown.as_mut() => return Served::Shutdown(Some(tenure)),
+                () = tenure.lost() => return Served::Deposed,
                 () = tokio::time::sleep(lease::takeover_wait()) => {}
             }
         }
-        if tenure.is_some() {
-            // Before fetching anything: what did earlier leaders leave unfinished?
-            loop {
-                tokio::select! {
-                    biased;
-                    () = shutdown.as_mut() => return Served::Shutdown(tenure),
-                    () = lost(&mut tenure) => return Served::Deposed,
-                    scanned = takeover::scan(shared, &self.consumer) => match scanned {
-                        Ok(found) => {
-                            backlog = found;
-                            break;
-                        }
-                        Err(e) => {
-                            tracing::warn!(consumer = %config.durable, error = %e, "cannot read what earlier leaders left; retrying");
-                        }
-                    },
-                }
-                tokio::time::sleep(REOPEN_DELAY).await;
-            }
-        }
-        let epoch = tenure.as_ref().map(Tenure::epoch);
-        let mut messages: Option<Messages> = None;
-        let mut reopen_at = Instant::now();
-        let mut tasks: JoinSet<bool> = JoinSet::new();
-        let mut keys: TaskKeys = HashMap::new();
-        let mut dispatcher: Dispatcher<Job> = Dispatcher::new();
-        // Jobs cleared to run, in arrival order, waiting for a free slot.
-        let mut ready: VecDeque<Job> = VecDeque::new();
-        let mut progress_at = Instant::now() + config.progress_every();
-        let mut stopping = false;
-        // Tells in-place retries to give up at shutdown.
-        let (stop, stop_rx) = watch::channel(false);
-
-        loop {
-            while tasks.len() < config.concurrency
-                && let Some(job) = ready.pop_front()
-            {
-                let key = job.1.subject().to_owned();
-                if let Some(job) = dispatcher.offer(&key, job) {
-                    spawn_delivery(
-                        &mut tasks,
-                        &mut keys,
-                        (shared, &service, &stop_rx),
-                        key,
-                        job,
-                    );
-                }
-            }
-            if stopping && tasks.is_empty() {
-                break;
-            }
-            let room = !stopping
-                && ready.is_empty()
-                && tasks.len() < config.concurrency
-                && tasks.len() + dispatcher.queued() < config.max_buffered
-                && tenure.as_ref().is_none_or(Tenure::valid);
-            if room && messages.is_none() && Instant::now() >= reopen_at {
-                match Messages::open(&self.consumer, config).await {
-                    Ok(opened) => messages = Some(opened),
-                    Err(e) => {
-                        tracing::warn!(consumer = %config.durable, error = %e, "cannot open the message stream; retrying");
-                        reopen_at = Instant::now() + REOPEN_DELAY;
-                    }
-                }
-            }
+        let backlog = loop {
             tokio::select! {
                 biased;
-                () = shutdown.as_mut(), if !stopping => {
-                    tracing::info!(
-                        consumer = %config.durable, in_flight = tasks.len(), queued = dispatcher.queued(),
-                        "shutting down: fetching stopped, finishing held messages",
-                    );
-                    stopping = true;
-                    messages = None;
-                    let _ = stop.send(true);
-                }
-                () = lost(&mut tenure), if tenure.is_some() => {
-                    tracing::warn!(
-                        consumer = %config.durable, in_flight = tasks.len(), queued = dispatcher.queued() + ready.len(),
-                        "lost the lead: dropping every held message for the new leader",
-                    );
-                    // Dropping the tasks aborts them: their transactions roll back.
-                    return if stopping { Served::Shutdown(None) } else { Served::Deposed };
-                }
-                Some(joined) = tasks.join_next_with_id(), if !tasks.is_empty() => {
-                    let (id, finished) = match joined {
-                        Ok((id, finished)) => (id, finished),
-                        Err(e) => {
-                            tracing::error!(
-                                consumer = %config.durable, error = %e,
-                                "a delivery task failed without acking; the message will be redelivered",
-                            );
-                            (e.id(), false)
-                        }
-                    };
-                    if let Some(Some((key, event))) = keys.remove(&id) {
-                        if let Some(job) = dispatcher.finish(&key) {
-                            spawn_delivery(&mut tasks, &mut keys, (shared, &service, &stop_rx), key.clone(), job);
-                        }
-                        if finished {
-                            ready.extend(backlog.finished(&key, event));
-                        }
-                    }
-                }
-                next = next_message(&mut messages), if room && messages.is_some() => match next {
-                    Some(Ok(message)) => match Delivery::from_message(&message) {
-                        Ok(delivery) => {
-                            let delivery = match epoch {
-                                Some(epoch) => delivery.with_leader_epoch(epoch),
-                                None => delivery,
-                            };
-                            ready.extend(backlog.admit((message, delivery)));
-                        }
-                        Err(poison) => {
-                            let handle = tasks.spawn(process::poison(Arc::clone(shared), message, poison));
-                            keys.insert(handle.id(), None);
-                        }
-                    },
-                    Some(Err(e)) if e.missed_heartbeat => {
-                        // The stream recovers by itself (re-issues its pull).
-                        tracing::debug!(consumer = %config.durable, error = %e.text, "missed heartbeat");
-                    }
-                    Some(Err(e)) => {
-                        // Start over with a fresh stream, after a pause, so a
-                        // broker outage is not a hot loop.
-                        tracing::warn!(consumer = %config.durable, error = %e.text, "message stream failed; reopening");
-                        messages = None;
-                        reopen_at = Instant::now() + REOPEN_DELAY;
-                    }
-                    None => {
-                        // A leader's batch ends after each pull; a plain stream only when it breaks.
-                        tracing::trace!(consumer = %config.durable, "message stream ended; reopening");
-                        messages = None;
-                        reopen_at = if config.ordered { Instant::now() } else { Instant::now() + REOPEN_DELAY };
+                () = shutdown.as_mut() => return Served::Shutdown(Some(tenure)),
+                () = tenure.lost() => return Served::Deposed,
+                scanned = takeover::scan(shared, &self.consumer) => match scanned {
+                    Ok(found) => break found,
+                    Err(e) => {
+                        tracing::warn!(consumer = %shared.config.durable, error = %e, "cannot read what earlier leaders left; retrying");
                     }
                 },
-                () = tokio::time::sleep_until(reopen_at), if room && messages.is_none() => {}
-                () = tokio::time::sleep_until(progress_at), if !backlog.is_empty() => {
-                    // Held-back messages keep their place with in-progress acks.
-                    let held: Vec<jetstream::Message> = backlog.held().map(|job| job.0.clone()).collect();
-                    let timeout = config.ack_timeout;
-                    tokio::spawn(async move {
-                        for message in held {
-                            if let Err(e) = ack::send(&message, AckKind::Progress, timeout).await {
-                                tracing::debug!(error = %e, "in-progress ack of a held message failed");
-                            }
-                        }
-                    });
-                    ready.extend(backlog.expire(&config.durable, Instant::now()));
-                    progress_at = Instant::now() + config.progress_every();
-                }
             }
-        }
-        Served::Shutdown(tenure)
-    }
-}
-
-/// How [`Consumer::serve`] ended.
-enum Served {
-    /// Shut down and drained; the tenure, if still leading, to release.
-    Shutdown(Option<Tenure>),
-    /// The lead was lost: stand by again.
-    Deposed,
-}
-
-type Job = (jetstream::Message, Delivery);
-/// Each delivery task's subject and event, to free the subject when it ends.
-type TaskKeys = HashMap<tokio::task::Id, Option<(String, EventId)>>;
-
-/// Starts the delivery task of `job`, remembering its subject key.
-fn spawn_delivery<S>(
-    tasks: &mut JoinSet<bool>,
-    keys: &mut TaskKeys,
-    (shared, service, stopping): (&Arc<Shared>, &S, &watch::Receiver<bool>),
-    key: String,
-    (message, delivery): Job,
-) where
-    S: Service<Delivery, Response = Outcome> + Clone + Send + 'static,
-    S::Error: Into<BoxError>,
-    S::Future: Send + 'static,
-{
-    let event = delivery.id();
-    let handle = tasks.spawn(process::deliver(
-        Arc::clone(shared),
-        service.clone(),
-        message,
-        delivery,
-        stopping.clone(),
-    ));
-    keys.insert(handle.id(), Some((key, event)));
-}
-
-/// Where messages come from: a long-lived pull stream, or, for a leader, one
-/// pull at a time so that each is issued only while the lead is confirmed.
-enum Messages {
-    Stream(jetstream::consumer::pull::Stream),
-    Batch(jetstream::consumer::pull::Batch),
-}
-
-/// A failed read from [`Messages`].
-struct FetchError {
-    missed_heartbeat: bool,
-    text: String,
-}
-
-impl Messages {
-    async fn open(consumer: &PullConsumer, config: &ConsumerConfig) -> Result<Self, BoxError> {
-        if config.ordered {
-            // Short pulls, issued only while the lead is confirmed: none
-            // outlives a deposed leader by more than this.
-            let batch = consumer
-                .batch()
-                .max_messages(config.batch)
-                .expires(lease::PULL_EXPIRES)
-                .messages()
-                .await?;
-            return Ok(Self::Batch(batch));
-        }
-        let stream = consumer
-            .stream()
-            .max_messages_per_batch(config.batch)
-            .heartbeat(HEARTBEAT)
-            .expires(PULL_EXPIRES)
-            .messages()
-            .await?;
-        Ok(Self::Stream(stream))
-    }
-}
-
-async fn next_message(
-    messages: &mut Option<Messages>,
-) -> Option<Result<jetstream::Message, FetchError>> {
-    use jetstream::consumer::pull::MessagesErrorKind;
-    match messages {
-        Some(Messages::Stream(stream)) => stream.next().await.map(|next| {
-            next.map_err(|e| FetchError {
-                missed_heartbeat: e.kind() == MessagesErrorKind::MissingHeartbeat,
-                text: e.to_string(),
-            })
-        }),
-        Some(Messages::Batch(batch)) => batch.next().await.map(|next| {
-            next.map_err(|e| FetchError {
-                missed_heartbeat: false,
-                text: e.to_string(),
-            })
-        }),
-        None => std::future::pending().await,
-    }
-}
-
-/// Resolves when a held tenure is lost; never without one.
-async fn lost(tenure: &mut Option<Tenure>) {
-    match tenure {
-        Some(tenure) => tenure.lost().await,
-        None => std::future::pending().await,
+            tokio::time::sleep(RESCAN_DELAY).await;
+        };
+        Session::new(shared, &self.consumer, runner, Some(tenure), backlog)
+            .run(shutdown)
+            .await
     }
 }
 

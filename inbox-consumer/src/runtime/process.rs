@@ -23,8 +23,6 @@ pub(crate) struct Shared {
     pub(crate) js: jetstream::Context,
     pub(crate) pool: PgPool,
     pub(crate) config: ConsumerConfig,
-    /// The server's `max_deliver` for this consumer.
-    pub(crate) max_deliver: i64,
 }
 
 /// Handles one decoded delivery: service (→ commit) → ack, or nak, or dead
@@ -56,7 +54,7 @@ where
                 .map_err(Into::into)
         };
         let result = with_progress(call, &message, &shared.config).await;
-        let decision = ack::decide(&result, attempt, shared.max_deliver, &shared.config.retry);
+        let decision = ack::decide(&result, attempt, &shared.config);
         match decision {
             Decision::Nak(delay) if shared.config.ordered => {
                 let error = result.err().map(|e| e.to_string()).unwrap_or_default();
@@ -96,11 +94,30 @@ where
             }
             true
         }
+        Decision::Unrouted => {
+            metrics::counter!(
+                names::UNROUTED,
+                "consumer" => info.consumer.clone(),
+                "event_type" => event_type.clone(),
+            )
+            .increment(1);
+            tracing::debug!(
+                consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
+                "no route for this event type: acked without an effect",
+            );
+            if let Err(e) = ack::send(&message, AckKind::Ack, shared.config.ack_timeout).await {
+                tracing::warn!(
+                    consumer = %info.consumer, event_id = %event_id, error = %e,
+                    "ack of an unrouted message failed; it will be redelivered",
+                );
+            }
+            true
+        }
         Decision::Nak(delay) => {
             let error = result.err().map(|e| e.to_string()).unwrap_or_default();
             tracing::warn!(
                 consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
-                stream_sequence = info.stream_sequence, delivered = info.delivered,
+                subject = delivery.subject(), stream_sequence = info.stream_sequence, delivered = info.delivered,
                 retry_in = ?delay, error = %error,
                 "delivery failed and rolled back; it will be redelivered",
             );
@@ -128,15 +145,9 @@ where
 pub(crate) async fn poison(
     shared: Arc<Shared>,
     message: jetstream::Message,
+    info: DeliveryInfo,
     poison: Poison,
 ) -> bool {
-    let info = match DeliveryInfo::from_message(&message) {
-        Ok(info) => info,
-        Err(e) => {
-            tracing::error!(error = %e, subject = %message.subject, "not a JetStream message; ignored");
-            return false;
-        }
-    };
     let error = error_chain(&poison);
     dead_letter(
         &shared,
@@ -219,7 +230,7 @@ async fn dead_letter(
     }
 }
 
-async fn nak(
+pub(crate) async fn nak(
     message: &jetstream::Message,
     info: &DeliveryInfo,
     delay: Duration,
@@ -239,6 +250,16 @@ async fn with_progress<F: Future>(
     message: &jetstream::Message,
     config: &ConsumerConfig,
 ) -> F::Output {
+    with_progress_all(fut, &[message], config).await
+}
+
+/// Runs `fut`, sending an in-progress ack for each of `messages` every
+/// `progress_every` until it finishes.
+pub(crate) async fn with_progress_all<F: Future>(
+    fut: F,
+    messages: &[&jetstream::Message],
+    config: &ConsumerConfig,
+) -> F::Output {
     let every = config.progress_every();
     let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -247,8 +268,10 @@ async fn with_progress<F: Future>(
         tokio::select! {
             out = &mut fut => return out,
             _ = ticks.tick() => {
-                if let Err(e) = ack::send(message, AckKind::Progress, config.ack_timeout).await {
-                    tracing::debug!(error = %e, "in-progress ack failed");
+                for message in messages {
+                    if let Err(e) = ack::send(message, AckKind::Progress, config.ack_timeout).await {
+                        tracing::debug!(error = %e, "in-progress ack failed");
+                    }
                 }
             }
         }

@@ -13,6 +13,7 @@
 //! these fields, and log search can join on `trace_id` without one. This crate
 //! deliberately does not depend on OpenTelemetry.
 
+mod batch;
 pub mod future;
 mod layer;
 

@@ -1,0 +1,210 @@
+//! [`Dedupe`] as a batch service: several deliveries, one transaction.
+//!
+//! Per batch it begins one transaction, writes every delivery's inbox row in
+//! one statement (`insert … select from unnest(…) on conflict do nothing
+//! returning event_id`), runs the inner service on each delivery that is not a
+//! duplicate, in the batch's order, passing the transaction along, and commits
+//! once. A delivery whose inner service fails loses the transaction (it rolls
+//! back): that delivery is set aside with its error, and the batch runs again
+//! without it, so one failure never fails the others. The runtime then handles
+//! each failed delivery alone. Duplicates, inside the batch or already in the
+//! inbox, skip their handler as in single mode.
+
+use std::collections::HashSet;
+use std::task::{Context, Poll};
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgPool, PgTransaction};
+use tower::{Service, ServiceExt};
+use uuid::Uuid;
+
+use super::{Dedupe, begin_tx, commit, future, note_duplicate};
+use crate::delivery::{Delivery, InTx, Outcome};
+use crate::error::{BoxError, Error, ErrorKind};
+use crate::ordering::sequence_column;
+use crate::runtime::BatchResults;
+
+const INSERT_INBOX_BATCH: &str = include_str!("../../queries/insert_inbox_batch.sql");
+
+impl<S> Service<Vec<Delivery>> for Dedupe<S>
+where
+    S: Service<InTx<Delivery>, Response = InTx<Outcome>> + Clone + Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+{
+    type Response = BatchResults;
+    type Error = BoxError;
+    type Future = future::BatchFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, deliveries: Vec<Delivery>) -> Self::Future {
+        // The ready service goes into the future; the clone stays for next time.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let (pool, begin) = (self.pool.clone(), self.timeouts.begin_statement());
+        future::BatchFuture::new(handle(inner, pool, begin, deliveries))
+    }
+}
+
+/// A delivery to write and handle: its index in the batch and its sequence column.
+type Row = (usize, Option<i64>);
+
+/// Handles `deliveries` in one transaction. See the [module docs](self).
+async fn handle<S>(
+    mut inner: S,
+    pool: PgPool,
+    begin: String,
+    deliveries: Vec<Delivery>,
+) -> Result<BatchResults, BoxError>
+where
+    S: tower::Service<InTx<Delivery>, Response = InTx<Outcome>> + Send,
+    S::Error: Into<BoxError>,
+    S::Future: Send,
+{
+    let mut results: Vec<Option<Result<Outcome, BoxError>>> =
+        deliveries.iter().map(|_| None).collect();
+    let consumer = deliveries
+        .first()
+        .map(|d| d.consumer().to_owned())
+        .unwrap_or_default();
+    let mut rows: Vec<Row> = Vec::with_capacity(deliveries.len());
+    let mut repeated = Vec::new();
+    let mut seen = HashSet::with_capacity(deliveries.len());
+    for (index, delivery) in deliveries.iter().enumerate() {
+        if delivery.consumer() != consumer {
+            results[index] = Some(Err(Box::new(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "a batch holds deliveries of one consumer: `{}` in a batch of `{consumer}`",
+                    delivery.consumer()
+                ),
+            ))));
+            continue;
+        }
+        match sequence_column(delivery.envelope().sequence()) {
+            Err(e) => results[index] = Some(Err(Box::new(e))),
+            Ok(_) if !seen.insert(delivery.id()) => repeated.push(index),
+            Ok(sequence) => rows.push((index, sequence)),
+        }
+    }
+    let epoch = deliveries.iter().find_map(Delivery::leader_epoch);
+    let mut duplicates = repeated;
+    while !rows.is_empty() {
+        let mut tx = begin_tx(&pool, begin.clone()).await?;
+        let fresh = insert(&mut tx, &consumer, &deliveries, &rows).await?;
+        let mut handled = Vec::with_capacity(rows.len());
+        let mut tx = Some(tx);
+        let mut failed = None;
+        for (position, &(index, _)) in rows.iter().enumerate() {
+            let delivery = &deliveries[index];
+            if !fresh.contains(delivery.id().as_uuid()) {
+                handled.push((index, Outcome::Duplicate));
+                continue;
+            }
+            let Some(open) = tx.take() else { break };
+            match call(&mut inner, InTx::new(open, delivery.clone())).await {
+                Ok(back) => {
+                    let (open, outcome) = back.into_parts();
+                    tx = Some(open);
+                    handled.push((index, outcome));
+                }
+                Err(e) => {
+                    failed = Some((position, e));
+                    break;
+                }
+            }
+        }
+        match (failed, tx) {
+            (Some((position, error)), _) => {
+                // The transaction is gone (rolled back): run the others again.
+                let (index, _) = rows.remove(position);
+                results[index] = Some(Err(error));
+            }
+            (None, Some(tx)) => {
+                commit(tx, &consumer, epoch).await?;
+                for (index, outcome) in handled {
+                    if outcome == Outcome::Duplicate {
+                        duplicates.push(index);
+                    }
+                    results[index] = Some(Ok(outcome));
+                }
+                break;
+            }
+            (None, None) => unreachable_state()?,
+        }
+    }
+    for index in duplicates {
+        note_duplicate(&deliveries[index]);
+        results[index] = Some(Ok(Outcome::Duplicate));
+    }
+    Ok(results
+        .into_iter()
+        .map(|result| {
+            result.unwrap_or_else(|| {
+                Err(Box::new(Error::new(
+                    ErrorKind::Database,
+                    "the delivery was left unhandled by its batch",
+                )))
+            })
+        })
+        .collect())
+}
+
+/// Drives the inner service once (ready, then call).
+async fn call<S>(inner: &mut S, request: InTx<Delivery>) -> Result<InTx<Outcome>, BoxError>
+where
+    S: Service<InTx<Delivery>, Response = InTx<Outcome>>,
+    S::Error: Into<BoxError>,
+{
+    inner
+        .ready()
+        .await
+        .map_err(Into::into)?
+        .call(request)
+        .await
+        .map_err(Into::into)
+}
+
+/// Writes the inbox rows of `rows`; returns the ids that were new.
+async fn insert(
+    tx: &mut PgTransaction<'static>,
+    consumer: &str,
+    deliveries: &[Delivery],
+    rows: &[Row],
+) -> Result<HashSet<Uuid>, Error> {
+    let mut ids: Vec<Uuid> = Vec::with_capacity(rows.len());
+    let mut types: Vec<&str> = Vec::with_capacity(rows.len());
+    let mut subjects: Vec<&str> = Vec::with_capacity(rows.len());
+    let mut times: Vec<DateTime<Utc>> = Vec::with_capacity(rows.len());
+    let mut sequences: Vec<Option<i64>> = Vec::with_capacity(rows.len());
+    for &(index, sequence) in rows {
+        let envelope = deliveries[index].envelope();
+        ids.push(*envelope.id().as_uuid());
+        types.push(envelope.event_type().as_str());
+        subjects.push(envelope.subject());
+        times.push(envelope.time());
+        sequences.push(sequence);
+    }
+    let inserted: Vec<Uuid> = sqlx::query_scalar(INSERT_INBOX_BATCH)
+        .bind(consumer)
+        .bind(ids)
+        .bind(types)
+        .bind(subjects)
+        .bind(times)
+        .bind(sequences)
+        .fetch_all(&mut **tx)
+        .await
+        .map_err(|e| Error::database("inserting a batch into inbox_events", e))?;
+    Ok(inserted.into_iter().collect())
+}
+
+/// Neither a failure nor a transaction: cannot happen, reported rather than panicking.
+fn unreachable_state() -> Result<(), Error> {
+    Err(Error::new(
+        ErrorKind::Database,
+        "the batch's transaction was lost without an error",
+    ))
+}

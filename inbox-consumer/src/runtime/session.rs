@@ -1,0 +1,362 @@
+//! One serving session of the runtime: pull, hold, dispatch, keep alive, until
+//! shutdown (then drain) or, for a leader, until the lead is lost.
+//!
+//! Everything the session holds is counted in `held`: messages received and
+//! not yet finished, whether running in a task, cleared to run, waiting in
+//! arrival order behind a busy subject, or held back behind an unfinished
+//! event of a previous leader. A pull asks for no more than the room left
+//! under [`max_buffered`](super::ConsumerConfig::max_buffered), so `held`
+//! never exceeds it; and every held message that is not running gets an
+//! in-progress ack each [`progress_interval`](super::ConsumerConfig::progress_interval)
+//! (running ones get theirs from their task), so none is redelivered while
+//! it waits.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind, consumer::PullConsumer};
+use futures::{FutureExt, StreamExt};
+use outbox_core::EventId;
+use tokio::sync::watch;
+use tokio::task::{Id, JoinError, JoinSet};
+use tokio::time::Instant;
+
+use super::dispatch::Dispatcher;
+use super::lease::{self, Tenure};
+use super::process::{self, Shared};
+use super::runner::Runner;
+use super::takeover::Backlog;
+use super::{Job, ack};
+use crate::delivery::{Delivery, DeliveryInfo};
+
+/// How long to wait before pulling again after a failed pull.
+const REPULL_DELAY: Duration = Duration::from_secs(1);
+/// Lifetime of one pull request of a consumer that is not ordered. A pull
+/// lost with a restarting broker is replaced after this plus 5 s.
+const PULL_EXPIRES: Duration = Duration::from_secs(2);
+/// How often a leader whose session is not confirmed checks again before pulling.
+const UNCONFIRMED_RECHECK: Duration = Duration::from_millis(100);
+
+/// How a session ended.
+pub(crate) enum Served {
+    /// Shut down and drained; the tenure, if still leading, to release.
+    Shutdown(Option<Tenure>),
+    /// The lead was lost: stand by again.
+    Deposed,
+}
+
+/// What a running task holds: one entry per job (subject, event), in order.
+type Tracked = HashMap<Id, Vec<(String, EventId)>>;
+
+/// The state of one session. See the [module docs](self).
+pub(crate) struct Session<'a, R> {
+    shared: &'a Arc<Shared>,
+    consumer: &'a PullConsumer,
+    runner: R,
+    tenure: Option<Tenure>,
+    /// Messages received and not finished.
+    held: usize,
+    /// Jobs admitted, in arrival order, not yet offered to the dispatcher.
+    ready: VecDeque<Job>,
+    /// Jobs whose subject the dispatcher already gave them: they start next.
+    cleared: VecDeque<Job>,
+    dispatcher: Dispatcher<Job>,
+    backlog: Backlog<Job>,
+    tasks: JoinSet<Vec<bool>>,
+    tracked: Tracked,
+    pull: Option<jetstream::consumer::pull::Batch>,
+    pull_at: Instant,
+    progress_at: Instant,
+    stopping: bool,
+    /// Tells in-place retries to give up at shutdown.
+    stop: watch::Sender<bool>,
+}
+
+impl<'a, R: Runner> Session<'a, R> {
+    pub(crate) fn new(
+        shared: &'a Arc<Shared>,
+        consumer: &'a PullConsumer,
+        runner: R,
+        tenure: Option<Tenure>,
+        backlog: Backlog<Job>,
+    ) -> Self {
+        let now = Instant::now();
+        Self {
+            shared,
+            consumer,
+            runner,
+            tenure,
+            held: 0,
+            ready: VecDeque::new(),
+            cleared: VecDeque::new(),
+            dispatcher: Dispatcher::new(),
+            backlog,
+            tasks: JoinSet::new(),
+            tracked: HashMap::new(),
+            pull: None,
+            pull_at: now,
+            progress_at: now + shared.config.progress_every(),
+            stopping: false,
+            stop: watch::channel(false).0,
+        }
+    }
+
+    /// Serves until `shutdown` resolves (then drains) or the lead is lost.
+    pub(crate) async fn run<F: Future<Output = ()>>(mut self, mut shutdown: Pin<&mut F>) -> Served {
+        loop {
+            self.start_jobs();
+            if self.stopping && self.tasks.is_empty() {
+                return Served::Shutdown(self.tenure.take());
+            }
+            self.open_pull().await;
+            let waiting_to_pull = !self.stopping && self.pull.is_none();
+            tokio::select! {
+                biased;
+                () = shutdown.as_mut(), if !self.stopping => self.begin_shutdown(),
+                () = lost(&mut self.tenure), if self.tenure.is_some() => return self.deposed(),
+                Some(joined) = self.tasks.join_next_with_id(), if !self.tasks.is_empty() => {
+                    self.task_ended(joined);
+                }
+                next = next_message(&mut self.pull), if self.pull.is_some() => self.received(next),
+                () = tokio::time::sleep_until(self.pull_at), if waiting_to_pull => {}
+                () = tokio::time::sleep_until(self.progress_at) => self.keep_alive(),
+            }
+        }
+    }
+
+    /// Starts tasks for cleared and ready jobs while slots are free.
+    fn start_jobs(&mut self) {
+        let most = self.runner.max_jobs();
+        while self.tasks.len() < self.shared.config.concurrency {
+            let mut jobs = Vec::new();
+            while jobs.len() < most
+                && let Some(job) = self.cleared.pop_front()
+            {
+                jobs.push(job);
+            }
+            while jobs.len() < most
+                && let Some(job) = self.ready.pop_front()
+            {
+                let key = job.1.subject().to_owned();
+                if let Some(job) = self.dispatcher.offer(&key, job) {
+                    jobs.push(job);
+                }
+            }
+            if jobs.is_empty() {
+                return;
+            }
+            let keys = jobs
+                .iter()
+                .map(|(_, d)| (d.subject().to_owned(), d.id()))
+                .collect();
+            let stopping = self.stop.subscribe();
+            let id = self
+                .runner
+                .spawn(&mut self.tasks, self.shared, jobs, stopping);
+            self.tracked.insert(id, keys);
+        }
+    }
+
+    /// Room for more messages under `max_buffered`.
+    fn room(&self) -> usize {
+        self.shared.config.max_buffered.saturating_sub(self.held)
+    }
+
+    /// Issues a pull sized to the room left, when it is time and worth it.
+    async fn open_pull(&mut self) {
+        let config = &self.shared.config;
+        if self.stopping || self.pull.is_some() || Instant::now() < self.pull_at {
+            return;
+        }
+        // Wait for room worth a pull, unless nothing at all is held.
+        let worth = if self.held == 0 {
+            1
+        } else {
+            (config.batch.min(config.max_buffered) / 2).max(1)
+        };
+        if self.room() < worth {
+            return;
+        }
+        if let Some(tenure) = &self.tenure
+            && !tenure.valid()
+        {
+            self.pull_at = Instant::now() + UNCONFIRMED_RECHECK;
+            return;
+        }
+        let size = self.room().min(config.batch.max(self.runner.max_jobs()));
+        // A leader's pulls are short: none outlives a deposed leader by more
+        // than `lease::PULL_EXPIRES`.
+        let expires = if self.tenure.is_some() {
+            lease::PULL_EXPIRES
+        } else {
+            PULL_EXPIRES
+        };
+        match self
+            .consumer
+            .batch()
+            .max_messages(size)
+            .expires(expires)
+            .messages()
+            .await
+        {
+            Ok(pull) => self.pull = Some(pull),
+            Err(e) => {
+                tracing::warn!(consumer = %config.durable, error = %e, "cannot pull messages; retrying");
+                self.pull_at = Instant::now() + REPULL_DELAY;
+            }
+        }
+    }
+
+    /// Takes in what a pull yielded, and whatever else it has already buffered.
+    fn received(&mut self, next: Option<Result<jetstream::Message, async_nats::Error>>) {
+        let mut next = next;
+        loop {
+            match next {
+                Some(Ok(message)) => self.admit(message),
+                Some(Err(e)) => {
+                    tracing::warn!(consumer = %self.shared.config.durable, error = %e, "pull failed; pulling again");
+                    self.pull = None;
+                    self.pull_at = Instant::now() + REPULL_DELAY;
+                    return;
+                }
+                None => {
+                    // The pull is complete or expired: the next one goes out at once.
+                    self.pull = None;
+                    return;
+                }
+            }
+            match next_message(&mut self.pull).now_or_never() {
+                Some(more) => next = more,
+                None => return,
+            }
+        }
+    }
+
+    /// Holds one received message: decoded, it joins the ready jobs (or waits
+    /// behind a previous leader's unfinished event); poison goes to its dead letter.
+    fn admit(&mut self, message: jetstream::Message) {
+        let info = match DeliveryInfo::from_message(&message) {
+            Ok(info) => info,
+            Err(e) => {
+                tracing::error!(error = %e, subject = %message.subject, "not a JetStream message; ignored");
+                return;
+            }
+        };
+        self.held += 1;
+        match Delivery::decode(&message, info.clone()) {
+            Ok(delivery) => {
+                let delivery = match self.tenure.as_ref().map(Tenure::epoch) {
+                    Some(epoch) => delivery.with_leader_epoch(epoch),
+                    None => delivery,
+                };
+                self.ready.extend(self.backlog.admit((message, delivery)));
+            }
+            Err(poison) => {
+                let task = process::poison(Arc::clone(self.shared), message, info, poison);
+                let handle = self.tasks.spawn(async move { vec![task.await] });
+                self.tracked.insert(handle.id(), Vec::new());
+            }
+        }
+    }
+
+    /// A task ended: its subjects free up (or pass to their next job) and its
+    /// messages are no longer held.
+    fn task_ended(&mut self, joined: Result<(Id, Vec<bool>), JoinError>) {
+        let (id, finished) = match joined {
+            Ok(ended) => ended,
+            Err(e) => {
+                tracing::error!(
+                    consumer = %self.shared.config.durable, error = %e,
+                    "a delivery task failed without acking; its messages will be redelivered",
+                );
+                (e.id(), Vec::new())
+            }
+        };
+        let Some(keys) = self.tracked.remove(&id) else {
+            return;
+        };
+        // A poison task holds one message and no subject.
+        self.held = self.held.saturating_sub(keys.len().max(1));
+        for (index, (key, event)) in keys.into_iter().enumerate() {
+            if let Some(job) = self.dispatcher.finish(&key) {
+                self.cleared.push_back(job);
+            }
+            if finished.get(index).copied().unwrap_or(false) {
+                self.ready.extend(self.backlog.finished(&key, event));
+            }
+        }
+    }
+
+    /// Sends an in-progress ack for every held message that is not running,
+    /// and releases subjects whose previous leader's event never came back.
+    fn keep_alive(&mut self) {
+        let waiting: Vec<jetstream::Message> = self
+            .ready
+            .iter()
+            .chain(&self.cleared)
+            .chain(self.dispatcher.queued_jobs())
+            .chain(self.backlog.held())
+            .map(|job| job.0.clone())
+            .collect();
+        if !waiting.is_empty() {
+            let timeout = self.shared.config.ack_timeout;
+            tokio::spawn(async move {
+                for message in waiting {
+                    if let Err(e) = ack::send(&message, AckKind::Progress, timeout).await {
+                        tracing::debug!(error = %e, "in-progress ack of a waiting message failed");
+                    }
+                }
+            });
+        }
+        let released = self
+            .backlog
+            .expire(&self.shared.config.durable, Instant::now());
+        self.ready.extend(released);
+        self.progress_at = Instant::now() + self.shared.config.progress_every();
+    }
+
+    fn begin_shutdown(&mut self) {
+        tracing::info!(
+            consumer = %self.shared.config.durable, running = self.tasks.len(), held = self.held,
+            behind_busy_subjects = self.dispatcher.queued(),
+            "shutting down: pulling stopped, finishing held messages",
+        );
+        self.stopping = true;
+        self.pull = None;
+        let _ = self.stop.send(true);
+    }
+
+    fn deposed(mut self) -> Served {
+        tracing::warn!(
+            consumer = %self.shared.config.durable, running = self.tasks.len(), held = self.held,
+            "lost the lead: dropping every held message for the new leader",
+        );
+        // Dropping the tasks aborts them: their transactions roll back.
+        self.tasks.abort_all();
+        if self.stopping {
+            Served::Shutdown(None)
+        } else {
+            Served::Deposed
+        }
+    }
+}
+
+async fn next_message(
+    pull: &mut Option<jetstream::consumer::pull::Batch>,
+) -> Option<Result<jetstream::Message, async_nats::Error>> {
+    match pull {
+        Some(batch) => batch.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves when a held tenure is lost; never without one.
+async fn lost(tenure: &mut Option<Tenure>) {
+    match tenure {
+        Some(tenure) => tenure.lost().await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,92 @@
+//! [`Trace`] around a batch service: an `inbox.batch` span, and inside it one
+//! `inbox.delivery` span per delivery (linked to its publisher's trace as in
+//! single mode), each closed with its own outcome when the batch resolves.
+
+use std::fmt::Display;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use pin_project_lite::pin_project;
+use tower::Service;
+
+use super::{Trace, delivery_span};
+use crate::delivery::Delivery;
+use crate::runtime::BatchResults;
+
+impl<S> Service<Vec<Delivery>> for Trace<S>
+where
+    S: Service<Vec<Delivery>, Response = BatchResults>,
+    S::Error: Display,
+{
+    type Response = BatchResults;
+    type Error = S::Error;
+    type Future = BatchFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, deliveries: Vec<Delivery>) -> Self::Future {
+        let span = tracing::info_span!(
+            "inbox.batch",
+            consumer = deliveries.first().map(Delivery::consumer),
+            deliveries = deliveries.len(),
+        );
+        let (spans, inner) = {
+            let _entered = span.enter();
+            let spans = deliveries.iter().map(delivery_span).collect();
+            (spans, self.inner.call(deliveries))
+        };
+        BatchFuture { inner, span, spans }
+    }
+}
+
+pin_project! {
+    /// Polls the batch inside its span and closes each delivery's span with
+    /// its outcome.
+    #[derive(Debug)]
+    pub struct BatchFuture<F> {
+        #[pin]
+        inner: F,
+        span: tracing::Span,
+        spans: Vec<tracing::Span>,
+    }
+}
+
+impl<F, E> Future for BatchFuture<F>
+where
+    F: Future<Output = Result<BatchResults, E>>,
+    E: Display,
+{
+    type Output = Result<BatchResults, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let _entered = this.span.enter();
+        let out = ready!(this.inner.poll(cx));
+        match &out {
+            Ok(results) => {
+                for (span, result) in this.spans.iter().zip(results) {
+                    match result {
+                        Ok(outcome) => {
+                            span.record("outcome", outcome.as_str());
+                        }
+                        Err(e) => {
+                            span.record("outcome", "failed");
+                            span.record("error", tracing::field::display(e));
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                for span in this.spans.iter() {
+                    span.record("outcome", "failed");
+                    span.record("error", tracing::field::display(e));
+                }
+            }
+        }
+        this.spans.clear();
+        Poll::Ready(out)
+    }
+}
