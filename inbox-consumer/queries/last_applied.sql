@@ -1,5 +1,7 @@
 -- The latest event time already applied by this consumer for this subject,
 -- other than the event being handled (whose row is already inserted).
+-- SkipStale asks it only for an event without a sequence; every applied row
+-- counts, with a sequence or without.
 select max(event_time)
   from inbox_events
  where consumer = $1

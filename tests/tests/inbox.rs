@@ -1085,3 +1085,368 @@ async fn the_consumer_carries_on_after_a_broker_restart() {
     w.wait_settled("broker").await;
     running.shutdown().await;
 }
+
+// ---------------------------------------------------------------------------
+// SkipStale by `sequence`, driven by hand (no broker), one delivery at a time
+// in the order each test picks: dedupe → SkipStale → a handler recording the
+// payload's `seq` of every event it applies.
+
+type BySequenceStack = Dedupe<inbox_consumer::SkipStale<HandlerService<Record>>>;
+
+struct BySequence {
+    db: TestDb,
+    handler: Record,
+    stack: BySequenceStack,
+}
+
+impl BySequence {
+    const CONSUMER: &'static str = "by_sequence";
+
+    async fn new() -> Self {
+        let db = TestDb::new().await.unwrap();
+        sqlx::query(
+            "create table effects (
+               n        bigserial primary key,
+               consumer text not null,
+               event_id uuid not null,
+               subject  text not null,
+               seq      bigint not null,
+               replica  text not null
+             )",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        let handler = Record::new("a");
+        let stack = Dedupe::new(
+            inbox_consumer::SkipStale::new(HandlerService::new(handler.clone())),
+            db.pool.clone(),
+        );
+        Self { db, handler, stack }
+    }
+
+    /// Hands `event` to the stack as a first delivery to [`Self::CONSUMER`].
+    async fn try_deliver(
+        &self,
+        event: &Envelope<Value>,
+    ) -> Result<Outcome, inbox_consumer::BoxError> {
+        let info = inbox_consumer::DeliveryInfo::new(Self::CONSUMER);
+        self.stack
+            .clone()
+            .oneshot(Delivery::new(event.clone(), info))
+            .await
+    }
+
+    async fn deliver(&self, event: &Envelope<Value>) -> Outcome {
+        self.try_deliver(event).await.unwrap()
+    }
+
+    /// The payload `seq` of every applied event, in the order applied.
+    async fn applied(&self) -> Vec<i64> {
+        sqlx::query_scalar("select seq from effects order by n")
+            .fetch_all(&self.db.pool)
+            .await
+            .unwrap()
+    }
+
+    /// `inbox_events.sequence` of `event`'s row; `None` if there is no row.
+    async fn stored_sequence(&self, event: &Envelope<Value>) -> Option<Option<i64>> {
+        sqlx::query_scalar(
+            "select sequence from inbox_events where consumer = $1 and event_id = $2",
+        )
+        .bind(Self::CONSUMER)
+        .bind(event.id().as_uuid())
+        .fetch_optional(&self.db.pool)
+        .await
+        .unwrap()
+    }
+}
+
+/// An event of subject `sub_1` whose payload `seq` is `n`, stamped `time`.
+fn event_at(n: i64, time: chrono::DateTime<chrono::Utc>) -> Envelope<Value> {
+    event("t.ok", "sub_1", json!({"seq": n})).with_time(time)
+}
+
+fn year_2099() -> chrono::DateTime<chrono::Utc> {
+    "2099-01-01T00:00:00Z".parse().unwrap()
+}
+
+#[tokio::test]
+async fn a_later_sequence_is_applied_though_its_time_is_earlier() {
+    let s = BySequence::new().await;
+    let now = chrono::Utc::now();
+    // A producer clock far ahead: under the time rule this event would
+    // silence its subject until 2099.
+    let ahead = event_at(1, year_2099()).with_sequence(41);
+    let next = event_at(2, now).with_sequence(42);
+    assert_eq!(s.deliver(&ahead).await, Outcome::Handled);
+    assert_eq!(s.deliver(&next).await, Outcome::Handled);
+    assert_eq!(s.applied().await, vec![1, 2]);
+    assert_eq!(s.stored_sequence(&ahead).await, Some(Some(41)));
+    assert_eq!(s.stored_sequence(&next).await, Some(Some(42)));
+}
+
+#[tokio::test]
+async fn a_lower_sequence_is_stale_though_its_time_is_later() {
+    let s = BySequence::new().await;
+    let now = chrono::Utc::now();
+    let newer = event_at(2, now).with_sequence(42);
+    let older = event_at(1, now + chrono::Duration::hours(1)).with_sequence(41);
+    assert_eq!(s.deliver(&newer).await, Outcome::Handled);
+    assert_eq!(s.deliver(&older).await, Outcome::Stale);
+    assert_eq!(
+        s.applied().await,
+        vec![2],
+        "the older event was not applied"
+    );
+    // The stale event's inbox row commits all the same.
+    assert_eq!(s.stored_sequence(&older).await, Some(Some(41)));
+    assert_eq!(s.handler.attempts(&older), 0);
+}
+
+#[tokio::test]
+async fn an_equal_sequence_is_applied() {
+    // Two events with one sequence can only come from two outbox databases,
+    // whose sequences are not comparable: neither is skipped.
+    let s = BySequence::new().await;
+    let now = chrono::Utc::now();
+    let first = event_at(1, now).with_sequence(42);
+    let other = event_at(2, now - chrono::Duration::hours(1)).with_sequence(42);
+    assert_eq!(s.deliver(&first).await, Outcome::Handled);
+    assert_eq!(s.deliver(&other).await, Outcome::Handled);
+    assert_eq!(s.applied().await, vec![1, 2]);
+}
+
+#[tokio::test]
+async fn events_without_a_sequence_keep_the_time_rule() {
+    let s = BySequence::new().await;
+    let t0 = chrono::Utc::now();
+    let first = event_at(1, t0);
+    let earlier = event_at(2, t0 - chrono::Duration::seconds(5));
+    let same_time = event_at(3, t0);
+    let later = event_at(4, t0 + chrono::Duration::seconds(1));
+    assert_eq!(s.deliver(&first).await, Outcome::Handled);
+    assert_eq!(s.deliver(&earlier).await, Outcome::Stale);
+    assert_eq!(
+        s.deliver(&same_time).await,
+        Outcome::Handled,
+        "equal times are applied"
+    );
+    assert_eq!(s.deliver(&later).await, Outcome::Handled);
+    assert_eq!(s.applied().await, vec![1, 3, 4]);
+    assert_eq!(
+        s.stored_sequence(&first).await,
+        Some(None),
+        "no sequence is NULL"
+    );
+}
+
+#[tokio::test]
+async fn a_subject_with_and_without_sequences_compares_like_with_like() {
+    let s = BySequence::new().await;
+    let t0 = chrono::Utc::now();
+    let unsequenced_ahead = event_at(1, year_2099());
+    let sequenced = event_at(2, t0).with_sequence(7);
+    let sequenced_older = event_at(3, t0 + chrono::Duration::hours(1)).with_sequence(6);
+    let unsequenced_now = event_at(4, t0 + chrono::Duration::minutes(30));
+    let unsequenced_later = event_at(5, year_2099() + chrono::Duration::days(1));
+    assert_eq!(s.deliver(&unsequenced_ahead).await, Outcome::Handled);
+    // Applied events without a sequence never make one with a sequence stale.
+    assert_eq!(s.deliver(&sequenced).await, Outcome::Handled);
+    assert_eq!(s.deliver(&sequenced_older).await, Outcome::Stale);
+    // Without a sequence, the time of every recorded event counts: 2099 is later.
+    assert_eq!(s.deliver(&unsequenced_now).await, Outcome::Stale);
+    assert_eq!(s.deliver(&unsequenced_later).await, Outcome::Handled);
+    assert_eq!(s.applied().await, vec![1, 2, 5]);
+}
+
+#[tokio::test]
+async fn a_duplicate_of_a_stale_event_is_a_duplicate() {
+    let s = BySequence::new().await;
+    let now = chrono::Utc::now();
+    let newer = event_at(2, now - chrono::Duration::minutes(1)).with_sequence(2);
+    let older = event_at(1, now).with_sequence(1);
+    assert_eq!(s.deliver(&newer).await, Outcome::Handled);
+    assert_eq!(s.deliver(&older).await, Outcome::Stale);
+    assert_eq!(s.deliver(&older).await, Outcome::Duplicate);
+    assert_eq!(s.deliver(&newer).await, Outcome::Duplicate);
+    assert_eq!(s.applied().await, vec![2]);
+    assert_eq!(
+        s.handler.attempts(&older),
+        0,
+        "the handler never saw the stale event"
+    );
+    assert_eq!(
+        s.stored_sequence(&older).await,
+        Some(Some(1)),
+        "one inbox row per event"
+    );
+}
+
+#[tokio::test]
+async fn a_sequence_above_i64_max_is_refused_before_anything_is_written() {
+    let s = BySequence::new().await;
+    let now = chrono::Utc::now();
+    for too_high in [i64::MAX as u64 + 1, u64::MAX] {
+        let event = event_at(1, now).with_sequence(too_high);
+        let err = s.try_deliver(&event).await.unwrap_err();
+        let err = err.downcast_ref::<inbox_consumer::Error>().unwrap();
+        assert_eq!(err.kind(), ErrorKind::InvalidEnvelope, "{err}");
+        assert!(err.to_string().contains(&too_high.to_string()), "{err}");
+        assert_eq!(s.stored_sequence(&event).await, None, "no inbox row");
+    }
+    let highest = event_at(2, now).with_sequence(i64::MAX as u64);
+    assert_eq!(s.deliver(&highest).await, Outcome::Handled);
+    assert_eq!(s.stored_sequence(&highest).await, Some(Some(i64::MAX)));
+    assert_eq!(s.applied().await, vec![2]);
+}
+
+#[tokio::test]
+async fn the_runtime_dead_letters_an_event_whose_sequence_is_above_i64_max() {
+    let w = world("INBOX_SEQ_TOO_HIGH").await;
+    let running = start(
+        &w,
+        config(&w, "seq_too_high"),
+        stack(&w.db.pool, Record::new("a")),
+    )
+    .await;
+    w.publish(&event("t.ok", "sub_1", json!({"seq": 1})).with_sequence(u64::MAX))
+        .await;
+    w.publish(&event("t.ok", "sub_1", json!({"seq": 2})).with_sequence(1))
+        .await;
+    w.wait_count("the next event's effect", "select count(*) from effects", 1)
+        .await;
+    w.wait_settled("seq_too_high").await;
+    assert_eq!(
+        w.count("select count(*) from inbox_dead_letters where reason = 'not_cloudevent'")
+            .await,
+        1
+    );
+    assert_eq!(w.count("select count(*) from inbox_events").await, 1);
+    assert_eq!(w.count("select seq from effects").await, 2);
+    running.shutdown().await;
+}
+
+#[tokio::test]
+async fn last_applied_sequence_skips_the_event_itself_and_rows_without_one() {
+    use inbox_consumer::ordering::last_applied_sequence;
+
+    let db = TestDb::new().await.unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let (mine, other, unsequenced) = (
+        event("t.ok", "s", json!({})),
+        event("t.ok", "s", json!({})),
+        event("t.ok", "s", json!({})),
+    );
+    let insert =
+        "insert into inbox_events (consumer, event_id, event_type, subject, event_time, sequence)
+                  values ($1, $2, 't.ok', 's', now(), $3)";
+    for (consumer, e, seq) in [
+        ("c", &unsequenced, None),
+        ("c", &mine, Some(9_i64)),
+        ("other_consumer", &other, Some(100)),
+    ] {
+        sqlx::query(insert)
+            .bind(consumer)
+            .bind(e.id().as_uuid())
+            .bind(seq)
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        last_applied_sequence(&mut conn, "c", "s", mine.id())
+            .await
+            .unwrap(),
+        None,
+        "only the event itself and a row without a sequence"
+    );
+    assert_eq!(
+        last_applied_sequence(&mut conn, "c", "s", other.id())
+            .await
+            .unwrap(),
+        Some(9)
+    );
+    assert_eq!(
+        last_applied_sequence(&mut conn, "c", "other_subject", other.id())
+            .await
+            .unwrap(),
+        None
+    );
+
+    // The question reads the partial index (forced: the table is tiny).
+    sqlx::query("set enable_seqscan = off")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let plan: Vec<String> = sqlx::query_scalar(&format!(
+        "explain {}",
+        include_str!("../../inbox-consumer/queries/last_applied_sequence.sql")
+    ))
+    .bind("c")
+    .bind("s")
+    .bind(other.id().as_uuid())
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap();
+    assert!(
+        plan.iter()
+            .any(|l| l.contains("inbox_events_subject_sequence_idx")),
+        "{plan:#?}"
+    );
+}
+
+#[tokio::test]
+async fn the_inbox_sequence_migration_is_idempotent_and_keeps_sequences_unsigned() {
+    let db = TestDb::new().await.unwrap();
+    // Applied once by TestDb; again, as by hand, changes nothing.
+    sqlx::raw_sql(include_str!(
+        "../../migrations/20260101000006_inbox_sequence.sql"
+    ))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let (data_type, nullable): (String, String) = sqlx::query_as(
+        "select data_type::text, is_nullable::text from information_schema.columns
+          where table_schema = current_schema() and table_name = 'inbox_events'
+            and column_name = 'sequence'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((data_type.as_str(), nullable.as_str()), ("bigint", "YES"));
+    let checks: i64 = sqlx::query_scalar(
+        "select count(*) from pg_constraint
+          where conrelid = 'inbox_events'::regclass and contype = 'c'
+            and pg_get_constraintdef(oid) like '%sequence%'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(checks, 1, "the rerun added no second check");
+    let index: String = sqlx::query_scalar(
+        "select indexdef::text from pg_indexes
+          where tablename = 'inbox_events' and indexname = 'inbox_events_subject_sequence_idx'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        index.contains("(consumer, subject, sequence DESC)")
+            && index.contains("WHERE (sequence IS NOT NULL)"),
+        "{index}"
+    );
+
+    let err = sqlx::query(
+        "insert into inbox_events (consumer, event_id, event_type, subject, event_time, sequence)
+         values ('c', gen_random_uuid(), 't.ok', 's', now(), -1)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap_err();
+    assert_eq!(
+        err.as_database_error().and_then(|e| e.code()).as_deref(),
+        Some("23514"),
+        "a check violation: {err}"
+    );
+}

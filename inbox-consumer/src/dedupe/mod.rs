@@ -51,19 +51,28 @@ pub use layer::DedupeLayer;
 const INSERT_INBOX: &str = include_str!("../../queries/insert_inbox.sql");
 const CHECK_TX: &str = include_str!("../../queries/check_tx.sql");
 
-/// Records the delivery's event in the inbox inside `conn`'s transaction.
+/// Records the delivery's event in the inbox inside `conn`'s transaction,
+/// with its `sequence` (NULL when it carries none) for
+/// [`SkipStale`](crate::ordering::SkipStale).
 /// Returns `false` when the consumer already has it (a duplicate).
 ///
 /// # Errors
+/// [`ErrorKind::InvalidEnvelope`](crate::ErrorKind::InvalidEnvelope), before
+/// anything is written, if the event's sequence is above `i64::MAX`: the
+/// inbox stores it as a `bigint`, and clamping would rank the event above
+/// every later one of its subject (see the
+/// [ordering docs](crate::ordering#sequences-are-per-outbox-database)).
 /// [`ErrorKind::Database`](crate::ErrorKind::Database) if the insert fails.
 pub async fn record(conn: &mut PgConnection, delivery: &Delivery) -> Result<bool, Error> {
     let env = delivery.envelope();
+    let sequence = crate::ordering::sequence_column(env.sequence())?;
     let done = sqlx::query(INSERT_INBOX)
         .bind(delivery.consumer())
         .bind(env.id().as_uuid())
         .bind(env.event_type().as_str())
         .bind(env.subject())
         .bind(env.time())
+        .bind(sequence)
         .execute(conn)
         .await
         .map_err(|e| Error::database("inserting into inbox_events", e))?;
