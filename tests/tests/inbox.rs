@@ -16,7 +16,7 @@ use futures::future::BoxFuture;
 use inbox_consumer::{
     Consumer, ConsumerConfig, Dedupe, DedupeLayer, Delivery, ErrorKind, Handler, HandlerError,
     HandlerService, InTx, Metrics, MetricsLayer, Outcome, Retention, RetryPolicy, Router,
-    SkipStaleLayer, Trace, TraceLayer,
+    SkipStaleLayer, Trace, TraceLayer, Unrouted,
 };
 use outbox_core::{Envelope, Outbox};
 use outbox_testkit::{NatsHandle, TestDb, wait_until};
@@ -612,6 +612,7 @@ async fn poison_messages_are_dead_lettered_and_the_consumer_goes_on() {
     let handler = Record::new("a");
     let config = config(&w, "poison")
         .max_deliver(3)
+        .unrouted(Unrouted::DeadLetter)
         .dead_letter_subject("dlq.poison");
     let running = start(&w, config, stack(&w.db.pool, handler.clone())).await;
 

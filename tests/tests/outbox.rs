@@ -525,7 +525,8 @@ async fn inbox_table_has_its_unique_key_and_indexes() {
             "event_type",
             "subject",
             "event_time",
-            "handled_at"
+            "handled_at",
+            "sequence"
         ]
     );
     let insert = "insert into inbox_events (consumer, event_id, event_type, subject, event_time)

@@ -3,7 +3,7 @@
 //! [`Dedupe`] is where the transaction lives. Per delivery it
 //!
 //! 1. begins a transaction,
-//! 2. inserts `(consumer, event id, type, subject, event time)` into
+//! 2. inserts `(consumer, event id, type, subject, event time, sequence)` into
 //!    `inbox_events` with `ON CONFLICT DO NOTHING` (a failing insert would abort
 //!    the transaction; a skipped one leaves it usable),
 //! 3. on a conflict rolls back and returns [`Outcome::Duplicate`] without calling
@@ -30,15 +30,23 @@
 //!
 //! The consumer name (the dedupe namespace) is [`Delivery::consumer`], which the
 //! runtime fills with the durable consumer's name.
+//!
+//! Every transaction begins with the [`Timeouts`] (lock, statement, idle in
+//! transaction) set in the same statement, so no wait in it is unbounded.
+//!
+//! As a `Service<Vec<Delivery>>`, for [`Consumer::run_batched`](crate::Consumer::run_batched),
+//! `Dedupe` handles a whole batch in one transaction: see [`batch`].
 
+pub mod batch;
 pub mod future;
 mod layer;
+mod timeouts;
 
 use std::fmt;
 use std::mem;
 use std::task::{Context, Poll};
 
-use sqlx::{PgConnection, PgPool};
+use sqlx::{PgConnection, PgPool, PgTransaction};
 use tower::Service;
 
 use crate::delivery::{Delivery, InTx, Outcome};
@@ -47,6 +55,7 @@ use crate::metrics::names;
 use crate::runtime::lease::check_fence;
 
 pub use layer::DedupeLayer;
+pub use timeouts::Timeouts;
 
 const INSERT_INBOX: &str = include_str!("../../queries/insert_inbox.sql");
 const CHECK_TX: &str = include_str!("../../queries/check_tx.sql");
@@ -85,12 +94,26 @@ pub async fn record(conn: &mut PgConnection, delivery: &Delivery) -> Result<bool
 pub struct Dedupe<S> {
     inner: S,
     pool: PgPool,
+    timeouts: Timeouts,
 }
 
 impl<S> Dedupe<S> {
-    /// Wraps `inner`; transactions come from `pool`.
-    pub const fn new(inner: S, pool: PgPool) -> Self {
-        Self { inner, pool }
+    /// Wraps `inner`; transactions come from `pool`, bounded by the default
+    /// [`Timeouts`].
+    pub fn new(inner: S, pool: PgPool) -> Self {
+        Self {
+            inner,
+            pool,
+            timeouts: Timeouts::default(),
+        }
+    }
+
+    /// Bounds the waits of every transaction: lock, statement and idle
+    /// timeouts. Default: [`Timeouts::default`].
+    #[must_use]
+    pub fn timeouts(mut self, timeouts: Timeouts) -> Self {
+        self.timeouts = timeouts;
+        self
     }
 
     /// The inner service.
@@ -135,54 +158,73 @@ where
         // The ready service goes into the future; the clone stays for next time.
         let clone = self.inner.clone();
         let mut inner = mem::replace(&mut self.inner, clone);
-        let pool = self.pool.clone();
+        let (pool, begin) = (self.pool.clone(), self.timeouts.begin_statement());
         future::ResponseFuture::new(async move {
-            let mut tx = pool
-                .begin()
-                .await
-                .map_err(|e| Error::database("beginning the inbox transaction", e))?;
+            let mut tx = begin_tx(&pool, begin).await?;
             if !record(&mut tx, &delivery).await? {
                 if let Err(e) = tx.rollback().await {
                     tracing::debug!(error = %e, "rollback after a duplicate failed");
                 }
-                metrics::counter!(
-                    names::DUPLICATES,
-                    "consumer" => delivery.consumer().to_owned(),
-                    "event_type" => delivery.event_type().as_str().to_owned(),
-                )
-                .increment(1);
-                tracing::info!(
-                    consumer = delivery.consumer(),
-                    event_id = %delivery.id(),
-                    event_type = %delivery.event_type(),
-                    subject = delivery.subject(),
-                    delivered = delivery.info().delivered,
-                    "duplicate delivery skipped: the inbox already holds this event",
-                );
+                note_duplicate(&delivery);
                 return Ok(Outcome::Duplicate);
             }
             let (consumer, epoch) = (delivery.consumer().to_owned(), delivery.leader_epoch());
-            let (mut tx, outcome) = inner
+            let (tx, outcome) = inner
                 .call(InTx::new(tx, delivery))
                 .await
                 .map_err(Into::into)?
                 .into_parts();
-            // A handler that swallowed a failed statement returns Ok on an
-            // aborted transaction, whose COMMIT silently rolls back: acking it
-            // would lose the event. Refuse to commit it instead.
-            sqlx::query(CHECK_TX).execute(&mut *tx).await.map_err(|e| {
-                Error::database(
-                    "the handler returned Ok but its transaction is aborted (a statement failed)",
-                    e,
-                )
-            })?;
-            if let Some(epoch) = epoch {
-                check_fence(&mut tx, &consumer, epoch).await?;
-            }
-            tx.commit()
-                .await
-                .map_err(|e| Error::database("committing the handler's transaction", e))?;
+            commit(tx, &consumer, epoch).await?;
             Ok(outcome)
         })
     }
+}
+
+/// Begins a transaction with `begin` (the statement that also sets its timeouts).
+async fn begin_tx(pool: &PgPool, begin: String) -> Result<PgTransaction<'static>, Error> {
+    pool.begin_with(begin)
+        .await
+        .map_err(|e| Error::database("beginning the inbox transaction", e))
+}
+
+/// Commits a handler's transaction, after checking that no statement in it
+/// failed and, for an ordered consumer's leader, that it still leads.
+async fn commit(
+    mut tx: PgTransaction<'static>,
+    consumer: &str,
+    epoch: Option<i64>,
+) -> Result<(), Error> {
+    // A handler that swallowed a failed statement returns Ok on an aborted
+    // transaction, whose COMMIT silently rolls back: acking it would lose the
+    // event. Refuse to commit it instead.
+    sqlx::query(CHECK_TX).execute(&mut *tx).await.map_err(|e| {
+        Error::database(
+            "the handler returned Ok but its transaction is aborted (a statement failed)",
+            e,
+        )
+    })?;
+    if let Some(epoch) = epoch {
+        check_fence(&mut tx, consumer, epoch).await?;
+    }
+    tx.commit()
+        .await
+        .map_err(|e| Error::database("committing the handler's transaction", e))
+}
+
+/// Counts and logs a delivery the inbox already held.
+fn note_duplicate(delivery: &Delivery) {
+    metrics::counter!(
+        names::DUPLICATES,
+        "consumer" => delivery.consumer().to_owned(),
+        "event_type" => delivery.event_type().as_str().to_owned(),
+    )
+    .increment(1);
+    tracing::info!(
+        consumer = delivery.consumer(),
+        event_id = %delivery.id(),
+        event_type = %delivery.event_type(),
+        subject = delivery.subject(),
+        delivered = delivery.info().delivered,
+        "duplicate delivery skipped: the inbox already holds this event",
+    );
 }
