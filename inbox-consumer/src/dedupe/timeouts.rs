@@ -97,6 +97,9 @@ mod tests {
              SET LOCAL idle_in_transaction_session_timeout = 1"
         );
         let huge = Timeouts::default().lock(Duration::from_secs(u64::MAX));
-        assert!(huge.begin_statement().contains("lock_timeout = 2147483647;"));
+        assert!(
+            huge.begin_statement()
+                .contains("lock_timeout = 2147483647;")
+        );
     }
 }

@@ -151,7 +151,10 @@ pub(crate) fn unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
                     // starting; 53300: too many connections; 55P03: lock not
                     // available (lock_timeout); 25P03: idle in transaction timeout.
                     code.starts_with("08")
-                        || matches!(&*code, "57P01" | "57P02" | "57P03" | "53300" | "55P03" | "25P03")
+                        || matches!(
+                            &*code,
+                            "57P01" | "57P02" | "57P03" | "53300" | "55P03" | "25P03"
+                        )
                 }),
                 _ => false,
             };
@@ -234,7 +237,12 @@ mod tests {
     #[test]
     fn an_unreachable_database_never_spends_the_budget() {
         let c = config(3);
-        let from_dedupe = || err(Error::database("beginning the inbox transaction", db_down()));
+        let from_dedupe = || {
+            err(Error::database(
+                "beginning the inbox transaction",
+                db_down(),
+            ))
+        };
         let from_handler = || err(HandlerError::from(db_down()));
         let pool = || err(Error::database("acquiring", sqlx::Error::PoolTimedOut));
         for delivered in [1, 3, 50, 10_000] {
@@ -266,7 +274,10 @@ mod tests {
     fn rejects_are_dead_lettered_with_their_reason() {
         let c = config(3);
         let rejected = err(HandlerError::reject("no such plan"));
-        assert_eq!(decide(&rejected, 1, &c), Decision::DeadLetter(Reason::Rejected));
+        assert_eq!(
+            decide(&rejected, 1, &c),
+            Decision::DeadLetter(Reason::Rejected)
+        );
         let decode = err(HandlerError::reject(Error::new(
             ErrorKind::Decode,
             "bad data",
@@ -298,7 +309,10 @@ mod tests {
     #[test]
     fn unknown_errors_are_retried() {
         let c = config(3);
-        assert_eq!(decide(&err("timeout"), 1, &c), Decision::Nak(c.retry.delay(1)));
+        assert_eq!(
+            decide(&err("timeout"), 1, &c),
+            Decision::Nak(c.retry.delay(1))
+        );
         let db = err(Error::new(ErrorKind::Database, "commit failed"));
         assert_eq!(decide(&db, 2, &c), Decision::Nak(c.retry.delay(2)));
     }

@@ -95,9 +95,9 @@ where
                 consumer = %config.durable, deliveries = count, retry_in = ?delay, error = %error,
                 "the batch could not reach the database; its messages are nak'ed",
             );
-            let naks = jobs.iter().map(|(message, delivery)| {
-                process::nak(message, delivery.info(), delay, config)
-            });
+            let naks = jobs
+                .iter()
+                .map(|(message, delivery)| process::nak(message, delivery.info(), delay, config));
             join_all(naks).await;
             return vec![false; count];
         }
@@ -179,8 +179,9 @@ where
     let mut finished = Vec::with_capacity(jobs.len());
     for (message, delivery) in jobs {
         let one = One(service.clone());
-        finished
-            .push(process::deliver(Arc::clone(shared), one, message, delivery, stopping.clone()).await);
+        finished.push(
+            process::deliver(Arc::clone(shared), one, message, delivery, stopping.clone()).await,
+        );
     }
     finished
 }

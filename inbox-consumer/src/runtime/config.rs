@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, pull};
 
-use crate::retry::RetryPolicy;
 use crate::retention::Retention;
+use crate::retry::RetryPolicy;
 
 /// Configuration of a [`Consumer`](super::Consumer): the JetStream durable pull
 /// consumer it creates (or updates) and how the runtime drives it.

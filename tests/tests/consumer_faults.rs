@@ -1,0 +1,385 @@
+//! The shipped `billing` consumer under faults, driven as an operator runs it:
+//! billing is a child process, the events are hand-written CloudEvents JSON
+//! published with a plain JetStream client (as a producer in any language
+//! publishes them), and the outcome is read back from billing's tables and
+//! from the durable consumer's state on the broker.
+//!
+//! - A database outage longer than the whole delivery budget loses nothing:
+//!   every event published meanwhile ends as an invoice (or, for poison, a dead
+//!   letter) once the database is back, and billing keeps running — ordered
+//!   (the default) and unordered.
+//! - Batched handling (`--batch 64`): one invoice per subscription through
+//!   duplicates, a process killed between a batch's commit and its acks, and a
+//!   cancellation whose handler fails until its creation is applied.
+//!
+//! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
+//! before the tests run.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
+
+#[allow(dead_code)] // this file runs the billing binary only
+mod support;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, stream};
+use outbox_testkit::{NatsServer, PgServer, Program, TestDb, wait_until};
+use serde_json::json;
+use uuid::Uuid;
+
+const STREAM: &str = "OUTBOX";
+const DURABLE: &str = "billing";
+
+/// Billing's own database server and broker, both restartable.
+struct World {
+    pg: PgServer,
+    db: TestDb,
+    nats: NatsServer,
+    js: jetstream::Context,
+    log_dir: PathBuf,
+}
+
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    tokio::task::block_in_place(f)
+}
+
+async fn world() -> World {
+    let pg = blocking(PgServer::start).unwrap();
+    let db = TestDb::on(&pg).await.unwrap();
+    let nats = blocking(NatsServer::start).unwrap();
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    js.create_stream(stream::Config {
+        name: STREAM.into(),
+        subjects: vec!["subscription.>".into(), "invoice.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let log_dir = std::env::temp_dir()
+        .join("outbox-consumer-faults")
+        .join(db.name());
+    std::fs::create_dir_all(&log_dir).unwrap();
+    World {
+        pg,
+        db,
+        nats,
+        js,
+        log_dir,
+    }
+}
+
+impl Drop for World {
+    /// Keeps billing's logs only when the test failed.
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.log_dir);
+        }
+    }
+}
+
+impl World {
+    /// `billing` on this world, its own outbox left unrelayed, with `extra`.
+    fn billing(&self, name: &str, extra: &[&str]) -> Program {
+        Program::new(name, support::bin_dir().join("billing"), &self.log_dir)
+            .env("DATABASE_URL", self.db.url())
+            .env("NATS_URL", self.nats.url())
+            .args(["--stream", STREAM, "--consumer", DURABLE, "--no-relay"])
+            .args(extra.iter().copied())
+            .ready_when("billing ready")
+    }
+
+    async fn start(&self, name: &str, extra: &[&str]) -> Program {
+        let mut billing = self.billing(name, extra);
+        billing.start().await.unwrap();
+        billing
+    }
+
+    /// Publishes many events at once, then waits for every ack.
+    async fn publish_all(&self, events: &[(String, Vec<u8>, String)]) {
+        let mut acks = Vec::with_capacity(events.len());
+        for (subject, body, msg_id) in events {
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", msg_id.as_str());
+            acks.push(
+                self.js
+                    .publish_with_headers(subject.clone(), headers, body.clone().into())
+                    .await
+                    .unwrap(),
+            );
+        }
+        for ack in acks {
+            ack.await.unwrap();
+        }
+    }
+
+    /// Deliveries the durable consumer has made so far (first and repeated).
+    async fn delivered(&self) -> u64 {
+        let mut consumer: jetstream::consumer::PullConsumer = self
+            .js
+            .get_stream(STREAM)
+            .await
+            .unwrap()
+            .get_consumer(DURABLE)
+            .await
+            .unwrap();
+        consumer.info().await.unwrap().delivered.consumer_sequence
+    }
+
+    /// Messages of the durable neither acked nor terminated yet.
+    async fn outstanding(&self) -> u64 {
+        let stream = self.js.get_stream(STREAM).await.unwrap();
+        let info = stream.consumer_info(DURABLE).await.unwrap();
+        info.num_pending + info.num_ack_pending as u64
+    }
+
+    async fn scalar(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sql)
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+    }
+
+    /// The end of `name`'s log, for a failure message.
+    fn log_tail(&self, name: &str) -> String {
+        let text =
+            std::fs::read_to_string(self.log_dir.join(format!("{name}.log"))).unwrap_or_default();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.contains("INFO async_nats"))
+            .collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+
+    fn assert_running(&self, billing: &mut Program) {
+        assert!(
+            billing.is_running() && !billing.died(),
+            "{} exited; the end of its log:\n{}",
+            billing.name,
+            self.log_tail(&billing.name)
+        );
+    }
+}
+
+/// A `subscription.created` as another language's producer writes it.
+fn created(subscription: &str, id: Uuid) -> (String, Vec<u8>) {
+    let body = json!({
+        "specversion": "1.0",
+        "id": id.to_string(),
+        "source": "subscriptions",
+        "type": "subscription.created",
+        "subject": subscription,
+        "time": "2026-12-01T00:00:00Z",
+        "datacontenttype": "application/json",
+        "data": {"subscription_id": subscription, "customer_id": "c1", "amount_cents": 1200}
+    });
+    (
+        "subscription.created".to_owned(),
+        serde_json::to_vec(&body).unwrap(),
+    )
+}
+
+/// A `subscription.cancelled` as another language's producer writes it.
+fn cancelled(subscription: &str, id: Uuid) -> (String, Vec<u8>) {
+    let body = json!({
+        "specversion": "1.0",
+        "id": id.to_string(),
+        "source": "subscriptions",
+        "type": "subscription.cancelled",
+        "subject": subscription,
+        "time": "2026-12-01T00:00:01Z",
+        "data": {"subscription_id": subscription}
+    });
+    (
+        "subscription.cancelled".to_owned(),
+        serde_json::to_vec(&body).unwrap(),
+    )
+}
+
+// ---------------------------------------------------------------------------
+// 1. A database outage longer than the delivery budget.
+
+/// `--max-deliver 3 --ack-wait 2s` with the default retry delays (1 s, 2 s):
+/// the whole budget of one message is spent in about 6 s.
+const BUDGET_FLAGS: [&str; 4] = ["--max-deliver", "3", "--ack-wait", "2s"];
+
+async fn an_outage_longer_than_the_budget(ordered: bool) {
+    let mut w = world().await;
+    let mut flags: Vec<&str> = BUDGET_FLAGS.to_vec();
+    if !ordered {
+        flags.push("--unordered");
+    }
+    let mut billing = w.start("billing", &flags).await;
+
+    let warm_up: Vec<_> = (0..3)
+        .map(|i| {
+            let id = Uuid::now_v7();
+            let (subject, body) = created(&format!("warm-{i}"), id);
+            (subject, body, id.to_string())
+        })
+        .collect();
+    w.publish_all(&warm_up).await;
+    wait_until("3 warm-up invoices", Duration::from_secs(60), || async {
+        w.scalar("select count(*) from invoices").await == 3
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", w.log_tail("billing")));
+
+    let before = w.delivered().await;
+    blocking(|| w.pg.stop()).unwrap();
+    let mut during: Vec<_> = (0..5)
+        .map(|i| {
+            let id = Uuid::now_v7();
+            let (subject, body) = created(&format!("outage-{i}"), id);
+            (subject, body, id.to_string())
+        })
+        .collect();
+    // Poison too: its dead letter cannot be written while the database is down.
+    during.push((
+        "subscription.created".to_owned(),
+        b"\x00 not json".to_vec(),
+        "poison-1".to_owned(),
+    ));
+    w.publish_all(&during).await;
+    if ordered {
+        // The leader's session is gone with the database: nobody pulls. The
+        // outage outlasts the budget's 6 s by far.
+        tokio::time::sleep(Duration::from_secs(12)).await;
+    } else {
+        // Every message delivered past its budget of 3 while the database is down.
+        let past_budget = before + 6 * 4;
+        wait_until(
+            "each message delivered 4 times during the outage",
+            Duration::from_secs(90),
+            || async { w.delivered().await >= past_budget },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", w.log_tail("billing")));
+    }
+    w.assert_running(&mut billing);
+    blocking(|| w.pg.start_again()).unwrap();
+
+    wait_until(
+        "8 invoices, the poison dead-lettered, nothing outstanding",
+        Duration::from_secs(120),
+        || async {
+            w.scalar("select count(*) from invoices").await == 8
+                && w.scalar("select count(*) from inbox_dead_letters").await == 1
+                && w.outstanding().await == 0
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", w.log_tail("billing")));
+    w.assert_running(&mut billing);
+    assert_eq!(
+        w.scalar("select count(distinct subscription_id) from invoices")
+            .await,
+        8
+    );
+    let reason: String = sqlx::query_scalar("select reason from inbox_dead_letters")
+        .fetch_one(&w.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(reason, "not_json");
+    billing.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_database_outage_longer_than_the_delivery_budget_loses_nothing_ordered() {
+    an_outage_longer_than_the_budget(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_database_outage_longer_than_the_delivery_budget_loses_nothing_unordered() {
+    an_outage_longer_than_the_budget(false).await;
+}
+
+// ---------------------------------------------------------------------------
+// 2. Batched handling.
+
+#[tokio::test(flavor = "multi_thread")]
+async fn batches_make_one_invoice_per_subscription_through_duplicates_a_crash_and_a_retry() {
+    const SUBSCRIPTIONS: usize = 1_000;
+    let w = world().await;
+    let mut events = Vec::new();
+    // A cancellation ahead of its creation: its handler fails until the
+    // creation is applied (then it voids the invoice).
+    let late = "sub-late";
+    let (subject, body) = cancelled(late, Uuid::now_v7());
+    events.push((subject, body, "cancel-late".to_owned()));
+    let mut ids = Vec::new();
+    for i in 0..SUBSCRIPTIONS {
+        let id = Uuid::now_v7();
+        let (subject, body) = created(&format!("sub-{i:04}"), id);
+        events.push((subject, body, id.to_string()));
+        ids.push((i, id));
+    }
+    // 200 copies re-sent with new message ids: the broker stores them again.
+    for (i, id) in ids.iter().step_by(5) {
+        let (subject, body) = created(&format!("sub-{i:04}"), *id);
+        events.push((subject, body, format!("{id}-again")));
+    }
+    let (subject, body) = created(late, Uuid::now_v7());
+    events.push((subject, body, "create-late".to_owned()));
+    w.publish_all(&events).await;
+
+    let batch = ["--batch", "64", "--concurrency", "4", "--unordered"];
+    // The first process aborts right after its first committed batch, before
+    // that batch's acks.
+    let mut first = w
+        .start(
+            "billing-crashing",
+            &[&batch[..], &["--crash-after-commit", "1"]].concat(),
+        )
+        .await;
+    wait_until(
+        "the first process aborts after a commit",
+        Duration::from_secs(60),
+        || {
+            let died = first.died();
+            async move { died }
+        },
+    )
+    .await
+    .unwrap();
+    let committed_before_crash = w.scalar("select count(*) from invoices").await;
+    assert!(committed_before_crash > 0, "the crash followed a commit");
+
+    let mut billing = w.start("billing", &batch).await;
+    wait_until(
+        "every subscription invoiced once, the late one voided, nothing outstanding",
+        Duration::from_secs(120),
+        || async {
+            w.scalar("select count(*) from invoices").await == SUBSCRIPTIONS as i64 + 1
+                && w.scalar("select count(*) from invoices where voided_at is not null")
+                    .await
+                    == 1
+                && w.outstanding().await == 0
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", w.log_tail("billing")));
+    w.assert_running(&mut billing);
+    assert_eq!(
+        w.scalar("select count(distinct subscription_id) from invoices")
+            .await,
+        SUBSCRIPTIONS as i64 + 1,
+        "one invoice per subscription"
+    );
+    assert_eq!(
+        w.scalar(
+            "select count(*) from invoices where subscription_id = 'sub-late' and voided_at is not null"
+        )
+        .await,
+        1
+    );
+    assert_eq!(w.scalar("select count(*) from inbox_dead_letters").await, 0);
+    // Everything the crashed process committed came back and was a duplicate.
+    assert_eq!(
+        w.scalar("select count(*) from inbox_events where consumer = 'billing'")
+            .await,
+        SUBSCRIPTIONS as i64 + 2
+    );
+    billing.terminate().await;
+}

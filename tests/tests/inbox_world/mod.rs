@@ -1,0 +1,465 @@
+//! The world of the inbox tests: a database with an effects table, a broker
+//! with a stream, a handler whose behaviour the payload picks, and a metrics
+//! recorder that keeps counters per consumer.
+#![allow(dead_code, unreachable_pub)] // each test binary uses its own part
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock};
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, stream};
+use inbox_consumer::{
+    Consumer, ConsumerConfig, Dedupe, DedupeLayer, Delivery, Handler, HandlerError, HandlerService,
+    InTx, Metrics, MetricsLayer, Outcome, RetryPolicy, Router, Trace, TraceLayer,
+};
+use outbox_core::{Envelope, Outbox};
+use outbox_testkit::{NatsHandle, TestDb, wait_until};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use sqlx::{PgPool, PgTransaction};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tower::{Service, ServiceBuilder};
+
+pub(crate) const WAIT: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------------------
+// Metrics: a recorder that keeps counters by name and consumer, so parallel
+// tests (each with its own consumer name) read only their own.
+
+#[derive(Default)]
+pub(crate) struct Count(AtomicU64);
+
+impl metrics::CounterFn for Count {
+    fn increment(&self, value: u64) {
+        self.0.fetch_add(value, Ordering::SeqCst);
+    }
+    fn absolute(&self, value: u64) {
+        self.0.store(value, Ordering::SeqCst);
+    }
+}
+
+pub(crate) static COUNTERS: LazyLock<Mutex<HashMap<String, Arc<Count>>>> =
+    LazyLock::new(Default::default);
+
+pub(crate) struct TestRecorder;
+
+impl metrics::Recorder for TestRecorder {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        let mut labels: Vec<String> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        labels.sort();
+        let id = format!("{}|{}", key.name(), labels.join(","));
+        let count = COUNTERS.lock().unwrap().entry(id).or_default().clone();
+        metrics::Counter::from_arc(count)
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+pub(crate) fn install_recorder() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let _ = metrics::set_global_recorder(TestRecorder);
+    });
+}
+
+/// The sum of counter `name` over every label set with `consumer=<consumer>`.
+pub(crate) fn counter(name: &str, consumer: &str) -> u64 {
+    let label = format!("consumer={consumer}");
+    COUNTERS
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(id, _)| {
+            id.split_once('|')
+                .is_some_and(|(n, labels)| n == name && labels.split(',').any(|l| l == label))
+        })
+        .map(|(_, c)| c.0.load(Ordering::SeqCst))
+        .sum()
+}
+
+// ---------------------------------------------------------------------------
+// The world: a database with an effects table, a broker with a stream.
+
+pub(crate) struct World {
+    pub(crate) db: TestDb,
+    pub(crate) _nats: NatsHandle,
+    pub(crate) js: jetstream::Context,
+    pub(crate) stream: String,
+}
+
+pub(crate) async fn world(stream: &str) -> World {
+    install_recorder();
+    let db = TestDb::new().await.unwrap();
+    sqlx::query(
+        "create table effects (
+           n        bigserial primary key,
+           consumer text not null,
+           event_id uuid not null,
+           subject  text not null,
+           seq      bigint not null,
+           replica  text not null
+         )",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let nats = outbox_testkit::nats().unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = jetstream::new(client);
+    js.create_stream(stream::Config {
+        name: stream.into(),
+        subjects: vec!["t.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    World {
+        db,
+        _nats: nats,
+        js,
+        stream: stream.into(),
+    }
+}
+
+impl World {
+    pub(crate) async fn count(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sql)
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+    }
+
+    pub(crate) async fn publish_raw(&self, subject: &str, body: Vec<u8>, msg_id: &str) {
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", msg_id);
+        self.js
+            .publish_with_headers(subject.to_owned(), headers, body.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    /// Publishes `event` as the relay does: body = envelope JSON, `Nats-Msg-Id` = id.
+    pub(crate) async fn publish(&self, event: &Envelope<Value>) {
+        let id = event.id().to_string();
+        self.publish_raw(event.event_type().as_str(), event.to_json().unwrap(), &id)
+            .await;
+    }
+
+    /// Publishes every event as [`publish`](Self::publish) does, all acks in
+    /// flight at once, then waits for them.
+    pub(crate) async fn publish_all(&self, events: &[Envelope<Value>]) {
+        let mut acks = Vec::new();
+        for e in events {
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", e.id().to_string().as_str());
+            acks.push(
+                self.js
+                    .publish_with_headers(
+                        e.event_type().as_str().to_owned(),
+                        headers,
+                        e.to_json().unwrap().into(),
+                    )
+                    .await
+                    .unwrap(),
+            );
+        }
+        for ack in acks {
+            ack.await.unwrap();
+        }
+    }
+
+    /// Messages of `durable` neither acked nor terminated yet (pending + unacked).
+    pub(crate) async fn outstanding(&self, durable: &str) -> u64 {
+        let stream = self.js.get_stream(&self.stream).await.unwrap();
+        let info = stream.consumer_info(durable).await.unwrap();
+        info.num_pending + info.num_ack_pending as u64
+    }
+
+    pub(crate) async fn wait_settled(&self, durable: &str) {
+        wait_until("every message acked or terminated", WAIT, || async {
+            self.outstanding(durable).await == 0
+        })
+        .await
+        .unwrap();
+    }
+
+    pub(crate) async fn wait_count(&self, what: &str, sql: &str, n: i64) {
+        wait_until(what, WAIT, || async { self.count(sql).await >= n })
+            .await
+            .unwrap();
+    }
+}
+
+pub(crate) fn event(event_type: &str, subject: &str, data: Value) -> Envelope<Value> {
+    Envelope::new(event_type, "tests", subject, data).unwrap()
+}
+
+// ---------------------------------------------------------------------------
+// One handler whose behaviour the payload picks.
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum Mode {
+    #[default]
+    Ok,
+    /// Fail (retry) the first attempt, succeed afterwards.
+    FailOnce,
+    /// Always fail with a retryable error.
+    AlwaysFail,
+    Reject,
+    /// Enqueue a follow-on event, then fail once (retry) after it.
+    EnqueueFailOnce,
+    /// Enqueue a follow-on event, then reject.
+    EnqueueReject,
+    /// Hold the transaction for a while.
+    Slow,
+    /// Hold the transaction for 1.2 s: longer than a 1 s ack wait.
+    Slower,
+    /// Stall 0.9 s between two statements, idle inside the transaction.
+    Stall,
+    /// Swallow a failed statement and return Ok (a handler bug).
+    SwallowError,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Payload {
+    pub(crate) seq: i64,
+    #[serde(default)]
+    pub(crate) mode: Mode,
+}
+
+#[derive(Default)]
+pub(crate) struct State {
+    pub(crate) attempts: Mutex<HashMap<String, usize>>,
+    pub(crate) in_flight: AtomicUsize,
+    pub(crate) max_in_flight: AtomicUsize,
+    pub(crate) started: AtomicUsize,
+}
+
+#[derive(Clone)]
+pub(crate) struct Record {
+    pub(crate) replica: &'static str,
+    pub(crate) state: Arc<State>,
+    pub(crate) outbox: Outbox,
+}
+
+impl Record {
+    pub(crate) fn new(replica: &'static str) -> Self {
+        Self {
+            replica,
+            state: Arc::default(),
+            outbox: Outbox::unvalidated(),
+        }
+    }
+
+    pub(crate) fn attempt(&self, event: &Envelope<Payload>) -> usize {
+        let mut attempts = self.state.attempts.lock().unwrap();
+        let n = attempts.entry(event.id().to_string()).or_default();
+        *n += 1;
+        *n
+    }
+
+    pub(crate) fn attempts(&self, event: &Envelope<Value>) -> usize {
+        self.state
+            .attempts
+            .lock()
+            .unwrap()
+            .get(&event.id().to_string())
+            .copied()
+            .unwrap_or(0)
+    }
+
+    pub(crate) async fn apply(
+        &self,
+        event: &Envelope<Payload>,
+        tx: &mut PgTransaction<'static>,
+    ) -> Result<(), HandlerError> {
+        let attempt = self.attempt(event);
+        self.state.started.fetch_add(1, Ordering::SeqCst);
+        sqlx::query(
+            "insert into effects (consumer, event_id, subject, seq, replica)
+             values ('', $1, $2, $3, $4)",
+        )
+        .bind(event.id().as_uuid())
+        .bind(event.subject())
+        .bind(event.data().seq)
+        .bind(self.replica)
+        .execute(&mut **tx)
+        .await?;
+        match event.data().mode {
+            Mode::Ok => Ok(()),
+            Mode::Slower => {
+                sqlx::query("select pg_sleep(1.2)")
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(())
+            }
+            Mode::Stall => {
+                tokio::time::sleep(Duration::from_millis(900)).await;
+                sqlx::query("select 1").execute(&mut **tx).await?;
+                Ok(())
+            }
+            Mode::Slow => {
+                sqlx::query("select pg_sleep(0.3)")
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(())
+            }
+            Mode::SwallowError => {
+                let _ = sqlx::query("select 1/0").execute(&mut **tx).await;
+                Ok(())
+            }
+            Mode::FailOnce if attempt == 1 => Err(HandlerError::retry("first attempt fails")),
+            Mode::FailOnce => Ok(()),
+            Mode::AlwaysFail => Err(HandlerError::retry("always fails")),
+            Mode::Reject => Err(HandlerError::reject("this event is not acceptable")),
+            Mode::EnqueueFailOnce | Mode::EnqueueReject => {
+                let follow_on = Envelope::new(
+                    "t.follow_on",
+                    "tests",
+                    event.subject(),
+                    json!({"caused_by": event.id()}),
+                )?;
+                self.outbox.enqueue(tx, &follow_on).await?;
+                match (&event.data().mode, attempt) {
+                    (Mode::EnqueueFailOnce, 1) => Err(HandlerError::retry("fails after enqueue")),
+                    (Mode::EnqueueFailOnce, _) => Ok(()),
+                    _ => Err(HandlerError::reject("rejects after enqueue")),
+                }
+            }
+        }
+    }
+}
+
+impl Handler for Record {
+    type Message = Payload;
+
+    async fn handle(
+        &self,
+        event: Envelope<Payload>,
+        tx: &mut PgTransaction<'static>,
+    ) -> Result<(), HandlerError> {
+        let now = self.state.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.state.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        let result = self.apply(&event, tx).await;
+        self.state.in_flight.fetch_sub(1, Ordering::SeqCst);
+        result
+    }
+}
+
+pub(crate) type InRouter = Router<InTx<Delivery>, InTx<Outcome>>;
+pub(crate) type Stack = Trace<Metrics<Dedupe<InRouter>>>;
+
+pub(crate) fn stack(pool: &PgPool, handler: Record) -> Stack {
+    ServiceBuilder::new()
+        .layer(TraceLayer::new())
+        .layer(MetricsLayer::new())
+        .layer(DedupeLayer::new(pool.clone()))
+        .service(Router::new().route("t.ok", HandlerService::new(handler)))
+}
+
+pub(crate) fn config(world: &World, durable: &str) -> ConsumerConfig {
+    ConsumerConfig::new(&world.stream, durable)
+        .ack_wait(Duration::from_secs(10))
+        .max_deliver(5)
+        .retry(
+            RetryPolicy::default()
+                .base(Duration::from_millis(50))
+                .max(Duration::from_millis(200)),
+        )
+}
+
+pub(crate) struct Running {
+    pub(crate) stop: Option<oneshot::Sender<()>>,
+    pub(crate) task: JoinHandle<inbox_consumer::Result<()>>,
+}
+
+impl Running {
+    pub(crate) async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        tokio::time::timeout(WAIT, &mut self.task)
+            .await
+            .expect("graceful shutdown finishes")
+            .unwrap()
+            .unwrap();
+    }
+}
+
+pub(crate) async fn start<S>(world: &World, config: ConsumerConfig, service: S) -> Running
+where
+    S: Service<Delivery, Response = Outcome> + Clone + Send + 'static,
+    S::Error: Into<inbox_consumer::BoxError>,
+    S::Future: Send + 'static,
+{
+    let consumer = Consumer::new(world.js.clone(), world.db.pool.clone(), config)
+        .await
+        .unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(consumer.run(service, async {
+        let _ = stopped.await;
+    }));
+    Running {
+        stop: Some(stop),
+        task,
+    }
+}
+
+/// [`start`] for a batch service, with [`Consumer::run_batched`].
+pub(crate) async fn start_batched<S>(world: &World, config: ConsumerConfig, service: S) -> Running
+where
+    S: Service<Vec<Delivery>, Response = inbox_consumer::BatchResults> + Clone + Send + 'static,
+    S::Error: Into<inbox_consumer::BoxError>,
+    S::Future: Send + 'static,
+{
+    let consumer = Consumer::new(world.js.clone(), world.db.pool.clone(), config)
+        .await
+        .unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(consumer.run_batched(service, async {
+        let _ = stopped.await;
+    }));
+    Running {
+        stop: Some(stop),
+        task,
+    }
+}
