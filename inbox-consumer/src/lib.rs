@@ -48,9 +48,8 @@
 //! let js = async_nats::jetstream::new(async_nats::connect("nats://localhost:4222").await?);
 //!
 //! let router = Router::new().route("subscription.created", HandlerService::new(OpenAccount));
-//! let config = ConsumerConfig::new("SUBSCRIPTIONS", "billing")
-//!     .filter_subjects(router.event_types())
-//!     .concurrency(16);
+//! // Subscribe to what you handle: the router's event types.
+//! let config = ConsumerConfig::for_router("SUBSCRIPTIONS", "billing", &router).concurrency(16);
 //! let service = ServiceBuilder::new()
 //!     .layer(TraceLayer::new())   // span per delivery, linked to the publisher's trace
 //!     .layer(MetricsLayer::new()) // handled / failed counters, latency histogram
@@ -70,6 +69,14 @@
 //!   (`inbox_duplicates_total`) and logged at `info`. No in-memory seen-set.
 //! - **Ack after commit.** The runtime acks only once the transaction has
 //!   committed; a failed commit or handler error is never acked ([`runtime`]).
+//! - **Nothing lost, whatever the outage.** The broker's delivery limit is
+//!   unlimited and the runtime counts its own budget; a database that cannot
+//!   be reached never turns an event into a dead letter, and a dead letter
+//!   that cannot be written is retried ([`runtime`]).
+//! - **Bounded waits.** Every transaction runs with lock, statement and
+//!   idle-in-transaction timeouts ([`Timeouts`]).
+//! - **Batches** of deliveries in one transaction, opt-in
+//!   ([`Consumer::run_batched`]).
 //! - **Consume → produce.** A handler enqueues follow-on events with
 //!   [`outbox_core::Outbox::enqueue`] on the same transaction: effect, inbox row
 //!   and event commit together or not at all.
@@ -78,7 +85,8 @@
 //! - **Per-subject order** within a process; across every replica with
 //!   [`ConsumerConfig::ordered`] (one leader, fenced commits, failover: see
 //!   [`runtime`](runtime#ordered-consumption)); and a race-free stale-event
-//!   filter for order-dependent handlers ([`ordering`]).
+//!   filter for order-dependent handlers that compares the events' insert
+//!   order (`sequence`), not their clocks ([`ordering`]).
 //! - **Retention** of inbox rows is checked against the redelivery window at
 //!   start-up ([`retention`]).
 //!

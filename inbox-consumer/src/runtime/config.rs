@@ -143,23 +143,28 @@ impl ConsumerConfig {
         self
     }
 
-    /// Messages held by this process at once, running or queued behind a busy
-    /// subject; fetching pauses at this many. Default: 256.
+    /// Messages held by this process at once, running or waiting (behind a
+    /// busy subject, or for a free slot). A pull never asks for more than the
+    /// room left under it, so nothing waits unseen in a client buffer; every
+    /// held message keeps its ack deadline with in-progress acks. Default: 256.
     #[must_use]
     pub fn max_buffered(mut self, max_buffered: usize) -> Self {
         self.max_buffered = max_buffered.max(1);
         self
     }
 
-    /// Messages asked for per pull request. Default: 64.
+    /// Messages asked for per pull request (at most the room left under
+    /// [`max_buffered`](Self::max_buffered); with
+    /// [`Consumer::run_batched`](super::Consumer::run_batched), at least
+    /// [`max_batch`](Self::max_batch)). Default: 64.
     #[must_use]
     pub fn batch(mut self, batch: usize) -> Self {
         self.batch = batch.max(1);
         self
     }
 
-    /// How often a running handler's message gets an in-progress ack.
-    /// Default: a third of `ack_wait`.
+    /// How often every held message (running or waiting) gets an in-progress
+    /// ack. Default: a third of `ack_wait`.
     #[must_use]
     pub fn progress_interval(mut self, every: Duration) -> Self {
         self.progress_interval = Some(every);

@@ -66,7 +66,7 @@
 //! the subject's next message is handled before its redelivery arrives; and
 //! replicas sharing a durable each handle their own share of a subject's
 //! messages, at the same time. A handler for which order matters then either
-//! compares event times through the inbox
+//! compares the events' insert order (`sequence`) through the inbox
 //! ([`SkipStale`](crate::ordering::SkipStale)), as the contract's rule 3 asks,
 //! or the consumer runs ordered.
 //!
