@@ -270,6 +270,10 @@ impl Outcome {
     }
 }
 
+/// What a batch service answers: one result per delivery, in the batch's
+/// order (see [`Consumer::run_batched`](crate::Consumer::run_batched)).
+pub type BatchResults = Vec<Result<Outcome, crate::error::BoxError>>;
+
 /// A value travelling with the open transaction it belongs to.
 ///
 /// Services inside [`Dedupe`](crate::dedupe::Dedupe) take an

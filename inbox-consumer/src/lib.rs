@@ -121,7 +121,9 @@ mod service;
 pub mod trace;
 
 pub use dedupe::{Dedupe, DedupeLayer, Timeouts};
-pub use delivery::{Delivery, DeliveryInfo, InTx, Outcome, TRACEPARENT_HEADER, TRACESTATE_HEADER};
+pub use delivery::{
+    BatchResults, Delivery, DeliveryInfo, InTx, Outcome, TRACEPARENT_HEADER, TRACESTATE_HEADER,
+};
 pub use error::{Action, BoxError, Error, ErrorKind, HandlerError, Result};
 pub use handler::Handler;
 pub use metrics::{Metrics, MetricsLayer};
@@ -130,6 +132,6 @@ pub use poison::{Poison, Reason};
 pub use retention::Retention;
 pub use retry::RetryPolicy;
 pub use router::{Routable, Router};
-pub use runtime::{BatchResults, Consumer, ConsumerConfig, Unrouted};
+pub use runtime::{Consumer, ConsumerConfig, Unrouted};
 pub use service::{HandlerService, typed};
 pub use trace::{Trace, TraceLayer};

@@ -19,10 +19,9 @@ use tower::{Service, ServiceExt};
 use uuid::Uuid;
 
 use super::{Dedupe, begin_tx, commit, future, note_duplicate};
-use crate::delivery::{Delivery, InTx, Outcome};
+use crate::delivery::{BatchResults, Delivery, InTx, Outcome};
 use crate::error::{BoxError, Error, ErrorKind};
 use crate::ordering::sequence_column;
-use crate::runtime::BatchResults;
 
 const INSERT_INBOX_BATCH: &str = include_str!("../../queries/insert_inbox_batch.sql");
 

@@ -5,9 +5,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use crate::delivery::Outcome;
+use crate::delivery::{BatchResults, Outcome};
 use crate::error::BoxError;
-use crate::runtime::BatchResults;
 
 type Inner = Pin<Box<dyn Future<Output = Result<Outcome, BoxError>> + Send>>;
 

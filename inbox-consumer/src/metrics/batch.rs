@@ -10,8 +10,7 @@ use pin_project_lite::pin_project;
 use tower::Service;
 
 use super::{Metrics, record};
-use crate::delivery::Delivery;
-use crate::runtime::BatchResults;
+use crate::delivery::{BatchResults, Delivery};
 
 type Labels = [(&'static str, String); 2];
 

@@ -25,11 +25,8 @@ use tower::{Service, ServiceExt};
 use super::Job;
 use super::ack::{self, UNAVAILABLE_MAX_DELAY};
 use super::process::{self, Shared, with_progress_all};
-use crate::delivery::{Delivery, Outcome};
+use crate::delivery::{BatchResults, Delivery, Outcome};
 use crate::error::{BoxError, Error, ErrorKind};
-
-/// What a batch service answers: one result per delivery, in the batch's order.
-pub type BatchResults = Vec<Result<Outcome, BoxError>>;
 
 /// Handles `jobs` through `service` in one call; returns, per job, whether its
 /// message is finished (acked, or dead-lettered and terminated).

@@ -131,12 +131,11 @@ use async_nats::jetstream::{self, consumer::PullConsumer};
 use sqlx::PgPool;
 use tower::Service;
 
-use crate::delivery::{Delivery, Outcome};
+use crate::delivery::{BatchResults, Delivery, Outcome};
 use crate::error::{BoxError, Error, Result};
 use crate::retention;
 
 pub use crate::retry::RetryPolicy;
-pub use batch::BatchResults;
 pub use config::{ConsumerConfig, Unrouted};
 
 use lease::Tenure;

@@ -9,9 +9,9 @@ use tokio::task::{Id, JoinSet};
 use tower::Service;
 
 use super::Job;
-use super::batch::{BatchResults, deliver_batch};
+use super::batch::deliver_batch;
 use super::process::{Shared, deliver};
-use crate::delivery::{Delivery, Outcome};
+use crate::delivery::{BatchResults, Delivery, Outcome};
 use crate::error::BoxError;
 
 /// Starts the task that handles a group of jobs of distinct subjects. The task

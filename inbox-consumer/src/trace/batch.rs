@@ -11,8 +11,7 @@ use pin_project_lite::pin_project;
 use tower::Service;
 
 use super::{Trace, delivery_span};
-use crate::delivery::Delivery;
-use crate::runtime::BatchResults;
+use crate::delivery::{BatchResults, Delivery};
 
 impl<S> Service<Vec<Delivery>> for Trace<S>
 where
