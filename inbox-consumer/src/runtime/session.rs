@@ -194,15 +194,18 @@ impl<'a, R: Runner> Session<'a, R> {
         } else {
             PULL_EXPIRES
         };
-        match self
+        let pull = self
             .consumer
             .batch()
             .max_messages(size)
             .expires(expires)
-            .messages()
-            .await
-        {
-            Ok(pull) => self.pull = Some(pull),
+            .messages();
+        match tokio::time::timeout(config.ack_timeout, pull).await {
+            Ok(Ok(pull)) => self.pull = Some(pull),
+            Ok(Err(e)) => {
+                tracing::warn!(consumer = %config.durable, error = %e, "cannot pull messages; retrying");
+                self.pull_at = Instant::now() + REPULL_DELAY;
+            }
             Err(e) => {
                 tracing::warn!(consumer = %config.durable, error = %e, "cannot pull messages; retrying");
                 self.pull_at = Instant::now() + REPULL_DELAY;
