@@ -82,7 +82,7 @@ pub use envelope::{
 };
 pub use error::{BoxError, Error, ErrorKind, Result, Violation};
 #[cfg(feature = "migrate")]
-pub use migrate::{MIGRATOR, migrate};
+pub use migrate::{MIGRATION_LOCK, MIGRATOR, migrate, migrate_with};
 pub use outbox::{DEFAULT_MAX_MESSAGE_SIZE, Outbox};
 pub use schema::{SCHEMA_SUFFIX, SchemaRegistry};
 pub use sequence::{SEQUENCE_WIDTH, format_sequence, parse_sequence};

@@ -141,10 +141,14 @@ impl World {
             .unwrap()
     }
 
+    /// Everything `name` logged so far.
+    fn log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.log_dir.join(format!("{name}.log"))).unwrap_or_default()
+    }
+
     /// The end of `name`'s log, for a failure message.
     fn log_tail(&self, name: &str) -> String {
-        let text =
-            std::fs::read_to_string(self.log_dir.join(format!("{name}.log"))).unwrap_or_default();
+        let text = self.log(name);
         let lines: Vec<&str> = text
             .lines()
             .filter(|l| !l.contains("INFO async_nats"))
@@ -382,4 +386,74 @@ async fn batches_make_one_invoice_per_subscription_through_duplicates_a_crash_an
         SUBSCRIPTIONS as i64 + 2
     );
     billing.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ordered_batches_void_every_invoice_in_order_through_a_leader_killed_mid_stream() {
+    const SUBSCRIPTIONS: usize = 1_000;
+    let w = world().await;
+    let flags = [
+        "--batch",
+        "64",
+        "--ack-wait",
+        "3s",
+        "--lease-timeout",
+        "6s",
+    ];
+    let mut a = w.start("billing-a", &flags).await;
+    let mut b = w.start("billing-b", &flags).await;
+
+    let mut events = Vec::with_capacity(2 * SUBSCRIPTIONS);
+    for i in 0..SUBSCRIPTIONS {
+        let subscription = format!("sub-{i:04}");
+        let id = Uuid::now_v7();
+        let (subject, body) = created(&subscription, id);
+        events.push((subject, body, id.to_string()));
+        let id = Uuid::now_v7();
+        let (subject, body) = cancelled(&subscription, id);
+        events.push((subject, body, id.to_string()));
+    }
+    w.publish_all(&events).await;
+
+    wait_until("a third invoiced", Duration::from_secs(60), || async {
+        w.scalar("select count(*) from invoices").await >= (SUBSCRIPTIONS / 3) as i64
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", w.log_tail("billing-a")));
+    let leads = |name: &str| w.log(name).contains("this replica leads");
+    let (leader, survivor) = if leads("billing-a") {
+        (&mut a, &mut b)
+    } else {
+        (&mut b, &mut a)
+    };
+    leader.kill9().await;
+
+    wait_until(
+        "every invoice voided, nothing outstanding",
+        Duration::from_secs(120),
+        || async {
+            w.scalar("select count(*) from invoices where voided_at is not null")
+                .await
+                == SUBSCRIPTIONS as i64
+                && w.outstanding().await == 0
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", w.log_tail(&survivor.name)));
+    w.assert_running(survivor);
+    assert_eq!(
+        w.scalar("select count(*) from invoices").await,
+        SUBSCRIPTIONS as i64,
+        "one invoice per subscription"
+    );
+    assert_eq!(
+        w.scalar("select count(distinct subscription_id) from invoices")
+            .await,
+        SUBSCRIPTIONS as i64
+    );
+    assert_eq!(
+        w.scalar("select count(*) from inbox_dead_letters").await,
+        0
+    );
+    survivor.terminate().await;
 }

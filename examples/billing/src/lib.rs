@@ -215,13 +215,13 @@ pub async fn connect_consumer(
 }
 
 /// Applies the outbox migrations and creates the `invoices` table if it does
-/// not exist.
+/// not exist, both under [`outbox_core::migrate_with`]'s advisory lock, so
+/// replicas started together on a fresh database prepare it one at a time.
 ///
 /// # Errors
-/// [`Error::Migrate`] or [`Error::Database`] if either step fails.
+/// [`Error::Migrate`] if either step fails.
 pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
-    outbox_core::migrate(pool).await?;
-    sqlx::raw_sql(CREATE_TABLE).execute(pool).await?;
+    outbox_core::migrate_with(pool, CREATE_TABLE).await?;
     Ok(())
 }
 
@@ -229,12 +229,9 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The outbox migrations failed.
-    #[error("migrating the outbox tables: {0}")]
+    /// The outbox migrations, or creating the `invoices` table, failed.
+    #[error("migrating billing's database: {0}")]
     Migrate(#[from] outbox_core::Error),
-    /// Creating the `invoices` table failed.
-    #[error("creating the invoices table: {0}")]
-    Database(#[from] sqlx::Error),
 }
 
 /// Where the event schemas are by default: `schemas/events` when it exists

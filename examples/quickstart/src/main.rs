@@ -36,12 +36,13 @@ async fn main() -> Result<(), Box<dyn Error>> {
     println!("postgres: {database_url}\nnats:     {}", broker.url());
 
     let pool = PgPool::connect(&database_url).await?;
-    outbox_core::migrate(&pool).await?;
-    sqlx::query(
+    // The outbox's migrations, then this program's own table, under one
+    // advisory lock: runs started together against one database take turns.
+    outbox_core::migrate_with(
+        &pool,
         "create table if not exists subscriptions (
            id text primary key, customer_id text not null, plan text not null, amount_cents bigint not null)",
     )
-    .execute(&pool)
     .await?;
     let schemas = concat!(env!("CARGO_MANIFEST_DIR"), "/../../schemas/events");
     let outbox = Outbox::new(SchemaRegistry::from_dir(schemas)?);

@@ -116,10 +116,7 @@ impl IntoResponse for ApiError {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The outbox migrations failed.
-    #[error("migrating the outbox tables: {0}")]
+    /// The outbox migrations, or creating the `subscriptions` table, failed.
+    #[error("migrating the subscriptions database: {0}")]
     Migrate(#[from] outbox_core::Error),
-    /// Creating the `subscriptions` table failed.
-    #[error("creating the subscriptions table: {0}")]
-    Database(#[from] sqlx::Error),
 }

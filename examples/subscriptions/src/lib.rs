@@ -19,10 +19,11 @@
 //! ```
 //!
 //! Start-up applies the outbox migrations and creates the `subscriptions`
-//! table if missing. The relay creates the stream (`--stream`, `--subjects`) if
-//! it does not exist; `--no-relay` leaves publishing to a separate
-//! `outbox-relay`. SIGTERM or ctrl-c stops accepting requests, finishes those
-//! in flight and the relay's current batch, and exits 0.
+//! table if missing, one replica at a time ([`migrate`]). The relay creates
+//! the stream (`--stream`, `--subjects`) if it does not exist; `--no-relay`
+//! leaves publishing to a separate `outbox-relay`. SIGTERM or ctrl-c stops
+//! accepting requests, finishes those in flight and the relay's current
+//! batch, and exits 0.
 //!
 //! | flag (env) | default | |
 //! | --- | --- | --- |
@@ -106,13 +107,14 @@ pub fn router(state: AppState) -> Router {
 }
 
 /// Applies the outbox migrations (`outbox_events`, `inbox_events`) and
-/// creates the `subscriptions` table if it does not exist.
+/// creates the `subscriptions` table if it does not exist, both under
+/// [`outbox_core::migrate_with`]'s advisory lock, so replicas started together
+/// on a fresh database prepare it one at a time.
 ///
 /// # Errors
-/// [`Error::Migrate`] or [`Error::Database`] if either step fails.
+/// [`Error::Migrate`] if either step fails.
 pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
-    outbox_core::migrate(pool).await?;
-    sqlx::raw_sql(CREATE_TABLE).execute(pool).await?;
+    outbox_core::migrate_with(pool, CREATE_TABLE).await?;
     Ok(())
 }
 

@@ -1,0 +1,399 @@
+//! Replicas started together: every binary that prepares its database at
+//! start-up, started twice at the same instant on a fresh, empty database, in
+//! several rounds. Both processes must print their ready line, keep running
+//! (they stop cleanly, exit 0, when asked), and leave the whole schema behind:
+//! every embedded migration applied once, and the service's own tables.
+//!
+//! Two `billing` replicas started together on a new database used to lose
+//! the race between their `create table if not exists invoices`: one exited 1
+//! with `duplicate key value violates unique constraint
+//! "pg_type_typname_nsp_index"`. Start-up schema steps now run one at a time
+//! under `outbox_core::migrate_with`'s advisory lock.
+//!
+//! `STARTUP_ROUNDS` sets the number of rounds (default 5). The binaries are
+//! built by `scripts/test` (`cargo build --workspace --bins`) before the tests
+//! run.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
+
+#[allow(dead_code)] // this file runs the service binaries only
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use outbox_core::{ErrorKind, MIGRATION_LOCK};
+use outbox_testkit::{NatsServer, Program, TestDb, create_database, wait_until};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+/// Rounds per binary, each on a fresh database.
+fn rounds() -> usize {
+    std::env::var("STARTUP_ROUNDS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(5)
+}
+
+/// The tables and indexes the embedded migrations create.
+const LIBRARY_RELATIONS: &[&str] = &[
+    "outbox_events",
+    "outbox_events_seq",
+    "outbox_events_shard_seq_idx",
+    "inbox_events",
+    "inbox_dead_letters",
+    "inbox_leases",
+];
+
+/// Fresh, empty databases on the test binary's PostgreSQL server.
+struct Databases {
+    /// A migrated database, kept only for its server's URL.
+    anchor: TestDb,
+    log_dir: PathBuf,
+}
+
+impl Databases {
+    async fn new(what: &str) -> Self {
+        let anchor = TestDb::new().await.unwrap();
+        let log_dir = std::env::temp_dir()
+            .join("outbox-startup")
+            .join(format!("{what}-{}", anchor.name()));
+        std::fs::create_dir_all(&log_dir).unwrap();
+        Self { anchor, log_dir }
+    }
+
+    /// A new database with nothing in it: no `_sqlx_migrations`, no tables.
+    async fn empty(&self, what: &str, round: usize) -> (String, PgPool) {
+        let name = format!("{}_{what}_{round}", self.anchor.name());
+        let url = create_database(self.anchor.url(), &name).await.unwrap();
+        let pool = PgPool::connect(&url).await.unwrap();
+        assert!(
+            !exists(&pool, "_sqlx_migrations").await,
+            "{name} is not empty"
+        );
+        (url, pool)
+    }
+}
+
+async fn exists(pool: &PgPool, relation: &str) -> bool {
+    sqlx::query_scalar::<_, bool>("select to_regclass($1) is not null")
+        .bind(relation)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Every embedded migration applied exactly once and successfully, and every
+/// relation in `LIBRARY_RELATIONS` and `app` present.
+async fn assert_schema_complete(pool: &PgPool, app: &[&str], round: usize) {
+    let expected: Vec<i64> = outbox_core::MIGRATOR
+        .iter()
+        .filter(|m| !m.migration_type.is_down_migration())
+        .map(|m| m.version)
+        .collect();
+    let applied: Vec<i64> =
+        sqlx::query_scalar("select version from _sqlx_migrations where success order by version")
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    assert_eq!(applied, expected, "round {round}: applied migrations");
+    for relation in LIBRARY_RELATIONS.iter().chain(app) {
+        assert!(
+            exists(pool, relation).await,
+            "round {round}: `{relation}` is missing"
+        );
+    }
+}
+
+/// The last lines of a program's log, for failure messages.
+fn log_tail(log_dir: &Path, name: &str) -> String {
+    let text = std::fs::read_to_string(log_dir.join(format!("{name}.log"))).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+/// Starts both programs at the same instant (each spawns on its future's first
+/// poll, and `join!` polls both at once) and waits, bounded by
+/// `Program::start`'s 60 s, for both ready lines; a process that exits first
+/// fails at once. Returns the names of those that did not become ready.
+async fn start_together(a: &mut Program, b: &mut Program) -> Vec<String> {
+    let (ra, rb) = tokio::join!(a.start(), b.start());
+    [(&a.name, ra), (&b.name, rb)]
+        .into_iter()
+        .filter(|(_, r)| r.is_err())
+        .map(|(name, _)| name.clone())
+        .collect()
+}
+
+/// Both still running, then stopped with SIGTERM: each must exit 0.
+async fn assert_running_then_stop(pair: [&mut Program; 2], log_dir: &Path, round: usize) {
+    for p in pair {
+        assert!(
+            !p.died(),
+            "round {round}: {} died after becoming ready:\n{}",
+            p.name,
+            log_tail(log_dir, &p.name)
+        );
+        let code = p.terminate().await;
+        assert_eq!(
+            code,
+            Some(0),
+            "round {round}: {} did not stop cleanly:\n{}",
+            p.name,
+            log_tail(log_dir, &p.name)
+        );
+    }
+}
+
+/// Runs `rounds()` rounds of `pair(round, database url)`, each on a fresh
+/// database, and fails listing every round in which a process did not become
+/// ready (so a run reports how often the race was lost, not only the first).
+async fn run_rounds<F>(what: &str, app_relations: &[&str], mut pair: F)
+where
+    F: FnMut(&Databases, usize, &str) -> (Program, Program),
+{
+    let dbs = Databases::new(what).await;
+    let rounds = rounds();
+    let mut failed = Vec::new();
+    for round in 1..=rounds {
+        let (url, pool) = dbs.empty(what, round).await;
+        let (mut a, mut b) = pair(&dbs, round, &url);
+        let not_ready = start_together(&mut a, &mut b).await;
+        if !not_ready.is_empty() {
+            let logs: Vec<String> = not_ready
+                .iter()
+                .map(|name| format!("--- {name}:\n{}", log_tail(&dbs.log_dir, name)))
+                .collect();
+            eprintln!(
+                "round {round}: not ready: {}\n{}",
+                not_ready.join(", "),
+                logs.join("\n")
+            );
+            failed.push(round);
+            a.kill9().await;
+            b.kill9().await;
+            continue;
+        }
+        assert_schema_complete(&pool, app_relations, round).await;
+        assert_running_then_stop([&mut a, &mut b], &dbs.log_dir, round).await;
+        pool.close().await;
+    }
+    assert!(
+        failed.is_empty(),
+        "{what}: a replica failed at start-up in {} of {rounds} rounds ({failed:?}); logs in {}",
+        failed.len(),
+        dbs.log_dir.display()
+    );
+}
+
+#[tokio::test]
+async fn billing_replicas_started_together_on_a_fresh_database() {
+    let nats = tokio::task::spawn_blocking(NatsServer::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let nats_url = nats.url();
+    let bin = support::bin_dir().join("billing");
+    run_rounds(
+        "billing",
+        &["invoices", "invoices_subscription_id"],
+        |dbs, round, url| {
+            let replica = |i: usize| {
+                Program::new(&format!("billing-{round}-{i}"), bin.clone(), &dbs.log_dir)
+                    .env("DATABASE_URL", url)
+                    .env("NATS_URL", &nats_url)
+                    // A durable per round: each round's database has its own inbox.
+                    .args(["--consumer", &format!("billing_{round}")])
+                    .args(["--concurrency", "2"])
+                    .ready_when("billing ready")
+            };
+            (replica(1), replica(2))
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn subscriptions_replicas_started_together_on_a_fresh_database() {
+    let bin = support::bin_dir().join("subscriptions");
+    run_rounds("subscriptions", &["subscriptions"], |dbs, round, url| {
+        let replica = |i: usize| {
+            Program::new(
+                &format!("subscriptions-{round}-{i}"),
+                bin.clone(),
+                &dbs.log_dir,
+            )
+            .env("DATABASE_URL", url)
+            .args(["--listen", "127.0.0.1:0", "--no-relay"])
+            .ready_when("listening on")
+        };
+        (replica(1), replica(2))
+    })
+    .await;
+}
+
+/// `outbox-relay` has no schema step: it expects the tables and, started on a
+/// database without them, waits (logging the missing relation) instead of
+/// exiting. Two relays started together on a fresh database, while two
+/// service replicas run [`outbox_core::migrate_with`] at the same instant,
+/// must both stay up, agree on the stream (both create it if missing), and
+/// publish the first event once the schema is there.
+#[tokio::test]
+async fn relay_replicas_started_together_with_the_migrating_services() {
+    const APP_SQL: &str = "create table if not exists accounts (id text primary key);
+                           create index if not exists accounts_id_idx on accounts (id)";
+    let nats = tokio::task::spawn_blocking(NatsServer::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let bin = support::bin_dir().join("outbox-relay");
+    let dbs = Databases::new("relay").await;
+    for round in 1..=rounds() {
+        let (url, pool) = dbs.empty("relay", round).await;
+        // A stream per round, on subjects of its own (streams may not overlap).
+        let stream = format!("STARTUP_{round}");
+        let subject = format!("startup{round}.created");
+        let replica = |i: usize| {
+            Program::new(&format!("relay-{round}-{i}"), bin.clone(), &dbs.log_dir)
+                .env("DATABASE_URL", &url)
+                .env("NATS_URL", nats.url())
+                .args([
+                    "--stream",
+                    &stream,
+                    "--subjects",
+                    &format!("startup{round}.>"),
+                ])
+                .args(["--poll-interval", "100ms"])
+        };
+        let (mut a, mut b) = (replica(1), replica(2));
+        // The relays print no ready line: `start` returns once they are spawned.
+        let (ra, rb, ma, mb) = tokio::join!(
+            a.start(),
+            b.start(),
+            outbox_core::migrate_with(&pool, APP_SQL),
+            outbox_core::migrate_with(&pool, APP_SQL),
+        );
+        ra.unwrap();
+        rb.unwrap();
+        ma.unwrap_or_else(|e| panic!("round {round}: first migrator: {e}"));
+        mb.unwrap_or_else(|e| panic!("round {round}: second migrator: {e}"));
+        assert_schema_complete(&pool, &["accounts", "accounts_id_idx"], round).await;
+
+        sqlx::query(
+            "insert into outbox_events (id, event_type, source, subject, time, data)
+             values ($1, $2, 'startup-test', 'acct_1', now(), '{}'::jsonb)",
+        )
+        .bind(Uuid::now_v7())
+        .bind(&subject)
+        .execute(&pool)
+        .await
+        .unwrap();
+        wait_until(
+            &format!("round {round}: the event in stream {stream}"),
+            Duration::from_secs(30),
+            || {
+                let js = js.clone();
+                let stream = stream.clone();
+                async move {
+                    match js.get_stream(&stream).await {
+                        Ok(mut s) => s.info().await.is_ok_and(|i| i.state.messages == 1),
+                        Err(_) => false,
+                    }
+                }
+            },
+        )
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "{e}\n--- relay-{round}-1:\n{}\n--- relay-{round}-2:\n{}",
+                log_tail(&dbs.log_dir, &a.name),
+                log_tail(&dbs.log_dir, &b.name)
+            )
+        });
+        assert_running_then_stop([&mut a, &mut b], &dbs.log_dir, round).await;
+        pool.close().await;
+    }
+}
+
+/// Sessions of this database holding or waiting for the migration lock.
+async fn migration_lock_sessions(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "select count(*) from pg_locks
+          where locktype = 'advisory' and objsubid = 2
+            and classid::text::bigint = $1 and objid::text::bigint = $2
+            and database = (select oid from pg_database where datname = current_database())",
+    )
+    .bind(i64::from(MIGRATION_LOCK.0))
+    .bind(i64::from(MIGRATION_LOCK.1))
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// The lock never outlives a start-up: not after a failing step, and not
+/// after a caller that gave up waiting for it (its connection is closed, not
+/// returned to the pool).
+#[tokio::test]
+async fn the_migration_lock_is_released_after_a_failure_or_a_cancelled_wait() {
+    const APP_SQL: &str = "create table if not exists accounts (id text primary key)";
+    let dbs = Databases::new("lock").await;
+    let (_, pool) = dbs.empty("lock", 1).await;
+    let none_left = || async { migration_lock_sessions(&pool).await == 0 };
+
+    let err = outbox_core::migrate_with(&pool, "create table broken (")
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Database, "{err}");
+    assert!(!exists(&pool, "broken").await);
+    wait_until(
+        "the failed migrator's lock released",
+        Duration::from_secs(10),
+        none_left,
+    )
+    .await
+    .unwrap();
+
+    // Held by someone else: a caller that gives up waiting leaves nothing behind.
+    let mut holder = pool.acquire().await.unwrap();
+    sqlx::query("select pg_advisory_lock($1, $2)")
+        .bind(MIGRATION_LOCK.0)
+        .bind(MIGRATION_LOCK.1)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let waited = tokio::time::timeout(
+        Duration::from_millis(300),
+        outbox_core::migrate_with(&pool, APP_SQL),
+    )
+    .await;
+    assert!(
+        waited.is_err(),
+        "migrated while the lock was held elsewhere"
+    );
+    sqlx::query("select pg_advisory_unlock($1, $2)")
+        .bind(MIGRATION_LOCK.0)
+        .bind(MIGRATION_LOCK.1)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    drop(holder);
+    wait_until(
+        "the cancelled waiter gone",
+        Duration::from_secs(10),
+        none_left,
+    )
+    .await
+    .unwrap();
+
+    outbox_core::migrate_with(&pool, APP_SQL).await.unwrap();
+    assert_schema_complete(&pool, &["accounts"], 1).await;
+    wait_until(
+        "the migrator's lock released",
+        Duration::from_secs(10),
+        none_left,
+    )
+    .await
+    .unwrap();
+}
