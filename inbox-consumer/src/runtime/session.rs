@@ -6,8 +6,10 @@
 //! arrival order behind a busy subject, or held back behind an unfinished
 //! event of a previous leader. A pull asks for no more than the room left
 //! under [`max_buffered`](super::ConsumerConfig::max_buffered), so `held`
-//! never exceeds it; and every held message that is not running gets an
-//! in-progress ack each [`progress_interval`](super::ConsumerConfig::progress_interval)
+//! never exceeds it (except for messages held back after a takeover, which
+//! must not stop the pulls that bring their predecessors back; they are
+//! bounded by the backlog's expiry); and every held message that is not
+//! running gets an in-progress ack each [`progress_interval`](super::ConsumerConfig::progress_interval)
 //! (running ones get theirs from their task), so none is redelivered while
 //! it waits.
 
@@ -160,9 +162,16 @@ impl<'a, R: Runner> Session<'a, R> {
         }
     }
 
-    /// Room for more messages under `max_buffered`.
+    /// Room for more messages under `max_buffered`. Messages held back behind
+    /// a previous leader's unfinished events do not count: those events come
+    /// back only through a pull, so they must never be what stops pulling
+    /// (the backlog is bounded by its own expiry).
     fn room(&self) -> usize {
-        self.shared.config.max_buffered.saturating_sub(self.held)
+        let held_back = self.backlog.held().count();
+        self.shared
+            .config
+            .max_buffered
+            .saturating_sub(self.held.saturating_sub(held_back))
     }
 
     /// Issues a pull sized to the room left, when it is time and worth it.
