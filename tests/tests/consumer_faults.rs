@@ -392,14 +392,7 @@ async fn batches_make_one_invoice_per_subscription_through_duplicates_a_crash_an
 async fn ordered_batches_void_every_invoice_in_order_through_a_leader_killed_mid_stream() {
     const SUBSCRIPTIONS: usize = 1_000;
     let w = world().await;
-    let flags = [
-        "--batch",
-        "64",
-        "--ack-wait",
-        "3s",
-        "--lease-timeout",
-        "6s",
-    ];
+    let flags = ["--batch", "64", "--ack-wait", "3s", "--lease-timeout", "6s"];
     let mut a = w.start("billing-a", &flags).await;
     let mut b = w.start("billing-b", &flags).await;
 
@@ -451,9 +444,6 @@ async fn ordered_batches_void_every_invoice_in_order_through_a_leader_killed_mid
             .await,
         SUBSCRIPTIONS as i64
     );
-    assert_eq!(
-        w.scalar("select count(*) from inbox_dead_letters").await,
-        0
-    );
+    assert_eq!(w.scalar("select count(*) from inbox_dead_letters").await, 0);
     survivor.terminate().await;
 }

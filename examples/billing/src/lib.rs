@@ -14,7 +14,8 @@
 //! ```
 //!
 //! Start-up applies the outbox migrations (`outbox_events`, `inbox_events`,
-//! `inbox_dead_letters`) and creates the `invoices` table if missing, starts
+//! `inbox_dead_letters`) and creates the `invoices` table if missing, both
+//! under one advisory lock so replicas started together take turns, starts
 //! an in-process relay for billing's own outbox (`invoice.created`; skip it
 //! with `--no-relay`), then creates or updates the durable consumer
 //! `--consumer` on `--stream`. The stream is created by whichever relay starts
@@ -30,13 +31,14 @@
 //! | `--nats-url` (`NATS_URL`) | `nats://127.0.0.1:4222` | |
 //! | `--nats-user`/`--nats-password`, `--nats-token`, `--nats-nkey`, `--nats-creds`, `--nats-tls-ca`, `--nats-tls-cert`/`--nats-tls-key` | | credentials and TLS, as for `outbox-relay` |
 //! | `--consumer` | `billing` | durable name and inbox dedupe namespace |
-//! | `--concurrency` | 16 | deliveries handled at once by the leading replica (never two of one subscription) |
+//! | `--concurrency` | 16 | deliveries (or batches) handled at once by the leading replica (never two of one subscription) |
+//! | `--batch` | 1 | deliveries handled in one transaction: above 1, up to N of distinct subscriptions share one inbox insert and one commit, then their acks; one whose handler fails is handled alone after it |
 //! | `--unordered` | | every replica consumes at once; a subscription's events may then be handled out of order across replicas (the handlers stay right, through retries) |
 //! | `--lease-timeout` | 15s | how long a silent leader keeps the lead before a standby takes over (a dead process is replaced at once) |
 //! | `--stream` | `OUTBOX` | |
 //! | `--subjects` | `subscription.>,invoice.>` | the stream's subjects, if billing's relay creates it |
 //! | `--no-relay` | | leave billing's outbox to a separate `outbox-relay` |
-//! | `--max-deliver` | 50 | deliveries before a failing event is dead-lettered |
+//! | `--max-deliver` | 50 | deliveries before a failing event is dead-lettered (billing counts them; the broker redelivers without limit, and a database that cannot be reached never spends them) |
 //! | `--ack-wait` | 30s | redelivery after a silent consumer |
 //! | `--metrics-addr` | | Prometheus text on `http://ADDR/metrics` |
 //! | `--schemas` | `schemas/events` | where `invoice.created.schema.json` is |
@@ -86,8 +88,8 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use inbox_consumer::{
-    BoxError, Consumer, ConsumerConfig, Dedupe, Delivery, ErrorKind, HandlerService, InTx,
-    MetricsLayer, Outcome, Router, TraceLayer,
+    BatchResults, BoxError, Consumer, ConsumerConfig, Dedupe, Delivery, ErrorKind, HandlerService,
+    InTx, MetricsLayer, Outcome, Router, TraceLayer,
 };
 use outbox_core::Outbox;
 use sqlx::PgPool;
@@ -171,6 +173,35 @@ pub fn service(pool: PgPool, outbox: Outbox, options: StackOptions) -> Stack {
             .option_layer(options.crash)
             .service(transaction),
     )
+}
+
+/// A whole batch stack, boxed: what [`Consumer::run_batched`] is given.
+pub type BatchStack = BoxCloneSyncService<Vec<Delivery>, BatchResults, BoxError>;
+
+/// The batch stack on `pool` (for `--batch N` above 1): trace → metrics →
+/// (crash) → dedupe of a whole batch in one transaction → [`handlers`].
+///
+/// # Errors
+/// A message naming the conflict, with [`StackOptions::dedupe`] off: the
+/// test-only stack without the inbox handles one delivery at a time.
+pub fn batch_service(
+    pool: PgPool,
+    outbox: Outbox,
+    options: StackOptions,
+) -> Result<BatchStack, &'static str> {
+    if !options.dedupe {
+        return Err(
+            "handling without the inbox (--no-dedupe) takes one delivery at a time (--batch 1)",
+        );
+    }
+    let transaction: BatchStack = BoxCloneSyncService::new(Dedupe::new(handlers(outbox), pool));
+    Ok(BoxCloneSyncService::new(
+        ServiceBuilder::new()
+            .layer(TraceLayer::new())
+            .layer(MetricsLayer::new())
+            .option_layer(options.crash)
+            .service(transaction),
+    ))
 }
 
 /// The consumer `consumer` on `stream`, filtered to the event types billing

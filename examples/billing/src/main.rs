@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use example_billing::{
-    CrashAfterCommitLayer, StackOptions, connect_consumer, consumer_config, default_schemas_dir,
-    service,
+    CrashAfterCommitLayer, StackOptions, batch_service, connect_consumer, consumer_config,
+    default_schemas_dir, service,
 };
 use outbox_core::{Outbox, SchemaRegistry};
 use outbox_publisher::cli::{LogFormat, NatsArgs, cancel_on_signal, init_logging};
@@ -47,6 +47,13 @@ struct Args {
     /// Deliveries handled at once (never two of one subscription).
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
+
+    /// Deliveries handled in one transaction (1: each in its own). Above 1,
+    /// up to N deliveries of distinct subscriptions share one transaction,
+    /// one set-based inbox insert and one commit, then their acks; one whose
+    /// handler fails is handled alone afterwards.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=4096))]
+    batch: u16,
 
     /// JetStream stream to consume from (and the relay publishes into).
     #[arg(long, default_value = "OUTBOX")]
@@ -170,8 +177,14 @@ async fn main() -> Result<(), Box<dyn Error>> {
         ))
     });
 
+    let batch = usize::from(args.batch);
+    // Room for every slot to fill its batch, and for the next batches.
+    let buffered = (concurrency * batch * 2).max(256);
     let config = consumer_config(&args.stream, &args.consumer)
         .concurrency(concurrency)
+        .max_batch(batch)
+        .max_buffered(buffered)
+        .max_ack_pending(i64::try_from(buffered * 2).unwrap_or(i64::MAX).max(1_000))
         .max_deliver(args.max_deliver)
         .ack_wait(args.ack_wait)
         .ordered(!args.unordered)
@@ -201,15 +214,20 @@ async fn main() -> Result<(), Box<dyn Error>> {
             );
             options = options.dedupe(false);
         }
-        let stack = service(pool.clone(), outbox, options);
         tracing::info!(
-            consumer = %args.consumer, stream = %args.stream, concurrency, ordered = !args.unordered,
-            "billing consuming",
+            consumer = %args.consumer, stream = %args.stream, concurrency, batch,
+            ordered = !args.unordered, "billing consuming",
         );
-        println!("billing ready");
-        consumer
-            .run(stack, shutdown.clone().cancelled_owned())
-            .await?;
+        let stopped = shutdown.clone().cancelled_owned();
+        if batch > 1 {
+            let stack = batch_service(pool.clone(), outbox, options)?;
+            println!("billing ready");
+            consumer.run_batched(stack, stopped).await?;
+        } else {
+            let stack = service(pool.clone(), outbox, options);
+            println!("billing ready");
+            consumer.run(stack, stopped).await?;
+        }
     }
 
     shutdown.cancel();

@@ -6,10 +6,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
-use inbox_consumer::Outcome;
 use pin_project_lite::pin_project;
 
-use super::{CrashMode, Dice};
+use super::{Committed, CrashMode, Dice};
 
 pin_project! {
     /// Resolves as the inner future does, unless the dice say crash after a
@@ -44,11 +43,12 @@ impl<F> fmt::Debug for ResponseFuture<F> {
     }
 }
 
-impl<F, E> Future for ResponseFuture<F>
+impl<F, R, E> Future for ResponseFuture<F>
 where
-    F: Future<Output = Result<Outcome, E>>,
+    F: Future<Output = Result<R, E>>,
+    R: Committed,
 {
-    type Output = Result<Outcome, E>;
+    type Output = Result<R, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
@@ -56,9 +56,7 @@ where
             return Poll::Pending;
         }
         let out = ready!(this.inner.poll(cx));
-        // Only a handled delivery committed something: a duplicate or a
-        // stale event rolled back, an error was never committed.
-        if matches!(out, Ok(Outcome::Handled)) && this.dice.roll() {
+        if out.as_ref().is_ok_and(Committed::committed) && this.dice.roll() {
             match this.mode {
                 CrashMode::Abort => {
                     tracing::warn!("injected crash: aborting after a commit, before the ack");

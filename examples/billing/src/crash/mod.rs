@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
-use inbox_consumer::Outcome;
+use inbox_consumer::{BatchResults, Outcome};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tower::{Layer, Service};
@@ -163,11 +163,33 @@ impl<S> CrashAfterCommit<S> {
     }
 }
 
+/// A response that tells whether something committed: a handled delivery, or
+/// a batch with at least one.
+pub trait Committed {
+    /// Whether the response follows a commit of some effect.
+    fn committed(&self) -> bool;
+}
+
+impl Committed for Outcome {
+    fn committed(&self) -> bool {
+        // Only a handled delivery committed something: a duplicate or a
+        // stale event rolled back, an error was never committed.
+        *self == Outcome::Handled
+    }
+}
+
+impl Committed for BatchResults {
+    fn committed(&self) -> bool {
+        self.iter().any(|r| matches!(r, Ok(Outcome::Handled)))
+    }
+}
+
 impl<S, Request> Service<Request> for CrashAfterCommit<S>
 where
-    S: Service<Request, Response = Outcome>,
+    S: Service<Request>,
+    S::Response: Committed,
 {
-    type Response = Outcome;
+    type Response = S::Response;
     type Error = S::Error;
     type Future = ResponseFuture<S::Future>;
 

@@ -14,7 +14,7 @@ const INSERT: &str = include_str!("../../queries/insert_invoice.sql");
 ///
 /// The insert happens under the subscription's lock (held until commit), so a
 /// cancellation handled at the same moment on another replica waits for this
-/// transaction and then sees its invoice ([`VoidInvoices`]).
+/// transaction and then sees its invoice ([`VoidInvoices`](crate::VoidInvoices)).
 ///
 /// Nothing in the handler or the `invoices` table prevents a second invoice
 /// for the same subscription: the inbox row, committed in the same
