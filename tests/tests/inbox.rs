@@ -701,19 +701,7 @@ impl BySequence {
 
     async fn new() -> Self {
         let db = TestDb::new().await.unwrap();
-        sqlx::query(
-            "create table effects (
-               n        bigserial primary key,
-               consumer text not null,
-               event_id uuid not null,
-               subject  text not null,
-               seq      bigint not null,
-               replica  text not null
-             )",
-        )
-        .execute(&db.pool)
-        .await
-        .unwrap();
+        create_effects(&db.pool).await;
         let handler = Record::new("a");
         let stack = Dedupe::new(
             inbox_consumer::SkipStale::new(HandlerService::new(handler.clone())),

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, stream};
+use futures::future::BoxFuture;
 use inbox_consumer::{
     Consumer, ConsumerConfig, Dedupe, DedupeLayer, Delivery, Handler, HandlerError, HandlerService,
     InTx, Metrics, MetricsLayer, Outcome, RetryPolicy, Router, Trace, TraceLayer,
@@ -123,9 +124,8 @@ pub(crate) struct World {
     pub(crate) stream: String,
 }
 
-pub(crate) async fn world(stream: &str) -> World {
-    install_recorder();
-    let db = TestDb::new().await.unwrap();
+/// The table [`Record`] writes its effects to.
+pub(crate) async fn create_effects(pool: &PgPool) {
     sqlx::query(
         "create table effects (
            n        bigserial primary key,
@@ -136,9 +136,15 @@ pub(crate) async fn world(stream: &str) -> World {
            replica  text not null
          )",
     )
-    .execute(&db.pool)
+    .execute(pool)
     .await
     .unwrap();
+}
+
+pub(crate) async fn world(stream: &str) -> World {
+    install_recorder();
+    let db = TestDb::new().await.unwrap();
+    create_effects(&db.pool).await;
     let nats = outbox_testkit::nats().unwrap();
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = jetstream::new(client);
@@ -431,17 +437,10 @@ where
     S::Error: Into<inbox_consumer::BoxError>,
     S::Future: Send + 'static,
 {
-    let consumer = Consumer::new(world.js.clone(), world.db.pool.clone(), config)
-        .await
-        .unwrap();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(consumer.run(service, async {
-        let _ = stopped.await;
-    }));
-    Running {
-        stop: Some(stop),
-        task,
-    }
+    spawn(world, config, |consumer, stopped| {
+        consumer.run(service, stopped)
+    })
+    .await
 }
 
 /// [`start`] for a batch service, with [`Consumer::run_batched`].
@@ -451,15 +450,30 @@ where
     S::Error: Into<inbox_consumer::BoxError>,
     S::Future: Send + 'static,
 {
+    spawn(world, config, |consumer, stopped| {
+        consumer.run_batched(service, stopped)
+    })
+    .await
+}
+
+/// Creates the consumer and spawns `run` on it, stopped by [`Running::shutdown`].
+async fn spawn<F>(
+    world: &World,
+    config: ConsumerConfig,
+    run: impl FnOnce(Consumer, BoxFuture<'static, ()>) -> F,
+) -> Running
+where
+    F: std::future::Future<Output = inbox_consumer::Result<()>> + Send + 'static,
+{
     let consumer = Consumer::new(world.js.clone(), world.db.pool.clone(), config)
         .await
         .unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(consumer.run_batched(service, async {
+    let stopped: BoxFuture<'static, ()> = Box::pin(async {
         let _ = stopped.await;
-    }));
+    });
     Running {
         stop: Some(stop),
-        task,
+        task: tokio::spawn(run(consumer, stopped)),
     }
 }
