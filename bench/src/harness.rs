@@ -545,6 +545,17 @@ pub(crate) struct RelayProc {
 
 impl RelayProc {
     pub(crate) async fn start(env: &Env, name: &str, db_url: &str, stream: &str) -> Result<Self> {
+        Self::start_with_subjects(env, name, db_url, stream, SUBJECTS).await
+    }
+
+    /// [`RelayProc::start`] with `--subjects subjects` (comma-separated).
+    pub(crate) async fn start_with_subjects(
+        env: &Env,
+        name: &str,
+        db_url: &str,
+        stream: &str,
+        subjects: &str,
+    ) -> Result<Self> {
         let bin = env.relay_bin.clone().ok_or_else(|| {
             format!(
                 "{} is missing: cargo build --release -p outbox-publisher --features cli --bins",
@@ -562,7 +573,7 @@ impl RelayProc {
                 "--stream",
                 stream,
                 "--subjects",
-                SUBJECTS,
+                subjects,
                 "--metrics-addr",
                 &metrics.to_string(),
             ]);

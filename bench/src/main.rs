@@ -28,10 +28,16 @@
 //! 6. `consumer` ([`consumer`], not run by default): the `billing` binary,
 //!    ordered replicas against unordered ones; needs
 //!    `cargo build --release -p example-billing` too.
+//! 7. `inbox` ([`inbox`], not run by default): `billing` as users run it,
+//!    one process, `--batch 1` and batched, against an ack-only JetStream
+//!    consumer draining the same backlog; then commit → invoice latency
+//!    through `outbox-relay` and billing at a paced rate. Needs
+//!    `cargo build --release -p example-billing` too.
 
 mod consumer;
 mod drain;
 mod harness;
+mod inbox;
 mod latency;
 mod raw_vs_relay;
 mod rss;
@@ -54,6 +60,7 @@ enum Part {
     Rss,
     Writers,
     Consumer,
+    Inbox,
 }
 
 #[derive(Debug, Parser)]
@@ -106,6 +113,26 @@ pub(crate) struct Args {
     /// Events per mode of the consumer-order comparison.
     #[arg(long, default_value_t = 20_000)]
     pub(crate) consumer_events: usize,
+    /// Backlog per mode of the inbox part's throughput comparison (0 skips it).
+    #[arg(long, default_value_t = 20_000)]
+    pub(crate) inbox_events: usize,
+    /// `billing --batch` values the inbox part drains the backlog with.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64,256", value_parser = clap::value_parser!(u16).range(1..=4096))]
+    pub(crate) inbox_batches: Vec<u16>,
+    /// `billing --batch` values also drained with `--no-relay` (none by
+    /// default): what billing's own relay for `invoice.created` costs.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u16).range(1..=4096))]
+    pub(crate) inbox_no_relay: Vec<u16>,
+    /// Paced write rate of the inbox part's latency runs, events per second
+    /// (0 skips them).
+    #[arg(long, default_value_t = 1_000)]
+    pub(crate) inbox_rate: usize,
+    /// How long each inbox latency run writes, in seconds.
+    #[arg(long, default_value_t = 10)]
+    pub(crate) inbox_latency_secs: u64,
+    /// `billing --batch` values of the inbox part's latency runs.
+    #[arg(long, value_delimiter = ',', default_value = "1,64", value_parser = clap::value_parser!(u16).range(1..=4096))]
+    pub(crate) inbox_latency_batches: Vec<u16>,
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
@@ -153,6 +180,9 @@ async fn main() -> Result<()> {
     }
     if runs(Part::Consumer) && args.consumer_events > 0 {
         consumer::run(&env, &args, &mut summary).await?;
+    }
+    if runs(Part::Inbox) {
+        inbox::run(&env, &args, &mut summary).await?;
     }
 
     println!(
