@@ -13,8 +13,10 @@
 //! reaches the events, polled every 20 ms; ack-only: every ack confirmed).
 //! Modes, in the same round, their order rotated: the ack-only consumer (the
 //! ceiling), then billing with each `--inbox-batches` value (`--batch 1` is
-//! its default: one transaction per delivery). Only `DATABASE_URL`,
-//! `NATS_URL`, `--stream`, `--metrics-addr` and `--batch` (above 1) are set.
+//! its default: one transaction per delivery), and each `--inbox-no-relay`
+//! value with `--no-relay` too (none by default: a diagnostic of what
+//! billing's own relay costs). Only `DATABASE_URL`, `NATS_URL`, `--stream`,
+//! `--metrics-addr` and `--batch` (above 1) are set.
 //!
 //! The ack-only consumer is a durable pull consumer written here with
 //! async-nats: the same filter subjects as billing, explicit acks,
@@ -36,9 +38,13 @@
 //! Where the time goes: CPU (in cores, averaged over the drain) of the
 //! consumer process, of the PostgreSQL backends connected to billing's
 //! database, of nats-server (when this harness started it) and of the whole
-//! machine (`/proc`); billing's own Prometheus counters; and the transactions
-//! committed in billing's database per event (`pg_stat_database`, the
-//! harness's own polls subtracted; billing's relay and lease count too).
+//! machine (`/proc`; in the latency runs also the relay, the upstream
+//! database's backends and this process); billing's own Prometheus counters;
+//! and, for the backlog, the transactions committed in billing's database per
+//! event (`pg_stat_database`, read once billing has exited, the harness's own
+//! polls subtracted; billing's relay and lease count too). Each latency run
+//! also splits its latency where the event enters the stream, as an ordered
+//! consumer of the harness sees it (wall clock on arrival).
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener};
@@ -140,7 +146,6 @@ struct Latency {
     /// The upstream side: `consumer` is the relay, `pg` the upstream
     /// database's backends, `nats` this process (the writers and the observer).
     upstream: Cpu,
-    commits_per_event: Option<f64>,
 }
 
 pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Result<()> {
@@ -236,7 +241,7 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
         }
     }
 
-    let mut out = String::new();
+    let mut out = format!("Inbox part: billing {built}.\n\n");
     if args.inbox_events > 0 {
         out.push_str(&throughput_table(args, &modes, &drains));
     }
@@ -347,8 +352,8 @@ fn throughput_table(args: &Args, modes: &[Mode], drains: &[Vec<Option<Drained>>]
 fn latency_table(args: &Args, latencies: &[Vec<Option<Latency>>]) -> String {
     let mut out = format!(
         "### Inbox consumer: commit → invoice latency ({} events/s for {} s through 1 outbox-relay process, {} rounds)\n\n\
-         | billing | p50, ms | p99, ms | max, ms | commit → stream p50 / p99, ms | stream → invoice p50 / p99, ms | written, events/s | invoiced, events/s | transactions per event |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         | billing | p50, ms | p99, ms | max, ms | commit → stream p50 / p99, ms | stream → invoice p50 / p99, ms | written, events/s | invoiced, events/s |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|\n",
         num(args.inbox_rate as f64, 0),
         args.inbox_latency_secs,
         args.rounds
@@ -363,17 +368,16 @@ fn latency_table(args: &Args, latencies: &[Vec<Option<Latency>>]) -> String {
         let name = Mode::Billing(batch, true).name();
         if runs.is_empty() {
             out.push_str(&format!(
-                "| {name} | failed in every round (see notes) | | | | | | | |\n"
+                "| {name} | failed in every round (see notes) | | | | | | |\n"
             ));
             continue;
         }
         let pick = |f: fn(&Latency) -> f64| -> Spread {
             Spread::of(&runs.iter().map(f).collect::<Vec<_>>())
         };
-        let commits: Vec<f64> = runs.iter().filter_map(|l| l.commits_per_event).collect();
         let failed = latencies[i].iter().filter(|l| l.is_none()).count();
         out.push_str(&format!(
-            "| {name}{} | {} | {} | {} | {} / {} | {} / {} | {} | {} | {} |\n",
+            "| {name}{} | {} | {} | {} | {} / {} | {} / {} | {} | {} |\n",
             if failed > 0 {
                 format!(" ({failed} rounds failed, see notes)")
             } else {
@@ -388,11 +392,6 @@ fn latency_table(args: &Args, latencies: &[Vec<Option<Latency>>]) -> String {
             pick(|l| l.from_stream.1).show(1),
             pick(|l| l.written_rate),
             pick(|l| l.handled_rate),
-            if commits.is_empty() {
-                "–".to_owned()
-            } else {
-                Spread::of(&commits).show(2)
-            },
         ));
         cpu.push_str(&format!(
             "| {name} | {} | {} | {} | {} | {} | {} | {} |\n",
@@ -825,7 +824,6 @@ async fn paced_observed(
     let total = args.inbox_rate * args.inbox_latency_secs as usize;
     let interval = Duration::from_secs_f64(1.0 / args.inbox_rate as f64);
     let next = Arc::new(AtomicUsize::new(0));
-    let commits0 = xact_commit(&env.admin, &own.name).await?;
     let pid = billing.pid();
     let cpu0 = CpuMark::take(pid, Some(&own.name), nats_pid);
     let (relay_pid, me) = (relay.pid(), Some(std::process::id()));
@@ -858,7 +856,7 @@ async fn paced_observed(
         commits.extend(writer.await??);
     }
     let written_rate = total as f64 / started.elapsed().as_secs_f64();
-    let (_, polls) = wait_invoices(
+    wait_invoices(
         &own.pool,
         total + 1,
         started,
@@ -869,7 +867,6 @@ async fn paced_observed(
     .map_err(|e| format!("after the paced writes: {e}"))?;
     let cpu = CpuMark::take(pid, Some(&own.name), nats_pid).since(&cpu0);
     let upstream_cpu = CpuMark::take(relay_pid, Some(&upstream.name), me).since(&upstream0);
-    let commits_after = xact_commit(&env.admin, &own.name).await?;
 
     let rows: Vec<(Uuid, i64)> = sqlx::query_as(
         "select event_id, (extract(epoch from created_at) * 1000000)::int8 from invoices",
@@ -929,8 +926,6 @@ async fn paced_observed(
         written_rate,
         cpu,
         upstream: upstream_cpu,
-        // Billing's stats may lag by a second while it runs; roughly right.
-        commits_per_event: Some((commits_after - commits0 - polls as i64) as f64 / total as f64),
     })
 }
 
