@@ -9,14 +9,24 @@
 //! (one subscription each) are published to JetStream first; then the
 //! consumer starts, and the clock runs from the moment it is ready (billing:
 //! its `billing ready` line, after its migrations and its durable consumer
-//! exist) until every event is handled (billing: `count(*)` of `invoices`
-//! reaches the events, polled every 20 ms; ack-only: every ack confirmed).
+//! exist) until every event is handled (billing: the last invoice's
+//! `created_at`, once `count(*)` of `invoices`, polled every 250 ms, reaches
+//! the events; ack-only: every ack confirmed).
 //! Modes, in the same round, their order rotated: the ack-only consumer (the
 //! ceiling), then billing with each `--inbox-batches` value (`--batch 1` is
 //! its default: one transaction per delivery), and each `--inbox-no-relay`
 //! value with `--no-relay` too (none by default: a diagnostic of what
 //! billing's own relay costs). Only `DATABASE_URL`, `NATS_URL`, `--stream`,
 //! `--metrics-addr` and `--batch` (above 1) are set.
+//!
+//! A footnote mode, `--inbox-library` values: the `inbox-consumer` library
+//! itself, in this process, with a handler that does nothing (decode the
+//! payload, return): trace → metrics → dedupe → router, `run` for batch 1
+//! and `run_batched` above, concurrency 16 and room for two batches per slot
+//! as billing sets it. It is what the inbox costs on its own, without
+//! billing's handler (an advisory lock, an invoice row and an outbox event
+//! per delivery) and billing's relay; the end is the last inbox row's
+//! `handled_at` (its transaction's start).
 //!
 //! The ack-only consumer is a durable pull consumer written here with
 //! async-nats: the same filter subjects as billing, explicit acks,
@@ -66,6 +76,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
+use inbox_consumer::{
+    Consumer, ConsumerConfig, DedupeLayer, Handler, HandlerError, HandlerService, MetricsLayer,
+    Router, TraceLayer,
+};
+use sqlx::postgres::PgPoolOptions;
+use tower::ServiceBuilder;
+
 use crate::Args;
 use crate::harness::{BoxError, Db, Env, RelayProc, Result, publish_all};
 use crate::stats::{Spread, num, percentile};
@@ -74,8 +91,11 @@ use crate::stats::{Spread, num, percentile};
 const STREAM_SUBJECTS: [&str; 2] = ["subscription.>", "invoice.>"];
 /// What billing's consumer is filtered to; the ack-only consumer too.
 const FILTERS: [&str; 2] = ["subscription.cancelled", "subscription.created"];
-/// How often the invoices are counted.
-const POLL: Duration = Duration::from_millis(20);
+/// How often the invoices are counted. A count scans the table, so polling
+/// fast would load the database under test; the end of a drain is taken
+/// from the last invoice's `created_at` instead, so this does not limit the
+/// timing's resolution.
+const POLL: Duration = Duration::from_millis(250);
 /// A drain that handles nothing for this long has failed.
 const STALL: Duration = Duration::from_secs(60);
 /// Concurrent writer connections sharing the paced schedule.
@@ -93,6 +113,8 @@ enum Mode {
     AckOnly,
     /// `--batch`, and whether billing runs its in-process relay (the default).
     Billing(u16, bool),
+    /// The library in process, a no-op handler, deliveries per transaction.
+    Library(u16),
 }
 
 impl Mode {
@@ -102,6 +124,7 @@ impl Mode {
             Self::Billing(1, true) => "billing --batch 1 (default)".to_owned(),
             Self::Billing(b, true) => format!("billing --batch {b}"),
             Self::Billing(b, false) => format!("billing --batch {b} --no-relay"),
+            Self::Library(b) => format!("inbox-consumer, no-op handler, batch {b}"),
         }
     }
 }
@@ -154,6 +177,7 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
     let mut modes = vec![Mode::AckOnly];
     modes.extend(args.inbox_batches.iter().map(|&b| Mode::Billing(b, true)));
     modes.extend(args.inbox_no_relay.iter().map(|&b| Mode::Billing(b, false)));
+    modes.extend(args.inbox_library.iter().map(|&b| Mode::Library(b)));
     println!(
         "\n## Inbox consumer: {} events from a backlog, then {} events/s for {} s through outbox-relay\nbilling: {built}",
         args.inbox_events, args.inbox_rate, args.inbox_latency_secs
@@ -173,6 +197,9 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
                     Mode::AckOnly => ack_only(env, args.inbox_events, nats_pid).await,
                     Mode::Billing(batch, relay) => {
                         billing_drain(env, &bin, batch, relay, args.inbox_events, nats_pid).await
+                    }
+                    Mode::Library(batch) => {
+                        library_drain(env, batch, args.inbox_events, nats_pid).await
                     }
                 };
                 match result {
@@ -536,6 +563,109 @@ async fn ack_only_on(
     })
 }
 
+/// A handler that decodes the payload and does nothing else.
+#[derive(Debug, Clone)]
+struct Noop;
+
+impl Handler for Noop {
+    type Message = serde_json::Value;
+
+    async fn handle(
+        &self,
+        _event: Envelope<serde_json::Value>,
+        _tx: &mut sqlx::PgTransaction<'static>,
+    ) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+async fn library_drain(
+    env: &Env,
+    batch: u16,
+    events: usize,
+    nats_pid: Option<u32>,
+) -> Result<Drained> {
+    let db = env.database(&format!("inbox_lib{batch}")).await?;
+    let stream = env.stream_name();
+    let result = library_drain_on(env, batch, events, nats_pid, &db, &stream).await;
+    env.delete_stream(&stream).await;
+    env.drop_database(db).await?;
+    result
+}
+
+async fn library_drain_on(
+    env: &Env,
+    batch: u16,
+    events: usize,
+    nats_pid: Option<u32>,
+    db: &Db,
+    stream: &str,
+) -> Result<Drained> {
+    backlog(env, stream, events).await?;
+    let router = Router::new().route(FILTERS[1], HandlerService::new(Noop));
+    let batch = usize::from(batch.max(1));
+    let concurrency = 16;
+    let buffered = (concurrency * batch * 2).max(256);
+    let config = ConsumerConfig::for_router(stream, "inbox-bench", &router)
+        .concurrency(concurrency)
+        .max_batch(batch)
+        .max_buffered(buffered)
+        .max_ack_pending(i64::try_from(buffered * 2).unwrap_or(i64::MAX).max(1_000));
+    let pool = PgPoolOptions::new()
+        .max_connections(u32::try_from(concurrency + 4).unwrap_or(20))
+        .connect(&db.url)
+        .await?;
+    let consumer = Consumer::new(env.js.clone(), pool.clone(), config).await?;
+    let service = ServiceBuilder::new()
+        .layer(TraceLayer::new())
+        .layer(MetricsLayer::new())
+        .layer(DedupeLayer::new(pool.clone()))
+        .service(router);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let stopped = async {
+        let _ = stopped.await;
+    };
+    let started = Instant::now();
+    let started_at = wall_micros() as f64;
+    let cpu0 = CpuMark::take(Some(std::process::id()), Some(&db.name), nats_pid);
+    let run = if batch > 1 {
+        tokio::spawn(consumer.run_batched(service, stopped))
+    } else {
+        tokio::spawn(consumer.run(service, stopped))
+    };
+    let mut first = None;
+    loop {
+        let count: i64 = sqlx::query_scalar("select count(*) from inbox_events")
+            .fetch_one(&db.pool)
+            .await?;
+        if count > 0 {
+            first.get_or_insert_with(|| started.elapsed().as_secs_f64());
+        }
+        if usize::try_from(count).unwrap_or(0) >= events {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(600) {
+            return Err(format!("{count} of {events} handled after 600 s").into());
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    let last: f64 =
+        sqlx::query_scalar("select extract(epoch from max(handled_at))::float8 from inbox_events")
+            .fetch_one(&db.pool)
+            .await?;
+    let cpu = CpuMark::take(Some(std::process::id()), Some(&db.name), nats_pid).since(&cpu0);
+    let _ = stop.send(());
+    run.await??;
+    pool.close().await;
+    Ok(Drained {
+        rate: events as f64 / (last - started_at / 1e6).max(1e-3),
+        first: first.unwrap_or_default(),
+        cpu,
+        scraped: None,
+        commits_per_event: None,
+    })
+}
+
 async fn billing_drain(
     env: &Env,
     bin: &Path,
@@ -574,10 +704,16 @@ async fn billing_drain_on(
     )
     .await?;
     let started = Instant::now();
+    let started_at = wall_micros() as f64;
     let pid = billing.pid();
     let cpu0 = CpuMark::take(pid, Some(&db.name), nats_pid);
     let waited = wait_invoices(&db.pool, events, started, STALL, &mut billing).await;
-    let elapsed = started.elapsed();
+    // The drain ended with the last invoice, not with the poll that saw it.
+    let last: f64 =
+        sqlx::query_scalar("select extract(epoch from max(created_at))::float8 from invoices")
+            .fetch_one(&db.pool)
+            .await?;
+    let elapsed = Duration::from_secs_f64((last - started_at / 1e6).max(1e-3));
     let cpu = CpuMark::take(pid, Some(&db.name), nats_pid).since(&cpu0);
     let scraped = billing.scrape().await;
     billing.stop(env).await;

@@ -123,6 +123,11 @@ pub(crate) struct Args {
     /// default): what billing's own relay for `invoice.created` costs.
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u16).range(1..=4096))]
     pub(crate) inbox_no_relay: Vec<u16>,
+    /// Deliveries per transaction of the `inbox-consumer` library run in
+    /// process with a no-op handler (a footnote: the inbox's own cost);
+    /// none by default.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) inbox_library: Vec<u16>,
     /// Paced write rate of the inbox part's latency runs, events per second
     /// (0 skips them).
     #[arg(long, default_value_t = 1_000)]
