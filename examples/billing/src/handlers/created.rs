@@ -40,7 +40,7 @@ impl Handler for InvoiceSubscription {
         tx: &mut PgTransaction<'static>,
     ) -> Result<(), HandlerError> {
         let data = event.data();
-        super::lock_subscription(tx, &data.subscription_id).await?;
+        // The subscription's lock and the insert, in one statement.
         let invoice_id = Uuid::now_v7();
         sqlx::query(INSERT)
             .bind(invoice_id)
@@ -62,7 +62,7 @@ impl Handler for InvoiceSubscription {
             },
         )?;
         self.outbox.enqueue(tx, &invoice).await?;
-        tracing::info!(
+        tracing::debug!(
             %invoice_id, subscription_id = %data.subscription_id, customer_id = %data.customer_id,
             event_id = %event.id(), "invoice raised",
         );
