@@ -113,8 +113,7 @@ impl<'a, R: Runner> Session<'a, R> {
             if self.stopping && self.tasks.is_empty() {
                 return Served::Shutdown(self.tenure.take());
             }
-            self.open_pull().await;
-            let waiting_to_pull = !self.stopping && self.pull.is_none();
+            let retry_pull = self.open_pull().await;
             tokio::select! {
                 biased;
                 () = shutdown.as_mut(), if !self.stopping => self.begin_shutdown(),
@@ -123,7 +122,7 @@ impl<'a, R: Runner> Session<'a, R> {
                     self.task_ended(joined);
                 }
                 next = next_message(&mut self.pull), if self.pull.is_some() => self.received(next),
-                () = tokio::time::sleep_until(self.pull_at), if waiting_to_pull => {}
+                () = tokio::time::sleep_until(self.pull_at), if retry_pull => {}
                 () = tokio::time::sleep_until(self.progress_at) => self.keep_alive(),
             }
         }
@@ -175,10 +174,12 @@ impl<'a, R: Runner> Session<'a, R> {
     }
 
     /// Issues a pull sized to the room left, when it is time and worth it.
-    async fn open_pull(&mut self) {
+    /// Returns whether to try again at `pull_at`; otherwise a task that ends
+    /// (freeing room) or the pull in flight wakes the session.
+    async fn open_pull(&mut self) -> bool {
         let config = &self.shared.config;
-        if self.stopping || self.pull.is_some() || Instant::now() < self.pull_at {
-            return;
+        if self.stopping || self.pull.is_some() {
+            return false;
         }
         // Wait for room worth a pull, unless nothing at all is held.
         let worth = if self.held == 0 {
@@ -187,13 +188,16 @@ impl<'a, R: Runner> Session<'a, R> {
             (config.batch.min(config.max_buffered) / 2).max(1)
         };
         if self.room() < worth {
-            return;
+            return false;
+        }
+        if Instant::now() < self.pull_at {
+            return true;
         }
         if let Some(tenure) = &self.tenure
             && !tenure.valid()
         {
             self.pull_at = Instant::now() + UNCONFIRMED_RECHECK;
-            return;
+            return true;
         }
         let size = self.room().min(config.batch.max(self.runner.max_jobs()));
         // A leader's pulls are short: none outlives a deposed leader by more
@@ -209,17 +213,17 @@ impl<'a, R: Runner> Session<'a, R> {
             .max_messages(size)
             .expires(expires)
             .messages();
-        match tokio::time::timeout(config.ack_timeout, pull).await {
-            Ok(Ok(pull)) => self.pull = Some(pull),
-            Ok(Err(e)) => {
-                tracing::warn!(consumer = %config.durable, error = %e, "cannot pull messages; retrying");
-                self.pull_at = Instant::now() + REPULL_DELAY;
+        let error = match tokio::time::timeout(config.ack_timeout, pull).await {
+            Ok(Ok(pull)) => {
+                self.pull = Some(pull);
+                return false;
             }
-            Err(e) => {
-                tracing::warn!(consumer = %config.durable, error = %e, "cannot pull messages; retrying");
-                self.pull_at = Instant::now() + REPULL_DELAY;
-            }
-        }
+            Ok(Err(e)) => e.to_string(),
+            Err(elapsed) => elapsed.to_string(),
+        };
+        tracing::warn!(consumer = %config.durable, %error, "cannot pull messages; retrying");
+        self.pull_at = Instant::now() + REPULL_DELAY;
+        true
     }
 
     /// Takes in what a pull yielded, and whatever else it has already buffered.
