@@ -635,23 +635,8 @@ impl RelayProc {
 
     /// Its `/metrics`, read now.
     pub(crate) async fn phases(&self) -> Result<Phases> {
-        let mut conn = tokio::time::timeout(
-            Duration::from_secs(5),
-            tokio::net::TcpStream::connect(self.metrics),
-        )
-        .await??;
-        conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-            .await?;
-        let mut response = Vec::new();
-        tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut response)).await??;
-        let response = String::from_utf8_lossy(&response);
-        let (head, body) = response
-            .split_once("\r\n\r\n")
-            .ok_or("no HTTP response from /metrics")?;
-        if !head.lines().next().is_some_and(|l| l.contains(" 200")) {
-            return Err(format!("{}: /metrics answered {head}", self.name()).into());
-        }
-        Ok(Phases::parse(body))
+        let body = scrape_metrics(self.metrics, self.name()).await?;
+        Ok(Phases::parse(&body))
     }
 
     /// SIGTERM; notes a failed exit and every warning or error in its log.
@@ -748,6 +733,26 @@ pub(crate) async fn drain(
         phases,
         relays,
     })
+}
+
+/// The body of the Prometheus text served on `http://addr/metrics` by the
+/// process `name`.
+pub(crate) async fn scrape_metrics(addr: std::net::SocketAddr, name: &str) -> Result<String> {
+    let mut conn =
+        tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr))
+            .await??;
+    conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .await?;
+    let mut response = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut response)).await??;
+    let response = String::from_utf8_lossy(&response);
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| format!("no HTTP response from {name}'s /metrics"))?;
+    if !head.lines().next().is_some_and(|l| l.contains(" 200")) {
+        return Err(format!("{name}'s /metrics answered {head}").into());
+    }
+    Ok(body.to_owned())
 }
 
 #[cfg(test)]

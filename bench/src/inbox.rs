@@ -72,7 +72,6 @@ use outbox_publisher::DEFAULT_DUPLICATE_WINDOW;
 use outbox_testkit::Program;
 use serde_json::json;
 use sqlx::PgPool;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
@@ -84,7 +83,7 @@ use sqlx::postgres::PgPoolOptions;
 use tower::ServiceBuilder;
 
 use crate::Args;
-use crate::harness::{BoxError, Db, Env, RelayProc, Result, publish_all};
+use crate::harness::{BoxError, Db, Env, RelayProc, Result, publish_all, scrape_metrics};
 use crate::stats::{Spread, num, percentile};
 
 /// The stream's subjects, as billing's relay would create it.
@@ -1118,23 +1117,8 @@ impl BillingProc {
     }
 
     async fn scrape(&self) -> Result<Scraped> {
-        let mut conn = tokio::time::timeout(
-            Duration::from_secs(5),
-            tokio::net::TcpStream::connect(self.metrics),
-        )
-        .await??;
-        conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-            .await?;
-        let mut response = Vec::new();
-        tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut response)).await??;
-        let response = String::from_utf8_lossy(&response);
-        let (head, body) = response
-            .split_once("\r\n\r\n")
-            .ok_or("no HTTP response from billing's /metrics")?;
-        if !head.lines().next().is_some_and(|l| l.contains(" 200")) {
-            return Err(format!("billing's /metrics answered {head}").into());
-        }
-        Ok(Scraped::parse(body))
+        let body = scrape_metrics(self.metrics, "billing").await?;
+        Ok(Scraped::parse(&body))
     }
 
     /// SIGTERM; notes a failed exit and every warning or error in its log.
