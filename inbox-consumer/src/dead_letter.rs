@@ -7,9 +7,14 @@
 //! `Inbox-Dead-Letter-Reason`, `Inbox-Consumer`, `Inbox-Stream` and
 //! `Inbox-Stream-Sequence`. Only once both succeeded is the message
 //! terminated; if either fails the message is nak'ed and dead-lettering is
-//! tried again on redelivery, so poison is never dropped silently. A lost
-//! `Term` can therefore leave two rows for one message: rows are keyed by a
-//! serial id, not by the message.
+//! tried again on redelivery, so poison is never dropped silently.
+//!
+//! A message is dead-lettered once per consumer, even when the `Term` after
+//! its dead letter is lost and JetStream redelivers it: the insert finds the
+//! row written before (same consumer, stream, stream sequence and bytes;
+//! migration `20260101000007_inbox_dead_letters_by_message.sql`) and returns
+//! it, and the DLQ copy carries `Nats-Msg-Id` `consumer:stream:sequence`, so
+//! a DLQ stream's duplicate window drops the second publish.
 
 use std::time::Duration;
 
@@ -41,7 +46,8 @@ pub(crate) struct DeadLetter<'a> {
 }
 
 impl DeadLetter<'_> {
-    /// Inserts the row; returns its id.
+    /// Inserts the row, unless this consumer already dead-lettered the same
+    /// message; returns the row's id.
     pub(crate) async fn insert(&self, pool: &PgPool) -> Result<i64, Error> {
         let stream_sequence = i64::try_from(self.info.stream_sequence).unwrap_or(i64::MAX);
         let delivered = i64::try_from(self.info.delivered).unwrap_or(i64::MAX);
@@ -76,12 +82,14 @@ impl DeadLetter<'_> {
             "Inbox-Stream-Sequence",
             self.info.stream_sequence.to_string().as_str(),
         );
-        // The original id would be deduplicated away by a DLQ stream that saw it.
+        // The original id would be deduplicated away by a DLQ stream that saw
+        // it; this one names the message for this consumer, so a second
+        // dead-lettering of it (its Term lost) is deduplicated instead.
         headers.insert(
             "Nats-Msg-Id",
             format!(
                 "{}:{}:{}",
-                self.info.stream, self.info.stream_sequence, self.info.delivered
+                self.info.consumer, self.info.stream, self.info.stream_sequence
             )
             .as_str(),
         );

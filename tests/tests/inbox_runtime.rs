@@ -343,3 +343,65 @@ async fn a_type_no_route_handles_is_acked_and_counted_not_dead_lettered() {
     assert_eq!(w.count("select count(*) from inbox_dead_letters").await, 0);
     assert_eq!(counter("inbox_unrouted_total", "unrouted"), 1);
 }
+
+// ---------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_message_is_dead_lettered_once_even_when_its_term_was_lost() {
+    let w = world("INBOX_DL_ONCE").await;
+    let poison = b"\x00 not json".to_vec();
+    let seq_of =
+        |ack: async_nats::jetstream::publish::PublishAck| i64::try_from(ack.sequence).unwrap();
+    let first = seq_of(
+        w.js.publish("t.ok", poison.clone().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap(),
+    );
+    let other = seq_of(
+        w.js.publish("t.ok", b"also not json".to_vec().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap(),
+    );
+    // An earlier delivery of `first` wrote its dead letter and its Term was
+    // lost. For `other`'s sequence there is a row with different bytes: a
+    // stream of the same name, created again, numbering from 1 again.
+    let earlier = "insert into inbox_dead_letters
+        (consumer, stream, stream_sequence, subject, delivery_count, reason, error, payload)
+        values ('dl_once', $1, $2, 't.ok', 1, 'not_json', 'earlier', $3)";
+    for (seq, payload) in [(first, poison.clone()), (other, b"older bytes".to_vec())] {
+        sqlx::query(earlier)
+            .bind(&w.stream)
+            .bind(seq)
+            .bind(payload)
+            .execute(&w.db.pool)
+            .await
+            .unwrap();
+    }
+
+    let running = start(
+        &w,
+        config(&w, "dl_once"),
+        stack(&w.db.pool, Record::new("a")),
+    )
+    .await;
+    w.wait_settled("dl_once").await;
+    running.shutdown().await;
+    let rows: Vec<(i64, String)> = sqlx::query_as(
+        "select stream_sequence, error from inbox_dead_letters order by stream_sequence, id",
+    )
+    .fetch_all(&w.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 3, "{rows:?}");
+    assert_eq!(rows[0], (first, "earlier".to_owned()), "not written twice");
+    assert_eq!(rows[1].0, other);
+    assert_eq!(rows[2].0, other);
+    assert_ne!(
+        rows[2].1, "earlier",
+        "a different message at that sequence is kept"
+    );
+}
