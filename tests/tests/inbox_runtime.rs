@@ -405,3 +405,34 @@ async fn a_message_is_dead_lettered_once_even_when_its_term_was_lost() {
         "a different message at that sequence is kept"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_message_that_arrives_while_the_consumer_shuts_down_is_not_left_unacked() {
+    let w = world("INBOX_STOPPING").await;
+    let handler = Record::new("a");
+    // A long ack wait: a message delivered to a consumer that stopped reading
+    // would sit out 60 s.
+    let config = config(&w, "stopping").ack_wait(Duration::from_secs(60));
+    let mut running = start(&w, config, stack(&w.db.pool, handler.clone())).await;
+    w.publish(&event("t.ok", "warm", json!({"seq": 0}))).await;
+    w.wait_count("the warm-up handled", "select count(*) from effects", 1)
+        .await;
+
+    // Shutdown begins while a pull is open; an event arrives right after.
+    let _ = running.stop.take().unwrap().send(());
+    w.publish(&event("t.ok", "late", json!({"seq": 1}))).await;
+    tokio::time::timeout(WAIT, &mut running.task)
+        .await
+        .expect("shutdown finishes")
+        .unwrap()
+        .unwrap();
+    let stream = w.js.get_stream(&w.stream).await.unwrap();
+    let info = stream.consumer_info("stopping").await.unwrap();
+    assert_eq!(
+        info.num_ack_pending, 0,
+        "nothing delivered to the stopped consumer was left unacked"
+    );
+    // Handled before the exit, or never delivered and still pending.
+    let handled = w.count("select count(*) from effects").await;
+    assert_eq!(handled + i64::try_from(info.num_pending).unwrap(), 2);
+}

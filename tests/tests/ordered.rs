@@ -789,7 +789,9 @@ async fn shutdown_stops_an_in_place_retry_and_leaves_the_event_to_the_next_leade
         .retry(RetryPolicy::default().base(Duration::from_secs(60)));
     let replica = Replica::start("a", &w, config, service).await;
     let event = Envelope::new("o.step", "tests", "s", json!({"seq": 0, "fail": 1})).unwrap();
-    w.publish_all(std::slice::from_ref(&event)).await;
+    // The next event of the subject waits behind it and must not overtake it.
+    let next = Envelope::new("o.step", "tests", "s", json!({"seq": 1})).unwrap();
+    w.publish_all(&[event.clone(), next]).await;
     wait_until("the first attempt failed", WAIT, || async {
         handler
             .attempts
@@ -811,21 +813,31 @@ async fn shutdown_stops_an_in_place_retry_and_leaves_the_event_to_the_next_leade
         .unwrap()
         .unwrap();
     assert!(started.elapsed() < Duration::from_secs(10));
-    assert_eq!(w.count("select count(*) from effects").await, 0);
+    assert_eq!(
+        w.count("select count(*) from effects").await,
+        0,
+        "nothing applied: the later event did not overtake the unfinished one"
+    );
     let stream = w.js.get_stream("ORDERED_STOP").await.unwrap();
     let info = stream.consumer_info("stop").await.unwrap();
     assert_eq!(
-        info.num_ack_pending, 1,
-        "the event is left unacked for the next leader"
+        info.num_ack_pending, 2,
+        "both events are left unacked for the next leader"
     );
 
-    // The next leader (a clean handover: no wait) applies it once it comes back.
+    // The next leader (a clean handover: no wait) applies them, in order, once
+    // they come back.
     let replica = Replica::start("b", &w, ordered_config("ORDERED_STOP", "stop"), service).await;
-    wait_until("the event applied by the next leader", WAIT, || async {
-        w.count("select count(*) from effects").await == 1
+    wait_until("both events applied by the next leader", WAIT, || async {
+        w.count("select count(*) from effects").await == 2
     })
     .await
     .unwrap();
     w.wait_settled("ORDERED_STOP", "stop").await;
     replica.shutdown().await;
+    let order: Vec<i64> = sqlx::query_scalar("select seq from effects order by n")
+        .fetch_all(&w.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(order, [0, 1], "applied in stream order");
 }

@@ -51,6 +51,13 @@ impl<J> Dispatcher<J> {
         }
     }
 
+    /// Frees `key` and returns every job that waited behind it.
+    pub(crate) fn abandon(&mut self, key: &str) -> VecDeque<J> {
+        let queue = self.waiting.remove(key).unwrap_or_default();
+        self.queued -= queue.len();
+        queue
+    }
+
     /// Jobs waiting behind a busy key.
     pub(crate) fn queued(&self) -> usize {
         self.queued
@@ -83,6 +90,19 @@ mod tests {
         assert_eq!(d.finish("a"), None);
         assert_eq!(d.queued(), 0);
         assert_eq!(d.offer("a", 7), Some(7));
+    }
+
+    #[test]
+    fn abandoning_a_key_hands_back_its_queue_and_frees_it() {
+        let mut d = Dispatcher::new();
+        assert_eq!(d.offer("a", 1), Some(1));
+        assert_eq!(d.offer("a", 2), None);
+        assert_eq!(d.offer("a", 3), None);
+        assert_eq!(d.offer("b", 4), Some(4));
+        assert_eq!(d.abandon("a"), VecDeque::from([2, 3]));
+        assert_eq!(d.queued(), 0);
+        assert_eq!(d.offer("a", 5), Some(5));
+        assert!(d.abandon("x").is_empty());
     }
 
     #[test]

@@ -51,12 +51,14 @@
 //! - **Broker outages**: a failed pull is issued again after a pause (a pull
 //!   lost with a restarting broker ends after 7 s); ack failures are logged
 //!   (the redelivery will be a duplicate).
-//! - **Shutdown.** When the shutdown future resolves, fetching stops, and every
-//!   message already held (running or queued) is finished, committed and acked
-//!   before [`Consumer::run`] returns. Dropping the `run` future instead aborts
-//!   everything in flight without acking, like a crash: those messages are
-//!   redelivered after `ack_wait` and the inbox turns any committed one into a
-//!   duplicate.
+//! - **Shutdown.** When the shutdown future resolves, pulling stops, and
+//!   every message already held (running or waiting) is finished, committed
+//!   and acked before [`Consumer::run`] returns (an ordered
+//!   consumer leaves an event whose in-place retry is cut short, and the
+//!   later events of its subject, to the next leader). Dropping the `run`
+//!   future instead aborts everything in flight without acking, like a
+//!   crash: those messages are redelivered after `ack_wait` and the inbox
+//!   turns any committed one into a duplicate.
 //!
 //! # Ordering guarantee
 //!

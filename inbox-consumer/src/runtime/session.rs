@@ -13,7 +13,7 @@
 //! (running ones get theirs from their task), so none is redelivered while
 //! it waits.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -67,6 +67,10 @@ pub(crate) struct Session<'a, R> {
     cleared: VecDeque<Job>,
     dispatcher: Dispatcher<Job>,
     backlog: Backlog<Job>,
+    /// A leader's subjects with an event left unfinished (shutting down, or
+    /// lost to a new leader): none of their later events runs in this
+    /// session, so none overtakes it. They go back unacked to the next leader.
+    abandoned: HashSet<String>,
     tasks: JoinSet<Vec<bool>>,
     tracked: Tracked,
     pull: Option<jetstream::consumer::pull::Batch>,
@@ -96,6 +100,7 @@ impl<'a, R: Runner> Session<'a, R> {
             cleared: VecDeque::new(),
             dispatcher: Dispatcher::new(),
             backlog,
+            abandoned: HashSet::new(),
             tasks: JoinSet::new(),
             tracked: HashMap::new(),
             pull: None,
@@ -142,6 +147,10 @@ impl<'a, R: Runner> Session<'a, R> {
                 && let Some(job) = self.ready.pop_front()
             {
                 let key = job.1.subject().to_owned();
+                if self.abandoned.contains(&key) {
+                    self.held = self.held.saturating_sub(1);
+                    continue;
+                }
                 if let Some(job) = self.dispatcher.offer(&key, job) {
                     jobs.push(job);
                 }
@@ -297,10 +306,19 @@ impl<'a, R: Runner> Session<'a, R> {
         // A poison task holds one message and no subject.
         self.held = self.held.saturating_sub(keys.len().max(1));
         for (index, (key, event)) in keys.into_iter().enumerate() {
+            let done = finished.get(index).copied().unwrap_or(false);
+            if !done && self.tenure.is_some() {
+                // An ordered subject's event was left unfinished: its later
+                // events must not overtake it here.
+                let dropped = self.dispatcher.abandon(&key).len();
+                self.held = self.held.saturating_sub(dropped);
+                self.abandoned.insert(key);
+                continue;
+            }
             if let Some(job) = self.dispatcher.finish(&key) {
                 self.cleared.push_back(job);
             }
-            if finished.get(index).copied().unwrap_or(false) {
+            if done {
                 self.ready.extend(self.backlog.finished(&key, event));
             }
         }
@@ -340,6 +358,8 @@ impl<'a, R: Runner> Session<'a, R> {
             behind_busy_subjects = self.dispatcher.queued(),
             "shutting down: pulling stopped, finishing held messages",
         );
+        // Dropping the open pull unsubscribes its inbox: the server sees no
+        // interest and delivers nothing more to it.
         self.stopping = true;
         self.pull = None;
         let _ = self.stop.send(true);
