@@ -67,9 +67,9 @@ pub(crate) struct Session<'a, R> {
     cleared: VecDeque<Job>,
     dispatcher: Dispatcher<Job>,
     backlog: Backlog<Job>,
-    /// A leader's subjects with an event left unfinished (shutting down, or
-    /// lost to a new leader): none of their later events runs in this
-    /// session, so none overtakes it. They go back unacked to the next leader.
+    /// A leader's subjects with an event left unfinished while shutting down:
+    /// none of their later events runs in this session, so none overtakes
+    /// it. They go back unacked to the next leader.
     abandoned: HashSet<String>,
     tasks: JoinSet<Vec<bool>>,
     tracked: Tracked,
@@ -307,9 +307,10 @@ impl<'a, R: Runner> Session<'a, R> {
         self.held = self.held.saturating_sub(keys.len().max(1));
         for (index, (key, event)) in keys.into_iter().enumerate() {
             let done = finished.get(index).copied().unwrap_or(false);
-            if !done && self.tenure.is_some() {
-                // An ordered subject's event was left unfinished: its later
-                // events must not overtake it here.
+            if !done && self.stopping && self.tenure.is_some() {
+                // A leader shutting down left this subject's event unfinished
+                // (an in-place retry cut short): its later events must not
+                // overtake it here.
                 let dropped = self.dispatcher.abandon(&key).len();
                 self.held = self.held.saturating_sub(dropped);
                 self.abandoned.insert(key);
