@@ -97,7 +97,7 @@ impl World {
     }
 
     /// Publishes many events at once, then waits for every ack.
-    async fn publish_all(&self, events: &[(String, Vec<u8>, String)]) {
+    async fn publish_all(&self, events: &[Published]) {
         let mut acks = Vec::with_capacity(events.len());
         for (subject, body, msg_id) in events {
             let mut headers = HeaderMap::new();
@@ -166,38 +166,49 @@ impl World {
     }
 }
 
-/// A `subscription.created` as another language's producer writes it.
-fn created(subscription: &str, id: Uuid) -> (String, Vec<u8>) {
+/// A message to publish: its subject, its bytes and its `Nats-Msg-Id`.
+type Published = (String, Vec<u8>, String);
+
+/// An event as another language's producer writes it, published with its
+/// id as the message id.
+fn event(event_type: &str, subscription: &str, time: &str, data: serde_json::Value) -> Published {
+    let id = Uuid::now_v7().to_string();
     let body = json!({
         "specversion": "1.0",
-        "id": id.to_string(),
+        "id": id,
         "source": "subscriptions",
-        "type": "subscription.created",
+        "type": event_type,
         "subject": subscription,
-        "time": "2026-12-01T00:00:00Z",
+        "time": time,
         "datacontenttype": "application/json",
-        "data": {"subscription_id": subscription, "customer_id": "c1", "amount_cents": 1200}
+        "data": data,
     });
     (
-        "subscription.created".to_owned(),
+        event_type.to_owned(),
         serde_json::to_vec(&body).unwrap(),
+        id,
     )
 }
 
-/// A `subscription.cancelled` as another language's producer writes it.
-fn cancelled(subscription: &str, id: Uuid) -> (String, Vec<u8>) {
-    let body = json!({
-        "specversion": "1.0",
-        "id": id.to_string(),
-        "source": "subscriptions",
-        "type": "subscription.cancelled",
-        "subject": subscription,
-        "time": "2026-12-01T00:00:01Z",
-        "data": {"subscription_id": subscription}
-    });
-    (
-        "subscription.cancelled".to_owned(),
-        serde_json::to_vec(&body).unwrap(),
+/// A `subscription.created`.
+fn created(subscription: &str) -> Published {
+    let data = json!({"subscription_id": subscription, "customer_id": "c1", "amount_cents": 1200});
+    event(
+        "subscription.created",
+        subscription,
+        "2026-12-01T00:00:00Z",
+        data,
+    )
+}
+
+/// A `subscription.cancelled`.
+fn cancelled(subscription: &str) -> Published {
+    let data = json!({"subscription_id": subscription});
+    event(
+        "subscription.cancelled",
+        subscription,
+        "2026-12-01T00:00:01Z",
+        data,
     )
 }
 
@@ -216,13 +227,7 @@ async fn an_outage_longer_than_the_budget(ordered: bool) {
     }
     let mut billing = w.start("billing", &flags).await;
 
-    let warm_up: Vec<_> = (0..3)
-        .map(|i| {
-            let id = Uuid::now_v7();
-            let (subject, body) = created(&format!("warm-{i}"), id);
-            (subject, body, id.to_string())
-        })
-        .collect();
+    let warm_up: Vec<_> = (0..3).map(|i| created(&format!("warm-{i}"))).collect();
     w.publish_all(&warm_up).await;
     wait_until("3 warm-up invoices", Duration::from_secs(60), || async {
         w.scalar("select count(*) from invoices").await == 3
@@ -232,13 +237,7 @@ async fn an_outage_longer_than_the_budget(ordered: bool) {
 
     let before = w.delivered().await;
     blocking(|| w.pg.stop()).unwrap();
-    let mut during: Vec<_> = (0..5)
-        .map(|i| {
-            let id = Uuid::now_v7();
-            let (subject, body) = created(&format!("outage-{i}"), id);
-            (subject, body, id.to_string())
-        })
-        .collect();
+    let mut during: Vec<_> = (0..5).map(|i| created(&format!("outage-{i}"))).collect();
     // Poison too: its dead letter cannot be written while the database is down.
     during.push((
         "subscription.created".to_owned(),
@@ -310,22 +309,19 @@ async fn batches_make_one_invoice_per_subscription_through_duplicates_a_crash_an
     // A cancellation ahead of its creation: its handler fails until the
     // creation is applied (then it voids the invoice).
     let late = "sub-late";
-    let (subject, body) = cancelled(late, Uuid::now_v7());
-    events.push((subject, body, "cancel-late".to_owned()));
-    let mut ids = Vec::new();
-    for i in 0..SUBSCRIPTIONS {
-        let id = Uuid::now_v7();
-        let (subject, body) = created(&format!("sub-{i:04}"), id);
-        events.push((subject, body, id.to_string()));
-        ids.push((i, id));
-    }
+    events.push(cancelled(late));
+    let creations: Vec<Published> = (0..SUBSCRIPTIONS)
+        .map(|i| created(&format!("sub-{i:04}")))
+        .collect();
     // 200 copies re-sent with new message ids: the broker stores them again.
-    for (i, id) in ids.iter().step_by(5) {
-        let (subject, body) = created(&format!("sub-{i:04}"), *id);
-        events.push((subject, body, format!("{id}-again")));
-    }
-    let (subject, body) = created(late, Uuid::now_v7());
-    events.push((subject, body, "create-late".to_owned()));
+    let copies: Vec<Published> = creations
+        .iter()
+        .step_by(5)
+        .map(|(subject, body, id)| (subject.clone(), body.clone(), format!("{id}-again")))
+        .collect();
+    events.extend(creations);
+    events.extend(copies);
+    events.push(created(late));
     w.publish_all(&events).await;
 
     let batch = ["--batch", "64", "--concurrency", "4", "--unordered"];
@@ -399,12 +395,8 @@ async fn ordered_batches_void_every_invoice_in_order_through_a_leader_killed_mid
     let mut events = Vec::with_capacity(2 * SUBSCRIPTIONS);
     for i in 0..SUBSCRIPTIONS {
         let subscription = format!("sub-{i:04}");
-        let id = Uuid::now_v7();
-        let (subject, body) = created(&subscription, id);
-        events.push((subject, body, id.to_string()));
-        let id = Uuid::now_v7();
-        let (subject, body) = cancelled(&subscription, id);
-        events.push((subject, body, id.to_string()));
+        events.push(created(&subscription));
+        events.push(cancelled(&subscription));
     }
     w.publish_all(&events).await;
 
