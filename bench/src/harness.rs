@@ -472,14 +472,7 @@ pub(crate) struct Phases {
 impl Phases {
     fn parse(text: &str) -> Self {
         let mut out = Self::default();
-        for line in text.lines().filter(|l| !l.starts_with('#')) {
-            let Some((series, value)) = line.rsplit_once(' ') else {
-                continue;
-            };
-            let Ok(value) = value.parse::<f64>() else {
-                continue;
-            };
-            let (name, labels) = series.split_once('{').unwrap_or((series, ""));
+        for (name, labels, value) in samples(text) {
             let phase = labels
                 .split_once("phase=\"")
                 .and_then(|(_, rest)| rest.split_once('"'))
@@ -753,6 +746,20 @@ pub(crate) async fn scrape_metrics(addr: std::net::SocketAddr, name: &str) -> Re
         return Err(format!("{name}'s /metrics answered {head}").into());
     }
     Ok(body.to_owned())
+}
+
+/// The samples of a Prometheus text exposition: metric name, the label
+/// text between the braces (empty without labels), value. Comments and lines
+/// that do not parse are skipped.
+pub(crate) fn samples(text: &str) -> impl Iterator<Item = (&str, &str, f64)> {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            let value = value.parse::<f64>().ok()?;
+            let (name, labels) = series.split_once('{').unwrap_or((series, ""));
+            Some((name, labels, value))
+        })
 }
 
 #[cfg(test)]

@@ -83,7 +83,7 @@ use sqlx::postgres::PgPoolOptions;
 use tower::ServiceBuilder;
 
 use crate::Args;
-use crate::harness::{BoxError, Db, Env, RelayProc, Result, publish_all, scrape_metrics};
+use crate::harness::{BoxError, Db, Env, RelayProc, Result, publish_all, samples, scrape_metrics};
 use crate::stats::{Spread, num, percentile};
 
 /// The stream's subjects, as billing's relay would create it.
@@ -1164,14 +1164,7 @@ struct Scraped {
 impl Scraped {
     fn parse(text: &str) -> Self {
         let mut out = Self::default();
-        for line in text.lines().filter(|l| !l.starts_with('#')) {
-            let Some((series, value)) = line.rsplit_once(' ') else {
-                continue;
-            };
-            let Ok(value) = value.parse::<f64>() else {
-                continue;
-            };
-            let name = series.split_once('{').map_or(series, |(n, _)| n);
+        for (name, _, value) in samples(text) {
             let slot = match name {
                 "inbox_handled_total" => &mut out.handled,
                 "inbox_duplicates_total" => &mut out.duplicates,
