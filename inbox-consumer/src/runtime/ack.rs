@@ -50,18 +50,10 @@ pub(crate) fn decide(
     delivered: u64,
     config: &ConsumerConfig,
 ) -> Decision {
-    match result {
-        Ok(outcome) => Decision::Ack(*outcome),
-        Err(error) => decide_error(error.as_ref(), delivered, config),
-    }
-}
-
-/// [`decide`] for a failure.
-pub(crate) fn decide_error(
-    error: &(dyn std::error::Error + Send + Sync + 'static),
-    delivered: u64,
-    config: &ConsumerConfig,
-) -> Decision {
+    let error = match result {
+        Ok(outcome) => return Decision::Ack(*outcome),
+        Err(error) => error.as_ref(),
+    };
     match classify(error) {
         Classified::Reject(Reason::Unroutable) if config.unrouted == Unrouted::Ack => {
             Decision::Unrouted
@@ -92,10 +84,7 @@ enum Classified {
 }
 
 fn classify(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Classified {
-    if error
-        .downcast_ref::<Error>()
-        .is_some_and(|e| e.kind() == ErrorKind::LeaseLost)
-    {
+    if lease_lost(error) {
         return Classified::Abandon;
     }
     if let Some(handler) = error.downcast_ref::<HandlerError>() {
@@ -130,6 +119,13 @@ fn reject_reason(kind: ErrorKind) -> Option<Reason> {
         ErrorKind::InvalidEnvelope => Some(Reason::NotCloudEvent),
         _ => None,
     }
+}
+
+/// Whether `error` says an ordered consumer's replica no longer leads.
+pub(crate) fn lease_lost(error: &(dyn std::error::Error + Send + Sync + 'static)) -> bool {
+    error
+        .downcast_ref::<Error>()
+        .is_some_and(|e| e.kind() == ErrorKind::LeaseLost)
 }
 
 /// Whether `error` (or a cause of it) says the database could not be used at

@@ -68,10 +68,7 @@ where
             )),
             Err(e) => e,
         };
-        if error
-            .downcast_ref::<Error>()
-            .is_some_and(|e| e.kind() == ErrorKind::LeaseLost)
-        {
+        if ack::lease_lost(error.as_ref()) {
             tracing::info!(
                 consumer = %config.durable, deliveries = count,
                 "another replica leads now: the batch rolled back, left for it",
