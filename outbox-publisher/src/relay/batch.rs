@@ -46,9 +46,11 @@ enum Outcome {
 impl<S: Sink> Relay<S> {
     /// Claims from `checkout`'s shards, publishes, marks, and advances cursors.
     pub(super) async fn run_batch(&self, checkout: &Checkout<'_>) -> Result<BatchReport> {
-        // Settled before the claim's snapshot is taken: safe to move cursors to.
+        // Settled before the claim's snapshot is taken: safe to move cursors
+        // to, within the same epoch (read first).
+        let epoch = self.horizon.epoch();
         let settled = self.horizon.settled();
-        let cursors = checkout.cursors();
+        let cursors = checkout.cursors(epoch);
         // The batch is shared by the shards that had rows at their last read;
         // the others are read a few rows deep, enough to notice new rows. So a
         // backlog left in a few shards (the end of a drain, a few busy
@@ -82,7 +84,7 @@ impl<S: Sink> Relay<S> {
         metrics::phase("claim", started.elapsed());
         if rows.is_empty() {
             for &shard in checkout.ids() {
-                checkout.advance(shard, settled);
+                checkout.advance(shard, settled, epoch);
                 checkout.set_had_rows(shard, false);
             }
             self.tick_horizon().await?;
@@ -223,7 +225,7 @@ impl<S: Sink> Relay<S> {
             if let Some(&s) = stop.get(&shard) {
                 to = to.min(s);
             }
-            checkout.advance(shard, to);
+            checkout.advance(shard, to, epoch);
         }
         self.tick_horizon().await?;
         debug!(?report, settled, cursors = ?cursors.iter().take(3).collect::<Vec<_>>(), took = ?claimed_at.elapsed(), "batch done");

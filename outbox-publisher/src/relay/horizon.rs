@@ -19,8 +19,17 @@
 //! that stays open holds the horizon back until it ends; rows keep flowing
 //! (claims do not wait for the horizon), only the cursors stop, and claims
 //! re-read the rows published since (their dead index entries) meanwhile.
+//!
+//! **The sequence going back.** PostgreSQL hands out again, after a crash,
+//! sequence values that only uncommitted transactions had taken, when the
+//! WAL record reserving them was not flushed before the crash; an operator's
+//! `setval` can do the same. Rows written with those seqs would land behind
+//! the cursors. A tick that reads a `last_seq` lower than the one before
+//! therefore starts a new *epoch*: the settled horizon drops to 0, and every
+//! shard's cursor goes back to its start at its next read
+//! ([`Horizon::epoch`]); cursor moves computed in the old epoch are dropped.
 
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Mutex;
@@ -34,6 +43,8 @@ const MIN_TICK_INTERVAL: Duration = Duration::from_millis(5);
 #[derive(Debug, Default)]
 struct State {
     last_tick: Option<Instant>,
+    /// `last_seq` of the latest tick: a lower one means the sequence went back.
+    last_read: Option<i64>,
     /// `last_seq` read by the previous tick: not yet paired with a snapshot.
     unpaired: Option<i64>,
     /// A seq and a snapshot taken after it was read, waiting to settle.
@@ -44,6 +55,8 @@ struct State {
 pub(crate) struct Horizon {
     state: Mutex<State>,
     settled: AtomicI64,
+    /// Bumped when the sequence went back; cursors of an older epoch are void.
+    epoch: AtomicU64,
 }
 
 impl Horizon {
@@ -52,6 +65,12 @@ impl Horizon {
     /// start after this returns.
     pub(crate) fn settled(&self) -> i64 {
         self.settled.load(Ordering::Acquire)
+    }
+
+    /// The current epoch. Read it before [`settled`](Self::settled): a
+    /// settled value read after it belongs to that epoch or a later one.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
     }
 
     /// Runs a tick if one is due (and no other worker is running one).
@@ -67,6 +86,18 @@ impl Horizon {
             let checking = state.candidate.as_ref().map(|c| c.1.clone());
             let tick = store.tick(checking.as_deref()).await?;
             state.last_tick = Some(Instant::now());
+            if state.last_read.is_some_and(|read| tick.last_seq < read) {
+                tracing::warn!(
+                    before = state.last_read,
+                    now = tick.last_seq,
+                    "the seq sequence went back (a database crash, or setval): every shard is read from its start again",
+                );
+                self.settled.store(0, Ordering::Release);
+                self.epoch.fetch_add(1, Ordering::AcqRel);
+                state.candidate = None;
+                state.unpaired = None;
+            }
+            state.last_read = Some(tick.last_seq);
             if checking.is_some()
                 && tick.settled
                 && let Some((seq, _)) = state.candidate.take()

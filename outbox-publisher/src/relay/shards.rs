@@ -23,7 +23,7 @@
 //! exceed lease + publish timeout) drops the repeats.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use rand::seq::SliceRandom;
@@ -54,6 +54,8 @@ struct Slot {
     busy: AtomicBool,
     /// Every main-lane row of the shard at or below this seq is resolved.
     cursor: AtomicI64,
+    /// The horizon epoch the cursor belongs to.
+    epoch: AtomicU64,
     swept: Mutex<Option<Instant>>,
     /// Whether its main lane had rows at the last read: shards that had share
     /// the batch's rows, the others get a few, enough to notice new rows.
@@ -90,14 +92,17 @@ impl Checkout<'_> {
     }
 
     /// Cursors of the checked-out shards, in `ids` order. A shard not swept
-    /// for [`SWEEP_INTERVAL`] is read from its start.
-    pub(crate) fn cursors(&self) -> Vec<i64> {
+    /// for [`SWEEP_INTERVAL`], or whose cursor belongs to an older horizon
+    /// `epoch`, is read from its start.
+    pub(crate) fn cursors(&self, epoch: u64) -> Vec<i64> {
         self.ids
             .iter()
             .map(|&id| {
                 let slot = self.shards.slot(id);
                 let mut swept = slot.swept.lock().unwrap_or_else(|e| e.into_inner());
-                if swept.is_none_or(|t| t.elapsed() >= SWEEP_INTERVAL) {
+                if slot.epoch.swap(epoch, Ordering::AcqRel) != epoch
+                    || swept.is_none_or(|t| t.elapsed() >= SWEEP_INTERVAL)
+                {
                     *swept = Some(Instant::now());
                     slot.cursor.store(0, Ordering::Release);
                 }
@@ -120,9 +125,15 @@ impl Checkout<'_> {
         self.shards.slot(id).had_rows.store(had, Ordering::Release);
     }
 
-    /// Moves a shard's cursor forward to `seq` (never back).
-    pub(crate) fn advance(&self, id: i16, seq: i64) {
-        self.shards.slot(id).cursor.fetch_max(seq, Ordering::AcqRel);
+    /// Moves a shard's cursor forward to `seq` (never back), unless the
+    /// cursor has moved to another horizon `epoch` since the batch began.
+    pub(crate) fn advance(&self, id: i16, seq: i64, epoch: u64) {
+        let slot = self.shards.slot(id);
+        // The slot's lock orders this against `cursors` resetting it.
+        let _swept = slot.swept.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.epoch.load(Ordering::Acquire) == epoch {
+            slot.cursor.fetch_max(seq, Ordering::AcqRel);
+        }
     }
 }
 
@@ -142,6 +153,7 @@ impl Shards {
                     owned: AtomicBool::new(false),
                     busy: AtomicBool::new(false),
                     cursor: AtomicI64::new(0),
+                    epoch: AtomicU64::new(0),
                     swept: Mutex::new(None),
                     had_rows: AtomicBool::new(true),
                 })
