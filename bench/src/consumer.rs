@@ -13,7 +13,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, stream::Config};
-use outbox_core::Envelope;
+use outbox_pg::Envelope;
 use outbox_testkit::{Program, create_database};
 use serde_json::json;
 use sqlx::PgPool;
@@ -116,9 +116,11 @@ async fn billing_rate(
         "bench_billing_{round}_{}",
         mode.replicas * 2 + usize::from(mode.unordered)
     );
-    sqlx::query(&format!("drop database if exists {name} with (force)"))
-        .execute(admin)
-        .await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "drop database if exists {name} with (force)"
+    )))
+    .execute(admin)
+    .await?;
     let url = create_database(admin_url, &name).await?;
     let js = jetstream::new(async_nats::connect(nats_url).await?);
     let _ = js.delete_stream("OUTBOX").await;

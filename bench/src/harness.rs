@@ -13,7 +13,7 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::context::GetStreamErrorKind;
 use async_nats::jetstream::{self, stream::Config};
 use futures::StreamExt;
-use outbox_core::{Envelope, Outbox};
+use outbox_pg::{Envelope, Outbox};
 use outbox_publisher::DEFAULT_DUPLICATE_WINDOW;
 use outbox_testkit::{Program, create_database};
 use serde_json::json;
@@ -135,16 +135,16 @@ impl Env {
             .acquire_timeout(Duration::from_secs(60))
             .connect(&url)
             .await?;
-        outbox_core::migrate(&pool).await?;
+        outbox_pg::migrate(&pool).await?;
         Ok(Db { name, url, pool })
     }
 
     pub(crate) async fn drop_database(&self, db: Db) -> Result<()> {
         db.pool.close().await;
-        sqlx::query(&format!(
+        sqlx::query(sqlx::AssertSqlSafe(format!(
             "drop database if exists \"{}\" with (force)",
             db.name
-        ))
+        )))
         .execute(&self.admin)
         .await?;
         Ok(())
@@ -316,7 +316,7 @@ pub(crate) async fn publish_all(js: &jetstream::Context, events: &[Envelope]) ->
                 e.to_json()?.into(),
             ))
         })
-        .collect::<Result<_, outbox_core::Error>>()?;
+        .collect::<Result<_, outbox_pg::Error>>()?;
     let started = Instant::now();
     let acks = futures::stream::iter(bodies)
         .map(|(subject, id, body)| async move {

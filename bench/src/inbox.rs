@@ -67,7 +67,7 @@ use async_nats::jetstream::consumer::pull::{self, OrderedConfig};
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy};
 use async_nats::jetstream::stream::{self, Config};
 use futures::StreamExt;
-use outbox_core::{Envelope, Outbox};
+use outbox_pg::{Envelope, Outbox};
 use outbox_publisher::DEFAULT_DUPLICATE_WINDOW;
 use outbox_testkit::Program;
 use serde_json::json;

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::{DeliverPolicy, pull::OrderedConfig};
 use futures::StreamExt;
-use outbox_core::{Envelope, Outbox};
+use outbox_pg::{Envelope, Outbox};
 use serde_json::json;
 use tokio::sync::mpsc;
 use uuid::Uuid;

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use async_nats::HeaderMap;
 use async_nats::jetstream;
 use chrono::{DateTime, Utc};
-use outbox_core::{Envelope, EventId};
+use outbox_pg::{Envelope, EventId};
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 

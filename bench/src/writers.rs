@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_core::{Envelope, Outbox};
+use outbox_pg::{Envelope, Outbox};
 use serde_json::json;
 use sqlx::{Connection, PgConnection};
 use tokio::sync::Barrier;

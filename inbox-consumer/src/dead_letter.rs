@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream;
-use outbox_core::EventId;
+use outbox_pg::EventId;
 use serde_json::{Map, Value};
 use sqlx::PgPool;
 

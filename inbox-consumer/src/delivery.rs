@@ -9,7 +9,7 @@
 //! inbox row, the handler's effects and any follow-on outbox events commit in.
 
 use async_nats::jetstream;
-use outbox_core::{Envelope, EventId, EventType};
+use outbox_pg::{Envelope, EventId, EventType};
 use serde_json::Value;
 use sqlx::PgTransaction;
 
@@ -95,7 +95,7 @@ impl Delivery {
     }
 
     /// Decodes a JetStream message: the body must be a CloudEvents 1.0
-    /// structured-mode JSON envelope (as `outbox_core::Envelope::to_json`
+    /// structured-mode JSON envelope (as `outbox_pg::Envelope::to_json`
     /// writes), and the `traceparent` / `tracestate` headers are kept.
     ///
     /// # Errors

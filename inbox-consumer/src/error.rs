@@ -165,9 +165,9 @@ pub enum Action {
 /// assert_eq!(bad.action(), Action::Reject);
 /// ```
 ///
-/// `?` converts `sqlx::Error`, [`outbox_core::Error`] and this crate's
+/// `?` converts `sqlx::Error`, [`outbox_pg::Error`] and this crate's
 /// [`Error`] into a retry (a schema violation or invalid envelope from
-/// `outbox_core` into a reject: retrying the same input cannot fix it).
+/// `outbox_pg` into a reject: retrying the same input cannot fix it).
 #[derive(Debug)]
 pub struct HandlerError {
     action: Action,
@@ -235,9 +235,9 @@ impl From<sqlx::Error> for HandlerError {
     }
 }
 
-impl From<outbox_core::Error> for HandlerError {
-    fn from(e: outbox_core::Error) -> Self {
-        use outbox_core::ErrorKind as K;
+impl From<outbox_pg::Error> for HandlerError {
+    fn from(e: outbox_pg::Error) -> Self {
+        use outbox_pg::ErrorKind as K;
         match e.kind() {
             K::InvalidEnvelope
             | K::UnknownEventType

@@ -2,7 +2,7 @@
 
 use std::future::Future;
 
-use outbox_core::Envelope;
+use outbox_pg::Envelope;
 use serde::de::DeserializeOwned;
 use sqlx::PgTransaction;
 
@@ -11,7 +11,7 @@ use crate::error::HandlerError;
 /// Handles one event type, inside the transaction its inbox row commits in.
 ///
 /// Everything the handler changes goes through `tx`: its own tables, and any
-/// follow-on events through [`outbox_core::Outbox::enqueue`], which takes the
+/// follow-on events through [`outbox_pg::Outbox::enqueue`], which takes the
 /// same transaction. [`HandlerService`](crate::HandlerService) makes a
 /// `Handler` a tower service; [`Dedupe`](crate::dedupe::Dedupe) begins and
 /// commits the transaction around it. A handler never commits, never acks,
@@ -20,7 +20,7 @@ use crate::error::HandlerError;
 ///
 /// ```
 /// use inbox_consumer::{Handler, HandlerError};
-/// use outbox_core::Envelope;
+/// use outbox_pg::Envelope;
 /// use serde::Deserialize;
 /// use sqlx::PgTransaction;
 ///

@@ -13,7 +13,7 @@
 //!     Consumer, ConsumerConfig, DedupeLayer, Handler, HandlerError, HandlerService,
 //!     MetricsLayer, Router, TraceLayer,
 //! };
-//! use outbox_core::Envelope;
+//! use outbox_pg::Envelope;
 //! use serde::Deserialize;
 //! use sqlx::PgTransaction;
 //! use tower::ServiceBuilder;
@@ -44,7 +44,7 @@
 //! # #[tokio::main]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let pool = sqlx::PgPool::connect("postgres://localhost/billing").await?;
-//! outbox_core::migrate(&pool).await?; // inbox_events, inbox_dead_letters
+//! outbox_pg::migrate(&pool).await?; // inbox_events, inbox_dead_letters
 //! let js = async_nats::jetstream::new(async_nats::connect("nats://localhost:4222").await?);
 //!
 //! let router = Router::new().route("subscription.created", HandlerService::new(OpenAccount));
@@ -78,7 +78,7 @@
 //! - **Batches** of deliveries in one transaction, opt-in
 //!   ([`Consumer::run_batched`]).
 //! - **Consume → produce.** A handler enqueues follow-on events with
-//!   [`outbox_core::Outbox::enqueue`] on the same transaction: effect, inbox row
+//!   [`outbox_pg::Outbox::enqueue`] on the same transaction: effect, inbox row
 //!   and event commit together or not at all.
 //! - **Poison is dead-lettered**, with raw bytes, headers and a reason
 //!   ([`dead_letter`]), then terminated; never a crash loop, never a silent drop.

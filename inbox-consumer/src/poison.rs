@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use outbox_core::EventId;
+use outbox_pg::EventId;
 
 use crate::error::Error;
 

@@ -168,7 +168,7 @@ where
 
 #[cfg(test)]
 mod tests {
-    use outbox_core::Envelope;
+    use outbox_pg::Envelope;
     use tower::service_fn;
 
     use super::*;

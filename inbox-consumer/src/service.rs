@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use outbox_core::Envelope;
+use outbox_pg::Envelope;
 use serde_json::Value;
 use tower::Service;
 

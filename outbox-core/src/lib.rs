@@ -12,7 +12,7 @@
 //! # Getting started
 //!
 //! ```no_run
-//! use outbox_core::{Envelope, Outbox, SchemaRegistry};
+//! use outbox_pg::{Envelope, Outbox, SchemaRegistry};
 //! use serde::Serialize;
 //!
 //! #[derive(Serialize)]
@@ -21,7 +21,7 @@
 //! # #[tokio::main]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let pool = sqlx::PgPool::connect("postgres://localhost/app").await?;
-//! outbox_core::migrate(&pool).await?;
+//! outbox_pg::migrate(&pool).await?;
 //! let outbox = Outbox::new(SchemaRegistry::from_dir("schemas/events")?);
 //!
 //! let mut tx = pool.begin().await?;

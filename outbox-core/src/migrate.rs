@@ -75,7 +75,7 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
 /// # #[tokio::main]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let pool = sqlx::PgPool::connect("postgres://localhost/app").await?;
-/// outbox_core::migrate_with(
+/// outbox_pg::migrate_with(
 ///     &pool,
 ///     "create table if not exists subscriptions (id text primary key, plan text not null)",
 /// )
@@ -101,11 +101,14 @@ pub async fn migrate_with(pool: &PgPool, app_sql: &str) -> Result<()> {
         .execute(&mut *conn)
         .await
         .map_err(|e| Error::database("taking the migration lock", e))?;
-    MIGRATOR.run_direct(&mut *conn).await.map_err(|e| {
-        Error::new(ErrorKind::Database, format!("running migrations: {e}")).with_source(e)
-    })?;
+    MIGRATOR
+        .run_direct(None, &mut *conn, false)
+        .await
+        .map_err(|e| {
+            Error::new(ErrorKind::Database, format!("running migrations: {e}")).with_source(e)
+        })?;
     if !app_sql.trim().is_empty() {
-        sqlx::raw_sql(app_sql)
+        sqlx::raw_sql(sqlx::AssertSqlSafe(app_sql.to_owned()))
             .execute(&mut *conn)
             .await
             .map_err(|e| Error::database("running the service's schema SQL", e))?;

@@ -19,7 +19,7 @@ pub const SEQUENCE_WIDTH: usize = 20;
 /// decimal digits, zero-padded, so string order is numeric order.
 ///
 /// ```
-/// assert_eq!(outbox_core::format_sequence(42), "00000000000000000042");
+/// assert_eq!(outbox_pg::format_sequence(42), "00000000000000000042");
 /// ```
 pub fn format_sequence(seq: u64) -> String {
     format!("{seq:0SEQUENCE_WIDTH$}")
@@ -28,9 +28,9 @@ pub fn format_sequence(seq: u64) -> String {
 /// Parses a `sequence` attribute: decimal digits, zero-padded or not.
 ///
 /// ```
-/// assert_eq!(outbox_core::parse_sequence("00000000000000000042").ok(), Some(42));
-/// assert_eq!(outbox_core::parse_sequence("42").ok(), Some(42));
-/// assert!(outbox_core::parse_sequence("+42").is_err());
+/// assert_eq!(outbox_pg::parse_sequence("00000000000000000042").ok(), Some(42));
+/// assert_eq!(outbox_pg::parse_sequence("42").ok(), Some(42));
+/// assert!(outbox_pg::parse_sequence("+42").is_err());
 /// ```
 ///
 /// # Errors

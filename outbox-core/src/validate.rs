@@ -97,9 +97,9 @@ pub fn validate_event_type(s: &str) -> Result<()> {
 /// `ff` and a trace-id and parent-id that are not all zeros.
 ///
 /// ```
-/// outbox_core::validate_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")?;
-/// assert!(outbox_core::validate_traceparent("00-4bf9\n").is_err());
-/// # Ok::<(), outbox_core::Error>(())
+/// outbox_pg::validate_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")?;
+/// assert!(outbox_pg::validate_traceparent("00-4bf9\n").is_err());
+/// # Ok::<(), outbox_pg::Error>(())
 /// ```
 ///
 /// # Errors
@@ -157,9 +157,9 @@ pub fn validate_traceparent(s: &str) -> Result<()> {
 /// members, with optional spaces around the commas.
 ///
 /// ```
-/// outbox_core::validate_tracestate("rojo=00f067aa0ba902b7, congo=t61rcWkgMzE")?;
-/// assert!(outbox_core::validate_tracestate("rojo=1\r\ncongo=2").is_err());
-/// # Ok::<(), outbox_core::Error>(())
+/// outbox_pg::validate_tracestate("rojo=00f067aa0ba902b7, congo=t61rcWkgMzE")?;
+/// assert!(outbox_pg::validate_tracestate("rojo=1\r\ncongo=2").is_err());
+/// # Ok::<(), outbox_pg::Error>(())
 /// ```
 ///
 /// # Errors
@@ -231,9 +231,9 @@ pub fn validate_time(time: DateTime<Utc>) -> Result<()> {
 /// nothing.
 ///
 /// ```
-/// outbox_core::check_json_decodable(r#"{"amount": 12.5, "tags": ["a"]}"#)?;
-/// assert!(outbox_core::check_json_decodable(r#"{"n": 1e400}"#).is_err());
-/// # Ok::<(), outbox_core::Error>(())
+/// outbox_pg::check_json_decodable(r#"{"amount": 12.5, "tags": ["a"]}"#)?;
+/// assert!(outbox_pg::check_json_decodable(r#"{"n": 1e400}"#).is_err());
+/// # Ok::<(), outbox_pg::Error>(())
 /// ```
 ///
 /// # Errors

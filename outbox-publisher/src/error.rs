@@ -112,10 +112,10 @@ impl std::error::Error for Error {
     }
 }
 
-impl From<outbox_core::Error> for Error {
-    fn from(e: outbox_core::Error) -> Self {
+impl From<outbox_pg::Error> for Error {
+    fn from(e: outbox_pg::Error) -> Self {
         let kind = match e.kind() {
-            outbox_core::ErrorKind::Database => ErrorKind::Database,
+            outbox_pg::ErrorKind::Database => ErrorKind::Database,
             _ => ErrorKind::Config,
         };
         Self::new(kind, e.to_string()).with_source(e)

@@ -11,7 +11,7 @@
 //! # #[tokio::main]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let pool = sqlx::PgPool::connect("postgres://localhost/app").await?;
-//! outbox_core::migrate(&pool).await?;
+//! outbox_pg::migrate(&pool).await?;
 //! let nats = async_nats::connect("nats://127.0.0.1:4222").await?;
 //! let stream = StreamSpec::new("OUTBOX", vec!["subscription.>".into()]);
 //! let relay = Relay::jetstream(pool, nats, &stream, RelayConfig::default()).await?;

@@ -7,7 +7,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, context::PublishErrorKind};
 use async_nats::{HeaderMap, connection::State};
 use bytes::Bytes;
-use outbox_core::EventId;
+use outbox_pg::EventId;
 
 /// One message to publish: the envelope's JSON on the subject `event_type`.
 #[derive(Debug, Clone)]

@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use outbox_core::{Envelope, Outbox};
+use outbox_pg::{Envelope, Outbox};
 use outbox_testkit::{NatsServer, TestDb, nats, wait_until};
 use serde_json::json;
 

@@ -35,8 +35,8 @@ impl From<std::io::Error> for Error {
     }
 }
 
-impl From<outbox_core::Error> for Error {
-    fn from(e: outbox_core::Error) -> Self {
+impl From<outbox_pg::Error> for Error {
+    fn from(e: outbox_pg::Error) -> Self {
         Self(e.to_string())
     }
 }

@@ -408,7 +408,7 @@ impl TestDb {
             .acquire_timeout(Duration::from_secs(30))
             .connect_with(options)
             .await?;
-        outbox_core::migrate(&pool).await?;
+        outbox_pg::migrate(&pool).await?;
         Ok(Self { pool, url, name })
     }
 
@@ -430,7 +430,7 @@ impl TestDb {
 /// If the server cannot be reached or the database exists already.
 pub async fn create_database(admin_url: &str, name: &str) -> Result<String> {
     let mut admin = PgConnection::connect(admin_url).await?;
-    sqlx::query(&format!("create database \"{name}\""))
+    sqlx::query(sqlx::AssertSqlSafe(format!("create database \"{name}\"")))
         .execute(&mut admin)
         .await?;
     admin.close().await?;

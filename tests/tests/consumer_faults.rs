@@ -135,7 +135,7 @@ impl World {
     }
 
     async fn scalar(&self, sql: &str) -> i64 {
-        sqlx::query_scalar(sql)
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
             .fetch_one(&self.db.pool)
             .await
             .unwrap()

@@ -26,7 +26,7 @@ use example_billing::{CrashAfterCommitLayer, Stack, StackOptions};
 use example_subscriptions::AppState;
 use futures::StreamExt;
 use inbox_consumer::{BoxError, Delivery, Outcome, RetryPolicy};
-use outbox_core::{Outbox, SchemaRegistry};
+use outbox_pg::{Outbox, SchemaRegistry};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use outbox_testkit::{NatsServer, TestDb, wait_until};
 use serde_json::{Value, json};
@@ -155,7 +155,10 @@ impl World {
     }
 
     async fn count(pool: &PgPool, sql: &str) -> i64 {
-        sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+            .fetch_one(pool)
+            .await
+            .unwrap()
     }
 
     async fn invoices(&self) -> i64 {
@@ -709,8 +712,8 @@ async fn envelope_of(pool: &PgPool, id: uuid::Uuid) -> Vec<u8> {
     .fetch_one(pool)
     .await
     .unwrap();
-    outbox_core::Envelope::from_parts(
-        outbox_core::EventId::from_uuid(id),
+    outbox_pg::Envelope::from_parts(
+        outbox_pg::EventId::from_uuid(id),
         event_type,
         source,
         subject,

@@ -19,7 +19,7 @@ use inbox_consumer::{
     Consumer, ConsumerConfig, Dedupe, DedupeLayer, Delivery, ErrorKind, Handler, HandlerError,
     HandlerService, MetricsLayer, Outcome, Retention, Router, SkipStaleLayer, Unrouted,
 };
-use outbox_core::Envelope;
+use outbox_pg::Envelope;
 use outbox_testkit::{TestDb, wait_until};
 use serde_json::{Value, json};
 use sqlx::PgTransaction;
@@ -964,10 +964,10 @@ async fn last_applied_sequence_skips_the_event_itself_and_rows_without_one() {
         .execute(&mut *conn)
         .await
         .unwrap();
-    let plan: Vec<String> = sqlx::query_scalar(&format!(
+    let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "explain {}",
         include_str!("../../inbox-consumer/queries/last_applied_sequence.sql")
-    ))
+    )))
     .bind("c")
     .bind("s")
     .bind(other.id().as_uuid())

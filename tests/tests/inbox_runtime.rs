@@ -26,7 +26,7 @@ use inbox_consumer::{
     BatchResults, BoxError, DedupeLayer, Delivery, DeliveryInfo, HandlerService, MetricsLayer,
     Outcome, Router, Timeouts, TraceLayer,
 };
-use outbox_core::EventId;
+use outbox_pg::EventId;
 use outbox_testkit::wait_until;
 use serde_json::json;
 use tokio::sync::Notify;

@@ -18,7 +18,7 @@ use inbox_consumer::{
     BoxError, Consumer, ConsumerConfig, DedupeLayer, Delivery, Handler, HandlerError,
     HandlerService, Outcome, RetryPolicy, Router,
 };
-use outbox_core::{Envelope, Outbox, SchemaRegistry};
+use outbox_pg::{Envelope, Outbox, SchemaRegistry};
 use outbox_testkit::{NatsHandle, TestDb, wait_until};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -37,7 +37,7 @@ struct World {
 
 async fn world(stream: &str, subjects: &[&str]) -> World {
     let db = TestDb::new().await.unwrap();
-    outbox_core::migrate(&db.pool).await.unwrap();
+    outbox_pg::migrate(&db.pool).await.unwrap();
     let nats = outbox_testkit::nats().unwrap();
     let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
     js.create_stream(stream::Config {
@@ -77,7 +77,7 @@ impl World {
     }
 
     async fn count(&self, sql: &str) -> i64 {
-        sqlx::query_scalar(sql)
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
             .fetch_one(&self.db.pool)
             .await
             .unwrap()

@@ -1,9 +1,9 @@
-//! outbox-core against a real PostgreSQL: the transactional write, validation,
+//! outbox-pg against a real PostgreSQL: the transactional write, validation,
 //! batch inserts and the migrated schema.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-use outbox_core::{Envelope, ErrorKind, Outbox, SchemaRegistry};
+use outbox_pg::{Envelope, ErrorKind, Outbox, SchemaRegistry};
 use outbox_testkit::TestDb;
 use serde_json::{Value, json};
 use sqlx::Row;
@@ -34,7 +34,10 @@ async fn business_table(db: &TestDb) {
 }
 
 async fn count(db: &TestDb, sql: &str) -> i64 {
-    sqlx::query_scalar(sql).fetch_one(&db.pool).await.unwrap()
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
 }
 
 #[tokio::test]
@@ -264,7 +267,7 @@ async fn reserved_nats_namespaces_cannot_reach_the_outbox() {
                 .await
                 .unwrap();
         let err = Envelope::from_parts(
-            outbox_core::EventId::from_uuid(id),
+            outbox_pg::EventId::from_uuid(id),
             event_type,
             "php-service",
             "sub_1",
@@ -316,7 +319,7 @@ async fn a_message_over_the_limit_is_too_large_and_writes_nothing() {
         "subscription.created",
         "subscriptions",
         "sub_1",
-        json!({"blob": "x".repeat(outbox_core::DEFAULT_MAX_MESSAGE_SIZE)}),
+        json!({"blob": "x".repeat(outbox_pg::DEFAULT_MAX_MESSAGE_SIZE)}),
     )
     .unwrap();
     let size = big.message_size().unwrap();
@@ -593,7 +596,7 @@ async fn events_written_by_another_client_round_trip_through_the_envelope() {
         .await
         .unwrap();
     let env = Envelope::from_parts(
-        outbox_core::EventId::from_uuid(id),
+        outbox_pg::EventId::from_uuid(id),
         event_type,
         source,
         subject,

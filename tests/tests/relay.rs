@@ -10,7 +10,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer, stream::StorageType};
 use futures::StreamExt;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
-use outbox_core::{Envelope, Outbox};
+use outbox_pg::{Envelope, Outbox};
 use outbox_publisher::{ErrorKind, JetStreamSink, Relay, RelayConfig, Sink, StreamSpec};
 use outbox_testkit::{NatsServer, TestDb, nats, wait_until};
 use serde_json::{Value, json};
@@ -96,7 +96,10 @@ async fn commit(db: &TestDb, events: &[Envelope<Value>]) {
 }
 
 async fn scalar(db: &TestDb, sql: &str) -> i64 {
-    sqlx::query_scalar(sql).fetch_one(&db.pool).await.unwrap()
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
 }
 
 async fn unpublished(db: &TestDb) -> i64 {

@@ -1,6 +1,6 @@
 //! The shipped `outbox-relay` binary under faults, driven as an operator runs
 //! it: relays are child processes, the rows are written by plain SQL (as a
-//! client in any language writes them, without `outbox-core`), and the
+//! client in any language writes them, without `outbox-pg`), and the
 //! outcome is read back from the table and from the stream in stream order.
 //!
 //! - Per envelope `subject`, events reach the stream in insertion order, even
@@ -202,7 +202,10 @@ fn rows_for(subject: &str, first: i64, n: i64) -> Vec<(Uuid, String, Value)> {
 }
 
 async fn scalar(pool: &PgPool, sql: &str) -> i64 {
-    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+        .fetch_one(pool)
+        .await
+        .unwrap()
 }
 
 async fn count_where(pool: &PgPool, condition: &str) -> i64 {
@@ -646,11 +649,11 @@ fn poisons() -> Vec<Poison> {
 /// Inserts `poison` with `subject` (unless the poison sets its own).
 async fn insert_poison(pool: &PgPool, poison: &Poison, subject: &str) -> Uuid {
     let id = Uuid::now_v7();
-    sqlx::query(&format!(
+    sqlx::query(sqlx::AssertSqlSafe(format!(
         "insert into outbox_events (id, event_type, source, subject, time, data, traceparent, tracestate)
          values ($1, $2, $3, $4, {}, {}, $5, $6)",
         poison.time, poison.data
-    ))
+    )))
     .bind(id)
     .bind(poison.event_type)
     .bind(poison.source)

@@ -8,7 +8,7 @@
 //! the race between their `create table if not exists invoices`: one exited 1
 //! with `duplicate key value violates unique constraint
 //! "pg_type_typname_nsp_index"`. Start-up schema steps now run one at a time
-//! under `outbox_core::migrate_with`'s advisory lock.
+//! under `outbox_pg::migrate_with`'s advisory lock.
 //!
 //! `STARTUP_ROUNDS` sets the number of rounds (default 5). The binaries are
 //! built by `scripts/test` (`cargo build --workspace --bins`) before the tests
@@ -22,7 +22,7 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use outbox_core::{ErrorKind, MIGRATION_LOCK};
+use outbox_pg::{ErrorKind, MIGRATION_LOCK};
 use outbox_testkit::{NatsServer, Program, TestDb, create_database, wait_until};
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -86,7 +86,7 @@ async fn exists(pool: &PgPool, relation: &str) -> bool {
 /// Every embedded migration applied exactly once and successfully, and every
 /// relation in `LIBRARY_RELATIONS` and `app` present.
 async fn assert_schema_complete(pool: &PgPool, app: &[&str], round: usize) {
-    let expected: Vec<i64> = outbox_core::MIGRATOR
+    let expected: Vec<i64> = outbox_pg::MIGRATOR
         .iter()
         .filter(|m| !m.migration_type.is_down_migration())
         .map(|m| m.version)
@@ -235,7 +235,7 @@ async fn subscriptions_replicas_started_together_on_a_fresh_database() {
 /// `outbox-relay` has no schema step: it expects the tables and, started on a
 /// database without them, waits (logging the missing relation) instead of
 /// exiting. Two relays started together on a fresh database, while two
-/// service replicas run [`outbox_core::migrate_with`] at the same instant,
+/// service replicas run [`outbox_pg::migrate_with`] at the same instant,
 /// must both stay up, agree on the stream (both create it if missing), and
 /// publish the first event once the schema is there.
 #[tokio::test]
@@ -272,8 +272,8 @@ async fn relay_replicas_started_together_with_the_migrating_services() {
         let (ra, rb, ma, mb) = tokio::join!(
             a.start(),
             b.start(),
-            outbox_core::migrate_with(&pool, APP_SQL),
-            outbox_core::migrate_with(&pool, APP_SQL),
+            outbox_pg::migrate_with(&pool, APP_SQL),
+            outbox_pg::migrate_with(&pool, APP_SQL),
         );
         ra.unwrap();
         rb.unwrap();
@@ -342,7 +342,7 @@ async fn the_migration_lock_is_released_after_a_failure_or_a_cancelled_wait() {
     let (_, pool) = dbs.empty("lock", 1).await;
     let none_left = || async { migration_lock_sessions(&pool).await == 0 };
 
-    let err = outbox_core::migrate_with(&pool, "create table broken (")
+    let err = outbox_pg::migrate_with(&pool, "create table broken (")
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Database, "{err}");
@@ -365,7 +365,7 @@ async fn the_migration_lock_is_released_after_a_failure_or_a_cancelled_wait() {
         .unwrap();
     let waited = tokio::time::timeout(
         Duration::from_millis(300),
-        outbox_core::migrate_with(&pool, APP_SQL),
+        outbox_pg::migrate_with(&pool, APP_SQL),
     )
     .await;
     assert!(
@@ -387,7 +387,7 @@ async fn the_migration_lock_is_released_after_a_failure_or_a_cancelled_wait() {
     .await
     .unwrap();
 
-    outbox_core::migrate_with(&pool, APP_SQL).await.unwrap();
+    outbox_pg::migrate_with(&pool, APP_SQL).await.unwrap();
     assert_schema_complete(&pool, &["accounts"], 1).await;
     wait_until(
         "the migrator's lock released",

@@ -91,7 +91,7 @@ use inbox_consumer::{
     BatchResults, BoxError, Consumer, ConsumerConfig, Dedupe, Delivery, ErrorKind, HandlerService,
     InTx, MetricsLayer, Outcome, Router, TraceLayer,
 };
-use outbox_core::Outbox;
+use outbox_pg::Outbox;
 use sqlx::PgPool;
 use tower::util::BoxCloneSyncService;
 use tower::{Layer, ServiceBuilder};
@@ -246,13 +246,13 @@ pub async fn connect_consumer(
 }
 
 /// Applies the outbox migrations and creates the `invoices` table if it does
-/// not exist, both under [`outbox_core::migrate_with`]'s advisory lock, so
+/// not exist, both under [`outbox_pg::migrate_with`]'s advisory lock, so
 /// replicas started together on a fresh database prepare it one at a time.
 ///
 /// # Errors
 /// [`Error::Migrate`] if either step fails.
 pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
-    outbox_core::migrate_with(pool, CREATE_TABLE).await?;
+    outbox_pg::migrate_with(pool, CREATE_TABLE).await?;
     Ok(())
 }
 
@@ -262,7 +262,7 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
 pub enum Error {
     /// The outbox migrations, or creating the `invoices` table, failed.
     #[error("migrating billing's database: {0}")]
-    Migrate(#[from] outbox_core::Error),
+    Migrate(#[from] outbox_pg::Error),
 }
 
 /// Where the event schemas are by default: `schemas/events` when it exists

@@ -17,7 +17,7 @@ use example_billing::{
     CrashAfterCommitLayer, StackOptions, batch_service, connect_consumer, consumer_config,
     default_schemas_dir, service,
 };
-use outbox_core::{Outbox, SchemaRegistry};
+use outbox_pg::{Outbox, SchemaRegistry};
 use outbox_publisher::cli::{LogFormat, NatsArgs, cancel_on_signal, init_logging};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;

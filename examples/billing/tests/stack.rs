@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use example_billing::{NotInvoicedYet, StackOptions, default_schemas_dir, migrate, service};
 use inbox_consumer::{Action, BoxError, Delivery, DeliveryInfo, HandlerError, InTx, Outcome};
-use outbox_core::{Envelope, Outbox, SchemaRegistry};
+use outbox_pg::{Envelope, Outbox, SchemaRegistry};
 use outbox_testkit::TestDb;
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -55,7 +55,10 @@ async fn deliver(
 }
 
 async fn count(pool: &PgPool, sql: &str) -> i64 {
-    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+        .fetch_one(pool)
+        .await
+        .unwrap()
 }
 
 #[tokio::test]

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
 use futures::StreamExt;
-use outbox_core::Envelope;
+use outbox_pg::Envelope;
 use serde_json::Value;
 use sqlx::PgPool;
 

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
 use futures::StreamExt;
-use outbox_core::{Envelope, Outbox, SchemaRegistry};
+use outbox_pg::{Envelope, Outbox, SchemaRegistry};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use outbox_testkit::{nats, postgres};
 use serde::Serialize;
@@ -38,7 +38,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let pool = PgPool::connect(&database_url).await?;
     // The outbox's migrations, then this program's own table, under one
     // advisory lock: runs started together against one database take turns.
-    outbox_core::migrate_with(
+    outbox_pg::migrate_with(
         &pool,
         "create table if not exists subscriptions (
            id text primary key, customer_id text not null, plan text not null, amount_cents bigint not null)",

@@ -62,9 +62,9 @@ impl From<sqlx::Error> for ApiError {
     }
 }
 
-impl From<outbox_core::Error> for ApiError {
-    fn from(e: outbox_core::Error) -> Self {
-        use outbox_core::ErrorKind as K;
+impl From<outbox_pg::Error> for ApiError {
+    fn from(e: outbox_pg::Error) -> Self {
+        use outbox_pg::ErrorKind as K;
         match e.kind() {
             K::SchemaViolation => {
                 let event_type = e.event_type().unwrap_or("event");
@@ -118,5 +118,5 @@ impl IntoResponse for ApiError {
 pub enum Error {
     /// The outbox migrations, or creating the `subscriptions` table, failed.
     #[error("migrating the subscriptions database: {0}")]
-    Migrate(#[from] outbox_core::Error),
+    Migrate(#[from] outbox_pg::Error),
 }

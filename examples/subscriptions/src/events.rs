@@ -11,7 +11,7 @@
 //! are independent and flow in parallel: nothing billing does depends on the
 //! order of two subscriptions.
 
-use outbox_core::{Envelope, Result};
+use outbox_pg::{Envelope, Result};
 use serde::{Deserialize, Serialize};
 
 /// `source` of every event this service writes.
@@ -46,7 +46,7 @@ pub struct SubscriptionCancelled {
 /// The `subscription.created` envelope for `data`, with the subscription as subject.
 ///
 /// # Errors
-/// [`outbox_core::ErrorKind::InvalidEnvelope`] if the subscription id is not a
+/// [`outbox_pg::ErrorKind::InvalidEnvelope`] if the subscription id is not a
 /// usable subject (blank, too long, control characters).
 pub fn created(data: SubscriptionCreated) -> Result<Envelope<SubscriptionCreated>> {
     let subject = data.subscription_id.clone();

@@ -108,13 +108,13 @@ pub fn router(state: AppState) -> Router {
 
 /// Applies the outbox migrations (`outbox_events`, `inbox_events`) and
 /// creates the `subscriptions` table if it does not exist, both under
-/// [`outbox_core::migrate_with`]'s advisory lock, so replicas started together
+/// [`outbox_pg::migrate_with`]'s advisory lock, so replicas started together
 /// on a fresh database prepare it one at a time.
 ///
 /// # Errors
 /// [`Error::Migrate`] if either step fails.
 pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
-    outbox_core::migrate_with(pool, CREATE_TABLE).await?;
+    outbox_pg::migrate_with(pool, CREATE_TABLE).await?;
     Ok(())
 }
 

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use example_subscriptions::{AppState, default_schemas_dir, router};
-use outbox_core::{Outbox, SchemaRegistry};
+use outbox_pg::{Outbox, SchemaRegistry};
 use outbox_publisher::cli::{LogFormat, NatsArgs, cancel_on_signal, init_logging};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;

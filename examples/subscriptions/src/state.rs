@@ -1,7 +1,7 @@
 //! [`AppState`]: what every handler shares.
 
 use axum::http::HeaderMap;
-use outbox_core::Outbox;
+use outbox_pg::Outbox;
 use sqlx::PgPool;
 
 /// Request header that asks for an injected rollback (with `--fault-injection`).

@@ -6,7 +6,7 @@
 use axum::body::Body;
 use axum::http::{Request, StatusCode, header};
 use example_subscriptions::{AppState, default_schemas_dir, migrate, router};
-use outbox_core::{Outbox, SchemaRegistry};
+use outbox_pg::{Outbox, SchemaRegistry};
 use outbox_testkit::TestDb;
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -40,7 +40,7 @@ fn post_json(uri: &str, body: &str) -> Request<Body> {
 }
 
 async fn count(pool: &PgPool, table: &str) -> i64 {
-    sqlx::query_scalar(&format!("select count(*) from {table}"))
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!("select count(*) from {table}")))
         .fetch_one(pool)
         .await
         .unwrap()
@@ -129,7 +129,7 @@ async fn unacceptable_bodies_answer_422_naming_the_field_and_write_nothing() {
             r#"{"customer_id": "c", "plan": "p", "amount_cents": -1}"#.into(),
             "amount_cents",
         ),
-        // Refused by outbox-core's schema check, after the row insert: rolled back.
+        // Refused by outbox-pg's schema check, after the row insert: rolled back.
         (
             format!(r#"{{"customer_id": "c", "plan": "{long_plan}", "amount_cents": 1}}"#),
             "/plan",

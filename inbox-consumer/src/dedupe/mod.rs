@@ -182,7 +182,7 @@ where
 
 /// Begins a transaction with `begin` (the statement that also sets its timeouts).
 async fn begin_tx(pool: &PgPool, begin: String) -> Result<PgTransaction<'static>, Error> {
-    pool.begin_with(begin)
+    pool.begin_with(sqlx::AssertSqlSafe(begin))
         .await
         .map_err(|e| Error::database("beginning the inbox transaction", e))
 }

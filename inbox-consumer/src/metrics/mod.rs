@@ -144,7 +144,7 @@ mod tests {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::{Arc, Mutex};
 
-    use outbox_core::Envelope;
+    use outbox_pg::Envelope;
     use tower::Layer;
     use tower_test::mock;
 

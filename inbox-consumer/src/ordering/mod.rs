@@ -17,7 +17,7 @@
 //!
 //! - **An event with a `sequence`** (the CloudEvents extension the relay
 //!   stamps on every event: its outbox row's insert-order number, see
-//!   [`Envelope::sequence`](outbox_core::Envelope::sequence)) is stale if an
+//!   [`Envelope::sequence`](outbox_pg::Envelope::sequence)) is stale if an
 //!   applied event of its subject has a **higher** sequence. Equal or lower,
 //!   or no applied event with a sequence, and it is applied. Times are not
 //!   read: a producer clock that runs ahead (one event stamped 2099) cannot
@@ -86,7 +86,7 @@ use std::mem;
 use std::task::{Context, Poll};
 
 use chrono::{DateTime, Utc};
-use outbox_core::EventId;
+use outbox_pg::EventId;
 use sqlx::PgConnection;
 use tower::Service;
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
-use outbox_core::EventId;
+use outbox_pg::EventId;
 use sqlx::PgPool;
 use tokio::sync::watch;
 use tower::{Service, ServiceExt};

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind, consumer::PullConsumer};
 use futures::{FutureExt, StreamExt};
-use outbox_core::EventId;
+use outbox_pg::EventId;
 use tokio::sync::watch;
 use tokio::task::{Id, JoinError, JoinSet};
 use tokio::time::Instant;

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
-use outbox_core::{Envelope, EventId};
+use outbox_pg::{Envelope, EventId};
 use serde_json::Value;
 use tokio::time::Instant;
 use uuid::Uuid;

@@ -2,7 +2,7 @@
 //! checked: a row that fails is parked with an error naming the fault, and
 //! nothing a writer can put in a column can stop or crash the relay.
 
-use outbox_core::{Envelope, EventId};
+use outbox_pg::{Envelope, EventId};
 use serde_json::value::RawValue;
 
 use crate::sink::{FailureKind, OutgoingMessage, PublishFailure};
@@ -30,19 +30,19 @@ pub(crate) fn to_message(
     if let Some(e) = &row.decode_error {
         return Err(invalid(format!("row cannot be decoded: {e}")));
     }
-    let core = |e: outbox_core::Error| invalid(e.to_string());
-    outbox_core::validate_event_type(&row.event_type).map_err(core)?;
+    let core = |e: outbox_pg::Error| invalid(e.to_string());
+    outbox_pg::validate_event_type(&row.event_type).map_err(core)?;
     let Some(time) = row.time else {
         return Err(invalid(
             "time is infinite or outside years 1-9999, which a CloudEvents (RFC 3339) time cannot carry",
         ));
     };
-    outbox_core::validate_time(time).map_err(core)?;
+    outbox_pg::validate_time(time).map_err(core)?;
     if let Some(tp) = &row.traceparent {
-        outbox_core::validate_traceparent(tp).map_err(core)?;
+        outbox_pg::validate_traceparent(tp).map_err(core)?;
     }
     if let Some(ts) = &row.tracestate {
-        outbox_core::validate_tracestate(ts).map_err(core)?;
+        outbox_pg::validate_tracestate(ts).map_err(core)?;
     }
     let Some(data) = &row.data else {
         return Err(too_large(format!(
@@ -50,7 +50,7 @@ pub(crate) fn to_message(
             row.data_len
         )));
     };
-    outbox_core::check_json_decodable(data).map_err(core)?;
+    outbox_pg::check_json_decodable(data).map_err(core)?;
     let raw = RawValue::from_string(data.clone())
         .map_err(|e| invalid(format!("data is not JSON: {e}")))?;
     let seq =

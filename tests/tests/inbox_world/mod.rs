@@ -15,7 +15,7 @@ use inbox_consumer::{
     Consumer, ConsumerConfig, Dedupe, DedupeLayer, Delivery, Handler, HandlerError, HandlerService,
     InTx, Metrics, MetricsLayer, Outcome, RetryPolicy, Router, Trace, TraceLayer,
 };
-use outbox_core::{Envelope, Outbox};
+use outbox_pg::{Envelope, Outbox};
 use outbox_testkit::{NatsHandle, TestDb, wait_until};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -165,7 +165,7 @@ pub(crate) async fn world(stream: &str) -> World {
 
 impl World {
     pub(crate) async fn count(&self, sql: &str) -> i64 {
-        sqlx::query_scalar(sql)
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
             .fetch_one(&self.db.pool)
             .await
             .unwrap()

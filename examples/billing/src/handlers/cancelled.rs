@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use inbox_consumer::{Handler, HandlerError};
-use outbox_core::Envelope;
+use outbox_pg::Envelope;
 use sqlx::PgTransaction;
 
 use crate::events::SubscriptionCancelled;

@@ -1,7 +1,7 @@
 //! `subscription.created` → one invoice and an `invoice.created` event.
 
 use inbox_consumer::{Handler, HandlerError};
-use outbox_core::{Envelope, Outbox};
+use outbox_pg::{Envelope, Outbox};
 use sqlx::PgTransaction;
 use uuid::Uuid;
 
