@@ -28,6 +28,11 @@ pub enum ErrorKind {
     Database,
     /// NATS or JetStream reported an error (consumer set-up, fetch, ack, DLQ publish).
     Nats,
+    /// The stream does not exist (yet), or JetStream did not answer when asked
+    /// for it. Retrying may succeed: the stream's creator (often the relay)
+    /// may start later, and the broker may come back.
+    /// [`ConsumerBuilder`](crate::ConsumerBuilder) waits through it.
+    StreamUnavailable,
     /// An ordered consumer's replica is no longer the leader: another replica
     /// took the lead, so this replica's transaction rolled back and its message
     /// is left for the new leader (neither acked nor nak'ed).
@@ -43,6 +48,7 @@ impl fmt::Display for ErrorKind {
             Self::Unroutable => "no route for event type",
             Self::Database => "database error",
             Self::Nats => "NATS error",
+            Self::StreamUnavailable => "stream unavailable",
             Self::LeaseLost => "leadership lost",
         })
     }
@@ -98,7 +104,7 @@ impl Error {
     /// (SQLSTATE `40001`, `40P01`), a lost connection, or a NATS error.
     pub fn is_transient(&self) -> bool {
         match self.inner.kind {
-            ErrorKind::Nats => true,
+            ErrorKind::Nats | ErrorKind::StreamUnavailable => true,
             ErrorKind::Database => match self
                 .inner
                 .source

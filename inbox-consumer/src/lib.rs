@@ -105,6 +105,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(warnings))))]
 
+mod builder;
 pub mod dead_letter;
 pub mod dedupe;
 mod delivery;
@@ -113,6 +114,7 @@ mod handler;
 pub mod metrics;
 pub mod ordering;
 mod poison;
+pub mod prelude;
 pub mod retention;
 mod retry;
 mod router;
@@ -120,6 +122,7 @@ pub mod runtime;
 mod service;
 pub mod trace;
 
+pub use builder::{ConsumerBuilder, IntoJetStream};
 pub use dedupe::{Dedupe, DedupeLayer, Timeouts};
 pub use delivery::{
     BatchResults, Delivery, DeliveryInfo, InTx, Outcome, TRACEPARENT_HEADER, TRACESTATE_HEADER,

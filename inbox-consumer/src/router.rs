@@ -10,8 +10,12 @@ use std::task::{Context, Poll};
 use tower::util::BoxCloneSyncService;
 use tower::{Service, ServiceExt};
 
-use crate::delivery::{Delivery, InTx};
+use outbox_pg::Event;
+
+use crate::delivery::{Delivery, InTx, Outcome};
 use crate::error::{BoxError, Error, ErrorKind, HandlerError};
+use crate::handler::Handler;
+use crate::service::HandlerService;
 
 /// A request that names its event type.
 pub trait Routable {
@@ -104,11 +108,54 @@ where
         self
     }
 
+    /// Routes the event type `E` ([`Event::TYPE`]) to `service`: the same as
+    /// [`route`](Self::route) without writing the type string.
+    #[must_use]
+    pub fn route_event<E, S>(self, service: S) -> Self
+    where
+        E: Event,
+        S: Service<Req, Response = Resp> + Clone + Send + Sync + 'static,
+        S::Error: Into<BoxError>,
+        S::Future: Send + 'static,
+    {
+        self.route(E::TYPE, service)
+    }
+
     /// The routed event types, sorted: the filter subjects a consumer needs.
     pub fn event_types(&self) -> Vec<String> {
         let mut types: Vec<String> = self.routes.keys().cloned().collect();
         types.sort_unstable();
         types
+    }
+}
+
+impl Router<InTx<Delivery>, InTx<Outcome>> {
+    /// Routes `handler`'s message type to it, inside the transaction: the
+    /// event type is the message's [`Event::TYPE`], the service a
+    /// [`HandlerService`].
+    ///
+    /// ```
+    /// use inbox_consumer::prelude::*;
+    /// # use serde::{Deserialize, Serialize};
+    /// # #[derive(Serialize, Deserialize, JsonSchema)]
+    /// # struct InvoicePaid { invoice_id: String }
+    /// # impl Event for InvoicePaid { const TYPE: &'static str = "invoice.paid"; }
+    /// # #[derive(Clone)]
+    /// # struct MarkPaid;
+    /// # impl Handler for MarkPaid {
+    /// #     type Message = InvoicePaid;
+    /// #     async fn handle(&self, _: Envelope<InvoicePaid>, _: &mut sqlx::PgTransaction<'static>) -> Result<(), HandlerError> { Ok(()) }
+    /// # }
+    /// let router = Router::new().handler(MarkPaid);
+    /// assert_eq!(router.event_types(), ["invoice.paid"]);
+    /// ```
+    #[must_use]
+    pub fn handler<H>(self, handler: H) -> Self
+    where
+        H: Handler,
+        H::Message: Event,
+    {
+        self.route(<H::Message as Event>::TYPE, HandlerService::new(handler))
     }
 }
 
@@ -172,7 +219,7 @@ mod tests {
     use tower::service_fn;
 
     use super::*;
-    use crate::delivery::{DeliveryInfo, Outcome};
+    use crate::delivery::DeliveryInfo;
     use crate::error::Action;
 
     fn delivery(event_type: &str) -> Delivery {

@@ -69,6 +69,7 @@
 
 mod envelope;
 mod error;
+pub mod event;
 #[cfg(feature = "migrate")]
 mod migrate;
 mod outbox;
@@ -76,15 +77,21 @@ mod schema;
 mod sequence;
 mod validate;
 
+pub mod prelude;
+
 pub use envelope::{
     DATA_CONTENT_TYPE, Envelope, EventId, EventType, MAX_ATTRIBUTE_LEN, MAX_EVENT_TYPE_LEN,
     PLATFORM_SUBJECT, SPEC_VERSION,
 };
 pub use error::{BoxError, Error, ErrorKind, Result, Violation};
+pub use event::{Event, check_schema_file};
 #[cfg(feature = "migrate")]
 pub use migrate::{MIGRATION_LOCK, MIGRATOR, migrate, migrate_with};
 pub use outbox::{DEFAULT_MAX_MESSAGE_SIZE, Outbox};
 pub use schema::{SCHEMA_SUFFIX, SchemaRegistry};
+/// The crate [`Event`] derives schemas with, re-exported so a service uses
+/// the same version (`#[derive(outbox_pg::schemars::JsonSchema)]`).
+pub use schemars;
 pub use sequence::{SEQUENCE_WIDTH, format_sequence, parse_sequence};
 pub use validate::{
     MAX_JSON_DEPTH, MAX_TRACESTATE_LEN, check_json_decodable, validate_event_type, validate_time,

@@ -149,6 +149,22 @@ use takeover::Backlog;
 /// How long to wait before reading a previous leader's leftovers again after a failure.
 const RESCAN_DELAY: Duration = Duration::from_secs(1);
 
+/// The error of looking up `stream`: missing or unanswered is
+/// [`ErrorKind::StreamUnavailable`](crate::ErrorKind::StreamUnavailable), a bad
+/// name is a configuration error.
+fn stream_error(stream: &str, e: jetstream::context::GetStreamError) -> Error {
+    use jetstream::context::GetStreamErrorKind as Kind;
+    let kind = match e.kind() {
+        Kind::EmptyName | Kind::InvalidStreamName => crate::ErrorKind::Config,
+        Kind::Request => crate::ErrorKind::StreamUnavailable,
+        Kind::JetStream(js) if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND => {
+            crate::ErrorKind::StreamUnavailable
+        }
+        Kind::JetStream(_) => crate::ErrorKind::Nats,
+    };
+    Error::new(kind, format!("looking up stream `{stream}`: {e}")).with_source(e)
+}
+
 /// A message and its decoded delivery.
 type Job = (jetstream::Message, Delivery);
 
@@ -170,8 +186,12 @@ impl Consumer {
     /// and checks the inbox retention window against its redelivery window.
     ///
     /// # Errors
-    /// [`ErrorKind::Nats`](crate::ErrorKind::Nats) if the stream is missing or
-    /// the consumer cannot be created;
+    /// [`ErrorKind::StreamUnavailable`](crate::ErrorKind::StreamUnavailable)
+    /// if the stream does not exist or JetStream does not answer (see
+    /// [`Consumer::builder`], which waits for it);
+    /// [`ErrorKind::Config`](crate::ErrorKind::Config) if the stream name is
+    /// not valid; [`ErrorKind::Nats`](crate::ErrorKind::Nats) if the consumer
+    /// cannot be created;
     /// [`ErrorKind::Config`](crate::ErrorKind::Config) if the retention window
     /// is shorter than the delivery budget's redeliveries (see
     /// [`crate::retention`] and
@@ -180,7 +200,7 @@ impl Consumer {
         let stream = js
             .get_stream(&config.stream)
             .await
-            .map_err(|e| Error::nats(&format!("looking up stream `{}`", config.stream), e))?;
+            .map_err(|e| stream_error(&config.stream, e))?;
         let consumer: PullConsumer =
             stream
                 .create_consumer(config.pull_config())

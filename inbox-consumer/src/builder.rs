@@ -1,0 +1,317 @@
+//! [`ConsumerBuilder`]: the standard consumer in one expression.
+//!
+//! [`Consumer::builder`] assembles what every service writes by hand
+//! otherwise: a [`Router`] of [`Handler`]s, the standard stack around it
+//! ([`Trace`] → [`Metrics`] → [`Dedupe`] → router), a [`ConsumerConfig`] that
+//! subscribes to the router's event types only, and a start-up that waits for
+//! the stream to exist. [`ConsumerBuilder::run`] then consumes until shutdown.
+//!
+//! Anything the builder does not cover is the same pieces assembled by hand:
+//! see the [crate docs](crate#layers).
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use sqlx::PgPool;
+use tower::{Service, ServiceBuilder};
+
+use crate::dedupe::{DedupeLayer, Timeouts};
+use crate::delivery::{Delivery, InTx, Outcome};
+use crate::error::{BoxError, Error, ErrorKind, Result};
+use crate::handler::Handler;
+use crate::metrics::MetricsLayer;
+use crate::router::Router;
+use crate::runtime::{Consumer, ConsumerConfig};
+use crate::trace::TraceLayer;
+
+/// The router the builder fills: handlers inside the inbox transaction.
+type TxRouter = Router<InTx<Delivery>, InTx<Outcome>>;
+
+/// The longest pause between two looks for a stream that is not there yet.
+const MAX_STREAM_PAUSE: Duration = Duration::from_secs(2);
+
+/// Builds and runs a consumer with the standard stack; from
+/// [`Consumer::builder`].
+///
+/// ```no_run
+/// use inbox_consumer::prelude::*;
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Serialize, Deserialize, JsonSchema)]
+/// struct SubscriptionCreated { subscription_id: String, plan: String }
+///
+/// impl Event for SubscriptionCreated {
+///     const TYPE: &'static str = "subscription.created";
+/// }
+///
+/// #[derive(Clone)]
+/// struct OpenAccount;
+///
+/// impl Handler for OpenAccount {
+///     type Message = SubscriptionCreated;
+///     async fn handle(
+///         &self,
+///         event: Envelope<SubscriptionCreated>,
+///         tx: &mut sqlx::PgTransaction<'static>,
+///     ) -> Result<(), HandlerError> {
+///         sqlx::query("insert into accounts (subscription_id, plan) values ($1, $2)")
+///             .bind(&event.data().subscription_id)
+///             .bind(&event.data().plan)
+///             .execute(&mut **tx)
+///             .await?;
+///         Ok(())
+///     }
+/// }
+///
+/// # #[tokio::main]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = sqlx::PgPool::connect("postgres://localhost/billing").await?;
+/// outbox_pg::migrate(&pool).await?;
+/// let nats = async_nats::connect("nats://localhost:4222").await?;
+///
+/// Consumer::builder(nats, pool, "SUBSCRIPTIONS", "billing")
+///     .handler(OpenAccount) // subscribes to subscription.created
+///     .configure(|config| config.concurrency(16))
+///     .run(async { let _ = tokio::signal::ctrl_c().await; })
+///     .await?;
+/// # Ok(()) }
+/// ```
+#[must_use = "a builder does nothing until `run`"]
+pub struct ConsumerBuilder {
+    js: jetstream::Context,
+    pool: PgPool,
+    config: ConsumerConfig,
+    router: TxRouter,
+    timeouts: Timeouts,
+    whole_stream: bool,
+    batched: bool,
+    stream_patience: Option<Duration>,
+}
+
+impl fmt::Debug for ConsumerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConsumerBuilder")
+            .field("config", &self.config)
+            .field("router", &self.router)
+            .field("timeouts", &self.timeouts)
+            .field("whole_stream", &self.whole_stream)
+            .field("batched", &self.batched)
+            .field("stream_patience", &self.stream_patience)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Consumer {
+    /// A builder for the durable consumer `durable` of `stream`, handling
+    /// events in transactions on `pool`. `nats` is an
+    /// [`async_nats::Client`] or a [`jetstream::Context`].
+    ///
+    /// `durable` is also the inbox's dedupe namespace: keep it stable.
+    pub fn builder(
+        nats: impl IntoJetStream,
+        pool: PgPool,
+        stream: impl Into<String>,
+        durable: impl Into<String>,
+    ) -> ConsumerBuilder {
+        ConsumerBuilder {
+            js: nats.into_jetstream(),
+            pool,
+            config: ConsumerConfig::new(stream, durable),
+            router: Router::new(),
+            timeouts: Timeouts::default(),
+            whole_stream: false,
+            batched: false,
+            stream_patience: None,
+        }
+    }
+}
+
+/// What [`Consumer::builder`] reaches JetStream through: an
+/// [`async_nats::Client`] (with JetStream's default domain and prefix) or a
+/// [`jetstream::Context`] set up by the caller.
+pub trait IntoJetStream {
+    /// The JetStream context.
+    fn into_jetstream(self) -> jetstream::Context;
+}
+
+impl IntoJetStream for async_nats::Client {
+    fn into_jetstream(self) -> jetstream::Context {
+        jetstream::new(self)
+    }
+}
+
+impl IntoJetStream for jetstream::Context {
+    fn into_jetstream(self) -> jetstream::Context {
+        self
+    }
+}
+
+impl ConsumerBuilder {
+    /// Handles `handler`'s message type ([`Handler::Message`]'s
+    /// [`Event::TYPE`](outbox_pg::Event::TYPE)) with `handler`.
+    pub fn handler<H>(mut self, handler: H) -> Self
+    where
+        H: Handler,
+        H::Message: outbox_pg::Event,
+    {
+        self.router = self.router.handler(handler);
+        self
+    }
+
+    /// Handles `event_type` with `service`, a stack inside the transaction
+    /// (for example [`SkipStaleLayer`](crate::SkipStaleLayer) around a
+    /// [`HandlerService`](crate::HandlerService)), or an untyped handler.
+    pub fn route<S>(mut self, event_type: impl Into<String>, service: S) -> Self
+    where
+        S: Service<InTx<Delivery>, Response = InTx<Outcome>> + Clone + Send + Sync + 'static,
+        S::Error: Into<BoxError>,
+        S::Future: Send + 'static,
+    {
+        self.router = self.router.route(event_type, service);
+        self
+    }
+
+    /// Changes the [`ConsumerConfig`]: concurrency, ack wait, delivery budget,
+    /// ordering, retention… The stream and durable stay the builder's, and so
+    /// do the filter subjects unless [`whole_stream`](Self::whole_stream).
+    pub fn configure(mut self, f: impl FnOnce(ConsumerConfig) -> ConsumerConfig) -> Self {
+        self.config = f(self.config);
+        self
+    }
+
+    /// The inbox transaction's timeouts ([`Timeouts`]; default: lock 5 s,
+    /// statement 30 s, idle in transaction 60 s).
+    pub fn timeouts(mut self, timeouts: Timeouts) -> Self {
+        self.timeouts = timeouts;
+        self
+    }
+
+    /// Reads the whole stream instead of the routed types only; types no
+    /// route handles are then acked and counted, or dead-lettered, as
+    /// [`ConsumerConfig::unrouted`] says. Off by default.
+    pub fn whole_stream(mut self) -> Self {
+        self.whole_stream = true;
+        self
+    }
+
+    /// Handles up to [`ConsumerConfig::max_batch`] deliveries of distinct
+    /// subjects in one transaction ([`Consumer::run_batched`]). Off by
+    /// default: each delivery has its own transaction.
+    pub fn batched(mut self, max_batch: usize) -> Self {
+        self.batched = true;
+        self.config = self.config.max_batch(max_batch);
+        self
+    }
+
+    /// How long [`run`](Self::run) waits for the stream to exist (and for
+    /// JetStream to answer) before it fails with
+    /// [`ErrorKind::StreamUnavailable`]. Default: for as long as it takes,
+    /// until shutdown; the stream's creator, often the relay, may start after
+    /// the consumer.
+    pub fn stream_patience(mut self, patience: Duration) -> Self {
+        self.stream_patience = Some(patience);
+        self
+    }
+
+    /// The configuration [`run`](Self::run) will use: the builder's, filtered
+    /// to the routed event types.
+    pub fn config(&self) -> ConsumerConfig {
+        let config = self.config.clone();
+        if self.whole_stream {
+            config
+        } else {
+            config.filter_subjects(self.router.event_types())
+        }
+    }
+
+    /// Creates (or updates) the durable consumer, once the stream exists, and
+    /// consumes with the standard stack until `shutdown` resolves; then drains
+    /// and returns.
+    ///
+    /// While the stream does not exist or JetStream does not answer, it looks
+    /// again with a pause growing to 2 s, logging at info; `shutdown`
+    /// resolving meanwhile returns `Ok` at once.
+    ///
+    /// # Errors
+    /// - [`ErrorKind::Config`] if no handler is routed (and the whole stream
+    ///   was not asked for), the stream name is invalid, or the inbox retention
+    ///   is shorter than the redelivery window.
+    /// - [`ErrorKind::StreamUnavailable`] if the stream is still missing after
+    ///   [`stream_patience`](Self::stream_patience).
+    /// - [`ErrorKind::Nats`] if JetStream refuses the consumer (for example a
+    ///   durable of the same name with settings that cannot be changed).
+    pub async fn run<F>(self, shutdown: F) -> Result<()>
+    where
+        F: Future<Output = ()> + Send,
+    {
+        if self.router.event_types().is_empty() && !self.whole_stream {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "consumer `{}` has no handler: route at least one event type \
+                     (ConsumerBuilder::handler or ::route)",
+                    self.config.durable()
+                ),
+            ));
+        }
+        let config = self.config();
+        let mut shutdown = std::pin::pin!(shutdown);
+        let consumer = tokio::select! {
+            biased;
+            () = shutdown.as_mut() => return Ok(()),
+            consumer = wait_for_stream(&self.js, &self.pool, config, self.stream_patience) => consumer?,
+        };
+        let stack = ServiceBuilder::new()
+            .layer(TraceLayer::new())
+            .layer(MetricsLayer::new())
+            .layer(DedupeLayer::new(self.pool).timeouts(self.timeouts))
+            .service(self.router);
+        if self.batched {
+            consumer.run_batched(stack, shutdown).await
+        } else {
+            consumer.run(stack, shutdown).await
+        }
+    }
+}
+
+/// [`Consumer::new`], again while the stream is unavailable, for up to
+/// `patience` (or without end).
+async fn wait_for_stream(
+    js: &jetstream::Context,
+    pool: &PgPool,
+    config: ConsumerConfig,
+    patience: Option<Duration>,
+) -> Result<Consumer> {
+    let deadline = patience.map(|p| tokio::time::Instant::now() + p);
+    let mut pause = Duration::from_millis(100);
+    let mut told = false;
+    loop {
+        match Consumer::new(js.clone(), pool.clone(), config.clone()).await {
+            Ok(consumer) => {
+                if told {
+                    tracing::info!(stream = config.stream(), "the stream is there; consuming");
+                }
+                return Ok(consumer);
+            }
+            Err(e) if e.kind() == ErrorKind::StreamUnavailable => {
+                if deadline.is_some_and(|d| tokio::time::Instant::now() + pause > d) {
+                    return Err(e);
+                }
+                if told {
+                    tracing::debug!(stream = config.stream(), error = %e, "still waiting for the stream");
+                } else {
+                    tracing::info!(
+                        stream = config.stream(), consumer = config.durable(), error = %e,
+                        "waiting for the stream to exist",
+                    );
+                    told = true;
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(MAX_STREAM_PAUSE);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
