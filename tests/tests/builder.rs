@@ -1,0 +1,273 @@
+//! Typed events and the one-call consumer, against real PostgreSQL and
+//! nats-server: an event type declared once (type string, payload, derived
+//! schema) is written with `Outbox::enqueue`, relayed, and consumed by
+//! `Consumer::builder`, which subscribes to the router's types only and waits
+//! for a stream that a relay creates after it started.
+
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream;
+use inbox_consumer::prelude::*;
+use outbox_pg::SchemaRegistry;
+use outbox_publisher::{Relay, RelayConfig, StreamSpec};
+use outbox_testkit::{TestDb, wait_until};
+use serde::{Deserialize, Serialize};
+use sqlx::PgTransaction;
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// An account was opened.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct AccountOpened {
+    #[schemars(length(min = 1))]
+    account_id: String,
+    #[schemars(range(min = 0))]
+    credit_cents: i64,
+}
+
+impl Event for AccountOpened {
+    const TYPE: &'static str = "acct.opened";
+}
+
+/// An account was closed.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+struct AccountClosed {
+    account_id: String,
+}
+
+impl Event for AccountClosed {
+    const TYPE: &'static str = "acct.closed";
+}
+
+#[derive(Clone)]
+struct Open;
+
+impl Handler for Open {
+    type Message = AccountOpened;
+
+    async fn handle(
+        &self,
+        event: Envelope<AccountOpened>,
+        tx: &mut PgTransaction<'static>,
+    ) -> Result<(), HandlerError> {
+        sqlx::query("insert into accounts (id, credit_cents) values ($1, $2)")
+            .bind(&event.data().account_id)
+            .bind(event.data().credit_cents)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+async fn database() -> TestDb {
+    let db = TestDb::new().await.unwrap();
+    outbox_pg::migrate_with(
+        &db.pool,
+        "create table accounts (id text primary key, credit_cents bigint not null)",
+    )
+    .await
+    .unwrap();
+    db
+}
+
+async fn count(db: &TestDb, sql: &'static str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(&db.pool).await.unwrap()
+}
+
+#[tokio::test]
+async fn typed_events_flow_from_enqueue_to_a_builder_started_before_its_stream() {
+    let db = database().await;
+    let nats = outbox_testkit::nats().unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    let stream = "BUILDER_TYPED";
+
+    // The consumer starts first: its stream does not exist yet.
+    let stop = CancellationToken::new();
+    let consumer = tokio::spawn(
+        Consumer::builder(client.clone(), db.pool.clone(), stream, "accounts")
+            .handler(Open)
+            .configure(|c| c.concurrency(4))
+            .run(stop.clone().cancelled_owned()),
+    );
+    wait_until("the builder to look for its stream", WAIT, || async {
+        js.get_stream(stream).await.is_err() && !consumer.is_finished()
+    })
+    .await
+    .unwrap();
+
+    // The schema registry, the envelope and the router all take the type from
+    // the event; a payload outside the derived schema is refused at enqueue.
+    let outbox = Outbox::new(
+        SchemaRegistry::new()
+            .with_event::<AccountOpened>()
+            .unwrap()
+            .with_event::<AccountClosed>()
+            .unwrap(),
+    );
+    let mut tx = db.pool.begin().await.unwrap();
+    for i in 0..5 {
+        let data = AccountOpened {
+            account_id: format!("a{i}"),
+            credit_cents: 100 * i,
+        };
+        let event = Envelope::event("accounts", format!("a{i}"), data).unwrap();
+        outbox.enqueue(&mut tx, &event).await.unwrap();
+    }
+    // Another type on the same stream, which no route handles.
+    let closed = Envelope::event(
+        "accounts",
+        "a0",
+        AccountClosed {
+            account_id: "a0".into(),
+        },
+    )
+    .unwrap();
+    outbox.enqueue(&mut tx, &closed).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let bad = Envelope::event(
+        "accounts",
+        "a9",
+        AccountOpened {
+            account_id: String::new(),
+            credit_cents: -1,
+        },
+    )
+    .unwrap();
+    let err = outbox.enqueue(&mut tx, &bad).await.unwrap_err();
+    assert_eq!(err.kind(), outbox_pg::ErrorKind::SchemaViolation, "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("/account_id") && text.contains("/credit_cents"),
+        "{text}"
+    );
+    drop(tx);
+
+    // The relay arrives, and creates the stream.
+    let relay = tokio::spawn(Relay::run_jetstream(
+        db.pool.clone(),
+        client.clone(),
+        StreamSpec::new(stream, vec!["acct.>".into()]),
+        RelayConfig::default(),
+        stop.clone(),
+    ));
+    wait_until("five accounts opened", WAIT, || async {
+        count(&db, "select count(*) from accounts").await == 5
+    })
+    .await
+    .unwrap();
+
+    // A copy of one event, published again under another message id (as a
+    // second relay or a replay would): the inbox makes it a duplicate.
+    let first: (uuid::Uuid, serde_json::Value) = sqlx::query_as(
+        "select id, data from outbox_events where event_type = 'acct.opened' order by seq limit 1",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let copy = outbox_pg::Envelope::new("acct.opened", "accounts", "a0", first.1)
+        .unwrap()
+        .with_id(outbox_pg::EventId::from_uuid(first.0));
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "a-copy");
+    js.publish_with_headers("acct.opened", headers, copy.to_json().unwrap().into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    // The durable subscribes to the routed type only: the copy is consumed,
+    // the closed event never reaches it.
+    let mut durable: jetstream::consumer::PullConsumer = js
+        .get_stream(stream)
+        .await
+        .unwrap()
+        .get_consumer("accounts")
+        .await
+        .unwrap();
+    let info = durable.info().await.unwrap().clone();
+    // One subject travels as `filter_subject`, several as `filter_subjects`.
+    let mut filters = info.config.filter_subjects.clone();
+    filters.extend(
+        (!info.config.filter_subject.is_empty()).then(|| info.config.filter_subject.clone()),
+    );
+    assert_eq!(filters, ["acct.opened"]);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let info = durable.info().await.unwrap();
+        if info.num_pending == 0 && info.num_ack_pending == 0 && info.delivered.stream_sequence >= 7
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the copy is not consumed: {info:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(count(&db, "select count(*) from accounts").await, 5);
+    assert_eq!(count(&db, "select count(*) from inbox_events").await, 5);
+    assert_eq!(
+        count(&db, "select count(*) from inbox_dead_letters").await,
+        0
+    );
+    let stream_info = js
+        .get_stream(stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .clone();
+    assert_eq!(stream_info.state.messages, 7, "5 opened, 1 closed, 1 copy");
+
+    stop.cancel();
+    consumer.await.unwrap().unwrap();
+    relay.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn a_builder_without_a_handler_or_a_stream_fails_clearly() {
+    let db = database().await;
+    let nats = outbox_testkit::nats().unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+
+    let err = Consumer::builder(client.clone(), db.pool.clone(), "BUILDER_NONE", "empty")
+        .run(std::future::pending())
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config);
+    assert!(err.to_string().contains("no handler"), "{err}");
+
+    let started = tokio::time::Instant::now();
+    let err = Consumer::builder(client.clone(), db.pool.clone(), "BUILDER_NEVER", "waits")
+        .handler(Open)
+        .stream_patience(Duration::from_millis(600))
+        .run(std::future::pending())
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::StreamUnavailable, "{err}");
+    assert!(err.to_string().contains("BUILDER_NEVER"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+
+    // Without patience it waits until shutdown, and shutdown is not an error.
+    let stop = CancellationToken::new();
+    let waiting = tokio::spawn(
+        Consumer::builder(client, db.pool.clone(), "BUILDER_NEVER", "waits")
+            .handler(Open)
+            .run(stop.clone().cancelled_owned()),
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished());
+    stop.cancel();
+    tokio::time::timeout(WAIT, waiting)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}
