@@ -24,7 +24,7 @@ use crate::error::{Error, ErrorKind, Result};
 ///
 /// `MIGRATOR.run` alone does not take [`MIGRATION_LOCK`]; start-up code should
 /// call [`migrate`] or [`migrate_with`].
-pub static MIGRATOR: Migrator = sqlx::migrate!("../migrations");
+pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 
 /// The advisory lock every start-up schema step holds, in PostgreSQL's two-key
 /// space: `pg_advisory_lock(1868721409, 0)` (`0x6f62_6d01`, "obm" and 1).
