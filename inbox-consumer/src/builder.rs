@@ -261,7 +261,7 @@ impl ConsumerBuilder {
         let consumer = tokio::select! {
             biased;
             () = shutdown.as_mut() => return Ok(()),
-            consumer = wait_for_stream(&self.js, &self.pool, config, self.stream_patience) => consumer?,
+            consumer = Consumer::new_when_ready(self.js, self.pool.clone(), config, self.stream_patience) => consumer?,
         };
         let stack = ServiceBuilder::new()
             .layer(TraceLayer::new())
@@ -276,42 +276,51 @@ impl ConsumerBuilder {
     }
 }
 
-/// [`Consumer::new`], again while the stream is unavailable, for up to
-/// `patience` (or without end).
-async fn wait_for_stream(
-    js: &jetstream::Context,
-    pool: &PgPool,
-    config: ConsumerConfig,
-    patience: Option<Duration>,
-) -> Result<Consumer> {
-    let deadline = patience.map(|p| tokio::time::Instant::now() + p);
-    let mut pause = Duration::from_millis(100);
-    let mut told = false;
-    loop {
-        match Consumer::new(js.clone(), pool.clone(), config.clone()).await {
-            Ok(consumer) => {
-                if told {
-                    tracing::info!(stream = config.stream(), "the stream is there; consuming");
+impl Consumer {
+    /// [`Consumer::new`], again while the stream is unavailable
+    /// ([`ErrorKind::StreamUnavailable`]: missing, or JetStream not
+    /// answering), for up to `patience`, or without end if `None`. The pause
+    /// between looks grows from 100 ms to 2 s; the first wait is logged at
+    /// info. Wrap it in a `select!` with shutdown to stop waiting.
+    ///
+    /// # Errors
+    /// As [`Consumer::new`]; [`ErrorKind::StreamUnavailable`] once `patience`
+    /// has run out.
+    pub async fn new_when_ready(
+        js: jetstream::Context,
+        pool: PgPool,
+        config: ConsumerConfig,
+        patience: Option<Duration>,
+    ) -> Result<Self> {
+        let deadline = patience.map(|p| tokio::time::Instant::now() + p);
+        let mut pause = Duration::from_millis(100);
+        let mut told = false;
+        loop {
+            match Self::new(js.clone(), pool.clone(), config.clone()).await {
+                Ok(consumer) => {
+                    if told {
+                        tracing::info!(stream = config.stream(), "the stream is there; consuming");
+                    }
+                    return Ok(consumer);
                 }
-                return Ok(consumer);
+                Err(e) if e.kind() == ErrorKind::StreamUnavailable => {
+                    if deadline.is_some_and(|d| tokio::time::Instant::now() + pause > d) {
+                        return Err(e);
+                    }
+                    if told {
+                        tracing::debug!(stream = config.stream(), error = %e, "still waiting for the stream");
+                    } else {
+                        tracing::info!(
+                            stream = config.stream(), consumer = config.durable(), error = %e,
+                            "waiting for the stream to exist",
+                        );
+                        told = true;
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(MAX_STREAM_PAUSE);
+                }
+                Err(e) => return Err(e),
             }
-            Err(e) if e.kind() == ErrorKind::StreamUnavailable => {
-                if deadline.is_some_and(|d| tokio::time::Instant::now() + pause > d) {
-                    return Err(e);
-                }
-                if told {
-                    tracing::debug!(stream = config.stream(), error = %e, "still waiting for the stream");
-                } else {
-                    tracing::info!(
-                        stream = config.stream(), consumer = config.durable(), error = %e,
-                        "waiting for the stream to exist",
-                    );
-                    told = true;
-                }
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(MAX_STREAM_PAUSE);
-            }
-            Err(e) => return Err(e),
         }
     }
 }

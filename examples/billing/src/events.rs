@@ -3,19 +3,21 @@
 //! Billing decodes only the fields it uses and ignores the rest (a tolerant
 //! reader): the publisher may add fields without breaking it.
 
+use outbox_pg::Event;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// Event type billing raises an invoice for.
-pub const SUBSCRIPTION_CREATED: &str = "subscription.created";
+pub const SUBSCRIPTION_CREATED: &str = SubscriptionCreated::TYPE;
 /// Event type billing voids invoices for.
-pub const SUBSCRIPTION_CANCELLED: &str = "subscription.cancelled";
+pub const SUBSCRIPTION_CANCELLED: &str = SubscriptionCancelled::TYPE;
 /// Event type billing writes when it raises an invoice.
-pub const INVOICE_CREATED: &str = "invoice.created";
+pub const INVOICE_CREATED: &str = InvoiceCreated::TYPE;
 /// `source` of the events billing writes.
 pub const SOURCE: &str = "billing";
 
 /// `data` of `subscription.created`, as billing reads it.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct SubscriptionCreated {
     /// The subscription to invoice.
     pub subscription_id: String,
@@ -26,21 +28,39 @@ pub struct SubscriptionCreated {
 }
 
 /// `data` of `subscription.cancelled`, as billing reads it.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct SubscriptionCancelled {
     /// The cancelled subscription.
     pub subscription_id: String,
 }
 
 /// `data` of `invoice.created` (`schemas/events/invoice.created.schema.json`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+#[schemars(description = "An invoice was raised for a subscription.")]
 pub struct InvoiceCreated {
     /// The new invoice.
+    #[schemars(length(min = 1))]
     pub invoice_id: String,
     /// The subscription it bills; also the envelope subject.
+    #[schemars(length(min = 1))]
     pub subscription_id: String,
     /// The customer billed.
+    #[schemars(length(min = 1))]
     pub customer_id: String,
     /// The amount, in cents.
+    #[schemars(range(min = 0))]
     pub amount_cents: i64,
+}
+
+impl Event for SubscriptionCreated {
+    const TYPE: &'static str = "subscription.created";
+}
+
+impl Event for SubscriptionCancelled {
+    const TYPE: &'static str = "subscription.cancelled";
+}
+
+impl Event for InvoiceCreated {
+    const TYPE: &'static str = "invoice.created";
 }

@@ -88,8 +88,8 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use inbox_consumer::{
-    BatchResults, BoxError, Consumer, ConsumerConfig, Dedupe, Delivery, ErrorKind, HandlerService,
-    InTx, MetricsLayer, Outcome, Router, TraceLayer,
+    BatchResults, BoxError, Consumer, ConsumerConfig, Dedupe, Delivery, InTx, MetricsLayer,
+    Outcome, Router, TraceLayer,
 };
 use outbox_pg::Outbox;
 use sqlx::PgPool;
@@ -113,14 +113,8 @@ pub type Stack = BoxCloneSyncService<Delivery, Outcome, BoxError>;
 /// `outbox`, which should validate against the `invoice.created` schema.
 pub fn handlers(outbox: Outbox) -> Handlers {
     Router::new()
-        .route(
-            events::SUBSCRIPTION_CREATED,
-            HandlerService::new(InvoiceSubscription::new(outbox)),
-        )
-        .route(
-            events::SUBSCRIPTION_CANCELLED,
-            HandlerService::new(VoidInvoices::new()),
-        )
+        .handler(InvoiceSubscription::new(outbox))
+        .handler(VoidInvoices::new())
 }
 
 /// How [`service`] builds the stack. Default: with the inbox, no crashes.
@@ -214,35 +208,19 @@ pub fn consumer_config(stream: &str, consumer: &str) -> ConsumerConfig {
         .ordered(true)
 }
 
-/// [`Consumer::new`], retried while JetStream cannot give it the stream (the
-/// stream is created by whichever relay starts first, and NATS may still be
-/// coming up): every 250 ms, then up to every 2 s, for at most `patience`.
+/// [`Consumer::new_when_ready`]: the consumer, once the stream exists (it is
+/// created by whichever relay starts first, and NATS may still be coming up),
+/// waiting for at most `patience`.
 ///
 /// # Errors
-/// The last error once `patience` has passed, or at once an error retrying
-/// cannot fix (a configuration error).
+/// As [`Consumer::new_when_ready`].
 pub async fn connect_consumer(
     js: jetstream::Context,
     pool: PgPool,
     config: ConsumerConfig,
     patience: Duration,
 ) -> inbox_consumer::Result<Consumer> {
-    let deadline = tokio::time::Instant::now() + patience;
-    let mut pause = Duration::from_millis(250);
-    loop {
-        match Consumer::new(js.clone(), pool.clone(), config.clone()).await {
-            Ok(consumer) => return Ok(consumer),
-            Err(e)
-                if e.kind() == ErrorKind::Nats
-                    && tokio::time::Instant::now() + pause < deadline =>
-            {
-                tracing::info!(stream = config.stream(), error = %e, "stream not available yet; retrying");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(2));
-            }
-            Err(e) => return Err(e),
-        }
-    }
+    Consumer::new_when_ready(js, pool, config, Some(patience)).await
 }
 
 /// Applies the outbox migrations and creates the `invoices` table if it does

@@ -5,7 +5,7 @@ use outbox_pg::{Envelope, Outbox};
 use sqlx::PgTransaction;
 use uuid::Uuid;
 
-use crate::events::{INVOICE_CREATED, InvoiceCreated, SOURCE, SubscriptionCreated};
+use crate::events::{InvoiceCreated, SOURCE, SubscriptionCreated};
 
 const INSERT: &str = include_str!("../../queries/insert_invoice.sql");
 
@@ -50,8 +50,7 @@ impl Handler for InvoiceSubscription {
             .bind(event.id().as_uuid())
             .execute(&mut **tx)
             .await?;
-        let invoice = Envelope::new(
-            INVOICE_CREATED,
+        let invoice = Envelope::event(
             SOURCE,
             data.subscription_id.clone(),
             InvoiceCreated {
