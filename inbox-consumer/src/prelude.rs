@@ -12,4 +12,4 @@ pub use crate::error::{Error, ErrorKind, HandlerError};
 pub use crate::handler::Handler;
 pub use crate::router::Router;
 pub use crate::runtime::{Consumer, ConsumerConfig};
-pub use outbox_pg::prelude::{Envelope, Event, EventId, JsonSchema, Outbox};
+pub use outbox_pg::prelude::{Envelope, Event, EventId, JsonSchema, Outbox, SchemaRegistry};
