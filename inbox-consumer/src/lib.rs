@@ -8,19 +8,22 @@
 //!
 //! # Getting started
 //!
-//! ```no_run
-//! use inbox_consumer::{
-//!     Consumer, ConsumerConfig, DedupeLayer, Handler, HandlerError, HandlerService,
-//!     MetricsLayer, Router, TraceLayer,
-//! };
-//! use outbox_pg::Envelope;
-//! use serde::Deserialize;
-//! use sqlx::PgTransaction;
-//! use tower::ServiceBuilder;
+//! A [`Handler`] per event type, and [`Consumer::builder`]: it assembles the
+//! standard stack ([`TraceLayer`] → [`MetricsLayer`] → [`DedupeLayer`] →
+//! [`Router`]), subscribes the durable to the handlers' event types only,
+//! waits for the stream to exist, and consumes until shutdown.
 //!
-//! # #[allow(dead_code)]
-//! #[derive(Deserialize)]
+//! ```no_run
+//! use inbox_consumer::prelude::*;
+//! use serde::{Deserialize, Serialize};
+//! use sqlx::PgTransaction;
+//!
+//! #[derive(Serialize, Deserialize, JsonSchema)]
 //! struct SubscriptionCreated { subscription_id: String, plan: String }
+//!
+//! impl Event for SubscriptionCreated {
+//!     const TYPE: &'static str = "subscription.created";
+//! }
 //!
 //! #[derive(Clone)]
 //! struct OpenAccount;
@@ -45,9 +48,38 @@
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let pool = sqlx::PgPool::connect("postgres://localhost/billing").await?;
 //! outbox_pg::migrate(&pool).await?; // inbox_events, inbox_dead_letters
-//! let js = async_nats::jetstream::new(async_nats::connect("nats://localhost:4222").await?);
+//! let nats = async_nats::connect("nats://localhost:4222").await?;
 //!
-//! let router = Router::new().route("subscription.created", HandlerService::new(OpenAccount));
+//! Consumer::builder(nats, pool, "SUBSCRIPTIONS", "billing")
+//!     .handler(OpenAccount)
+//!     .configure(|config| config.concurrency(16))
+//!     .run(async { let _ = tokio::signal::ctrl_c().await; })
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! The same, assembled by hand, for a stack of your own:
+//!
+//! ```no_run
+//! # use inbox_consumer::prelude::*;
+//! # use serde::{Deserialize, Serialize};
+//! # #[derive(Serialize, Deserialize, JsonSchema)]
+//! # struct SubscriptionCreated { subscription_id: String }
+//! # impl Event for SubscriptionCreated { const TYPE: &'static str = "subscription.created"; }
+//! # #[derive(Clone)]
+//! # struct OpenAccount;
+//! # impl Handler for OpenAccount {
+//! #     type Message = SubscriptionCreated;
+//! #     async fn handle(&self, _: Envelope<SubscriptionCreated>, _: &mut sqlx::PgTransaction<'static>) -> Result<(), HandlerError> { Ok(()) }
+//! # }
+//! use inbox_consumer::{DedupeLayer, MetricsLayer, TraceLayer};
+//! use tower::ServiceBuilder;
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let pool = sqlx::PgPool::connect("postgres://localhost/billing").await?;
+//! # let js = async_nats::jetstream::new(async_nats::connect("nats://localhost:4222").await?);
+//! let router = Router::new().handler(OpenAccount);
 //! // Subscribe to what you handle: the router's event types.
 //! let config = ConsumerConfig::for_router("SUBSCRIPTIONS", "billing", &router).concurrency(16);
 //! let service = ServiceBuilder::new()
@@ -56,7 +88,7 @@
 //!     .layer(DedupeLayer::new(pool.clone())) // begin, inbox row, commit
 //!     .service(router);
 //!
-//! let consumer = Consumer::new(js, pool, config).await?;
+//! let consumer = Consumer::new_when_ready(js, pool, config, None).await?;
 //! consumer.run(service, async { let _ = tokio::signal::ctrl_c().await; }).await?;
 //! # Ok(()) }
 //! ```
@@ -100,8 +132,13 @@
 //!
 //! # Features
 //!
-//! None: metrics (through the `metrics` facade, a no-op without a recorder)
-//! and tracing are always compiled in.
+//! - `connect` (off): `inbox_consumer::connect`, re-exported from
+//!   `outbox_pg::connect`: the `--database-url`/`--nats-*` flags with
+//!   secrets from env or files, TLS, and shutdown on a signal, for a consumer
+//!   binary. Add a sqlx TLS backend to the binary for PostgreSQL TLS.
+//!
+//! Metrics (through the `metrics` facade, a no-op without a recorder) and
+//! tracing are always compiled in.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(warnings))))]
 
@@ -131,6 +168,8 @@ pub use error::{Action, BoxError, Error, ErrorKind, HandlerError, Result};
 pub use handler::Handler;
 pub use metrics::{Metrics, MetricsLayer};
 pub use ordering::{SkipStale, SkipStaleLayer};
+#[cfg(feature = "connect")]
+pub use outbox_pg::connect;
 pub use poison::{Poison, Reason};
 pub use retention::Retention;
 pub use retry::RetryPolicy;

@@ -30,6 +30,13 @@ pub enum ErrorKind {
     /// An event's message, its CloudEvents JSON plus NATS headers, is larger
     /// than the outbox's maximum message size.
     TooLarge,
+    /// A connection setting is invalid: a flag missing its pair, a secret
+    /// file that cannot be read, a URL that does not parse (feature
+    /// `connect`).
+    Config,
+    /// NATS could not be reached or refused the connection: wrong
+    /// credentials, a TLS failure (feature `connect`).
+    Broker,
 }
 
 impl fmt::Display for ErrorKind {
@@ -42,6 +49,8 @@ impl fmt::Display for ErrorKind {
             Self::Serialization => "serialization error",
             Self::Database => "database error",
             Self::TooLarge => "message too large",
+            Self::Config => "configuration error",
+            Self::Broker => "broker error",
         })
     }
 }

@@ -12,24 +12,29 @@
 //! # Getting started
 //!
 //! ```no_run
-//! use outbox_pg::{Envelope, Outbox, SchemaRegistry};
-//! use serde::Serialize;
+//! use outbox_pg::prelude::*;
+//! use serde::{Deserialize, Serialize};
 //!
-//! #[derive(Serialize)]
+//! /// A customer subscribed to a plan.
+//! #[derive(Serialize, Deserialize, JsonSchema)]
 //! struct SubscriptionCreated { subscription_id: String, plan: String, amount_cents: i64 }
+//!
+//! // The type string, the payload and its schema (derived), declared once.
+//! impl Event for SubscriptionCreated {
+//!     const TYPE: &'static str = "subscription.created"; // type, and the NATS subject
+//! }
 //!
 //! # #[tokio::main]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let pool = sqlx::PgPool::connect("postgres://localhost/app").await?;
 //! outbox_pg::migrate(&pool).await?;
-//! let outbox = Outbox::new(SchemaRegistry::from_dir("schemas/events")?);
+//! let outbox = Outbox::new(SchemaRegistry::new().with_event::<SubscriptionCreated>()?);
 //!
 //! let mut tx = pool.begin().await?;
 //! sqlx::query("insert into subscriptions (id, plan) values ($1, $2)")
 //!     .bind("sub_1").bind("pro")
 //!     .execute(&mut *tx).await?;
-//! let event = Envelope::new(
-//!     "subscription.created",      // type, and the NATS subject
+//! let event = Envelope::event(
 //!     "subscriptions",             // source: this service
 //!     "sub_1",                     // subject: the entity
 //!     SubscriptionCreated { subscription_id: "sub_1".into(), plan: "pro".into(), amount_cents: 1234 },
@@ -38,6 +43,10 @@
 //! tx.commit().await?;                              // row and event, or neither
 //! # let _ = id; Ok(()) }
 //! ```
+//!
+//! Untyped events work too: `Envelope::new("subscription.created", source,
+//! subject, serde_json::json!({…}))`, validated by a registry read from
+//! `<type>.schema.json` files ([`SchemaRegistry::from_dir`]).
 //!
 //! # Guarantees
 //!
@@ -64,9 +73,15 @@
 //! # Features
 //!
 //! - `migrate` (default): [`MIGRATOR`] and [`migrate`], the embedded schema.
+//! - `connect` (off): [`connect`], the flags and environment variables a
+//!   binary reaches PostgreSQL and NATS with (secrets from env or files, TLS)
+//!   and shutdown on a signal, shared by the relay and consumer services;
+//!   adds async-nats, clap and tokio's signal handling.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(warnings))))]
 
+#[cfg(feature = "connect")]
+pub mod connect;
 mod envelope;
 mod error;
 pub mod event;
@@ -86,7 +101,7 @@ pub use envelope::{
 pub use error::{BoxError, Error, ErrorKind, Result, Violation};
 pub use event::{Event, check_schema_file};
 #[cfg(feature = "migrate")]
-pub use migrate::{MIGRATION_LOCK, MIGRATOR, migrate, migrate_with};
+pub use migrate::{MIGRATION_LOCK, MIGRATION_TABLE, MIGRATOR, migrate, migrate_with};
 pub use outbox::{DEFAULT_MAX_MESSAGE_SIZE, Outbox};
 pub use schema::{SCHEMA_SUFFIX, SchemaRegistry};
 /// The crate [`Event`] derives schemas with, re-exported so a service uses

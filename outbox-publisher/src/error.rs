@@ -116,6 +116,7 @@ impl From<outbox_pg::Error> for Error {
     fn from(e: outbox_pg::Error) -> Self {
         let kind = match e.kind() {
             outbox_pg::ErrorKind::Database => ErrorKind::Database,
+            outbox_pg::ErrorKind::Broker => ErrorKind::Broker,
             _ => ErrorKind::Config,
         };
         Self::new(kind, e.to_string()).with_source(e)

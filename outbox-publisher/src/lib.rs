@@ -54,7 +54,9 @@
 //! # Features
 //!
 //! - `cli` (off by default): the `outbox-relay` binary and the helpers
-//!   binaries share (`cli`: NATS flags, logging, signal shutdown), with clap,
+//!   binaries share (`cli`: database and NATS flags with secrets from env or
+//!   files, logging, signal shutdown; PostgreSQL TLS through sqlx's rustls
+//!   backend), with clap,
 //!   the Prometheus exporter and tracing-subscriber. A library user's build
 //!   compiles none of them. `cargo install outbox-publisher --features cli`
 //!   installs the binary.

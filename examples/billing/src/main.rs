@@ -17,8 +17,9 @@ use example_billing::{
     CrashAfterCommitLayer, StackOptions, batch_service, connect_consumer, consumer_config,
     default_schemas_dir, service,
 };
+use inbox_consumer::connect::{DatabaseArgs, NatsArgs, cancel_on_signal};
 use outbox_pg::{Outbox, SchemaRegistry};
-use outbox_publisher::cli::{LogFormat, NatsArgs, cancel_on_signal, init_logging};
+use outbox_publisher::cli::{LogFormat, init_logging};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
@@ -33,9 +34,9 @@ const STREAM_PATIENCE: Duration = Duration::from_secs(30);
     about = "Billing consumer: one invoice per subscription, through the inbox"
 )]
 struct Args {
-    /// Postgres URL of billing's database.
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    database_url: String,
+    /// Billing's database.
+    #[command(flatten)]
+    database: DatabaseArgs,
 
     #[command(flatten)]
     nats: NatsArgs,
@@ -151,16 +152,18 @@ async fn main() -> Result<(), Box<dyn Error>> {
         .map_err(|e| format!("loading event schemas from {}: {e}", schemas.display()))?;
     let outbox = Outbox::new(registry);
     let concurrency = args.concurrency.max(1);
-    let pool = PgPoolOptions::new()
-        .max_connections(
-            u32::try_from(concurrency)
-                .unwrap_or(u32::MAX)
-                .saturating_add(4),
+    let pool = args
+        .database
+        .connect(
+            PgPoolOptions::new()
+                .max_connections(
+                    u32::try_from(concurrency)
+                        .unwrap_or(u32::MAX)
+                        .saturating_add(4),
+                )
+                .acquire_timeout(Duration::from_secs(10)),
         )
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(&args.database_url)
-        .await
-        .map_err(|e| format!("connecting to the database: {e}"))?;
+        .await?;
     example_billing::migrate(&pool).await?;
 
     let nats = args.nats.connect("billing").await?;

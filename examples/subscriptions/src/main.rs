@@ -16,7 +16,7 @@ use std::time::Duration;
 use clap::Parser;
 use example_subscriptions::{AppState, default_schemas_dir, router};
 use outbox_pg::{Outbox, SchemaRegistry};
-use outbox_publisher::cli::{LogFormat, NatsArgs, cancel_on_signal, init_logging};
+use outbox_publisher::cli::{DatabaseArgs, LogFormat, NatsArgs, cancel_on_signal, init_logging};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
@@ -28,9 +28,9 @@ use tokio_util::sync::CancellationToken;
     about = "Subscriptions HTTP service: each write and its event in one transaction"
 )]
 struct Args {
-    /// Postgres URL of this service's database.
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    database_url: String,
+    /// This service's database.
+    #[command(flatten)]
+    database: DatabaseArgs,
 
     /// Address to listen on (port 0 picks a free one; the real address is printed).
     #[arg(long, default_value = "127.0.0.1:8080")]
@@ -82,12 +82,14 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let schemas = args.schemas.clone().unwrap_or_else(default_schemas_dir);
     let registry = SchemaRegistry::from_dir(&schemas)
         .map_err(|e| format!("loading event schemas from {}: {e}", schemas.display()))?;
-    let pool = PgPoolOptions::new()
-        .max_connections(10)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect(&args.database_url)
-        .await
-        .map_err(|e| format!("connecting to the database: {e}"))?;
+    let pool = args
+        .database
+        .connect(
+            PgPoolOptions::new()
+                .max_connections(10)
+                .acquire_timeout(Duration::from_secs(5)),
+        )
+        .await?;
     example_subscriptions::migrate(&pool).await?;
 
     let listener = tokio::net::TcpListener::bind(&args.listen)

@@ -5,6 +5,11 @@
 //!   outbox-relay --stream OUTBOX --subjects 'subscription.>,invoice.>' --metrics-addr 127.0.0.1:9187
 //! ```
 //!
+//! Secrets come from the environment or files, never only from argv:
+//! `DATABASE_URL_FILE`, `NATS_TOKEN_FILE`, `NATS_NKEY_FILE`, `NATS_CREDS`, …
+//! PostgreSQL TLS through the URL (`?sslmode=verify-full&sslrootcert=ca.pem`),
+//! NATS TLS through `--nats-tls-ca` (and `--nats-tls-cert`/`--nats-tls-key`).
+//!
 //! Run as many replicas as you like against one table. SIGTERM or ctrl-c
 //! finishes the current batch and exits 0. `--once` drains the table and exits
 //! (0 when every claimed row was published, 1 when some failed and wait in
@@ -15,7 +20,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use outbox_publisher::cli::{LogFormat, NatsArgs, cancel_on_signal, init_logging};
+use outbox_publisher::cli::{DatabaseArgs, LogFormat, NatsArgs, cancel_on_signal, init_logging};
 use outbox_publisher::{Relay, RelayConfig, StorageType, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
@@ -28,9 +33,9 @@ use tracing::{error, info};
     about = "Relay outbox_events rows to NATS JetStream"
 )]
 struct Args {
-    /// Postgres URL of the database holding outbox_events.
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    database_url: String,
+    /// The database holding outbox_events.
+    #[command(flatten)]
+    database: DatabaseArgs,
 
     #[command(flatten)]
     nats: NatsArgs,
@@ -156,12 +161,14 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .retention((!args.retention.is_zero()).then_some(args.retention));
     config.validate()?;
 
-    let pool = PgPoolOptions::new()
-        .max_connections(8)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(&args.database_url)
-        .await
-        .map_err(|e| format!("connecting to the database: {e}"))?;
+    let pool = args
+        .database
+        .connect(
+            PgPoolOptions::new()
+                .max_connections(8)
+                .acquire_timeout(Duration::from_secs(10)),
+        )
+        .await?;
     let nats = args.nats.connect("outbox-relay").await?;
 
     let mut stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());

@@ -1,0 +1,220 @@
+//! `--database-url` / `--database-url-file`: where PostgreSQL is and how to
+//! reach it, TLS included.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+use super::secret::{Secret, inline_or_file, redact_url};
+use crate::error::{Error, ErrorKind, Result};
+
+/// How to reach PostgreSQL, as flags and environment variables: exactly one
+/// of `--database-url` (`DATABASE_URL`) and `--database-url-file`
+/// (`DATABASE_URL_FILE`). `#[command(flatten)]` it into a binary's arguments.
+///
+/// The URL carries the TLS settings, as libpq's do: `sslmode=require`
+/// (encrypted), `verify-ca` (and the server's certificate signed by
+/// `sslrootcert`), `verify-full` (and its name matching the host), plus
+/// `sslcert` / `sslkey` for a client certificate. The `PGSSLMODE`,
+/// `PGSSLROOTCERT`, `PGSSLCERT`, `PGSSLKEY` and `PGPASSWORD` environment
+/// variables fill what the URL leaves out. TLS needs a TLS backend of sqlx in
+/// the final binary (`sqlx/tls-rustls-ring-webpki`); this crate chooses none.
+///
+/// `Debug` shows the URL with its password masked ([`redact_url`]).
+///
+/// ```
+/// use clap::Parser;
+/// use outbox_pg::connect::DatabaseArgs;
+///
+/// #[derive(Debug, Parser)]
+/// struct Args {
+///     #[command(flatten)]
+///     database: DatabaseArgs,
+/// }
+///
+/// let args = Args::try_parse_from([
+///     "app",
+///     "--database-url",
+///     "postgres://app:s3cret@db/app?sslmode=verify-full&sslrootcert=/etc/ssl/db-ca.pem",
+/// ])?;
+/// assert!(!format!("{args:?}").contains("s3cret"));
+/// # Ok::<(), clap::Error>(())
+/// ```
+#[derive(Clone, clap::Args)]
+#[group(id = "DatabaseArgs", required = true, multiple = false)]
+pub struct DatabaseArgs {
+    /// PostgreSQL URL, e.g. postgres://app@db/app?sslmode=verify-full&sslrootcert=ca.pem
+    /// (prefer DATABASE_URL or --database-url-file: argv is visible to `ps`).
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        value_name = "DATABASE_URL"
+    )]
+    pub database_url: Option<Secret>,
+
+    /// File holding the PostgreSQL URL (a trailing newline is ignored).
+    #[arg(long, env = "DATABASE_URL_FILE", value_name = "PATH")]
+    pub database_url_file: Option<PathBuf>,
+}
+
+impl DatabaseArgs {
+    /// Arguments naming `url` directly (for programs that build them in code).
+    pub fn from_url(url: impl Into<Secret>) -> Self {
+        Self {
+            database_url: Some(url.into()),
+            database_url_file: None,
+        }
+    }
+
+    /// The URL, read from `--database-url-file` if that is the one given.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] if neither is set, or the file cannot be read
+    /// (the message names the flag and the path).
+    pub fn url(&self) -> Result<Secret> {
+        inline_or_file(
+            self.database_url.as_ref(),
+            self.database_url_file.as_deref(),
+            "--database-url-file",
+        )?
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::Config,
+                "no database: set --database-url (DATABASE_URL) or --database-url-file (DATABASE_URL_FILE)",
+            )
+        })
+    }
+
+    /// The URL with its password masked, for logs; `"<unreadable>"` if the
+    /// file cannot be read.
+    pub fn redacted(&self) -> String {
+        self.url().map_or_else(
+            |_| "<unreadable>".to_owned(),
+            |url| redact_url(url.expose_secret()),
+        )
+    }
+
+    /// Parsed connection options, TLS settings included.
+    ///
+    /// # Errors
+    /// As [`DatabaseArgs::url`]; [`ErrorKind::Config`] if the URL does not
+    /// parse (the message shows it with its password masked).
+    pub fn connect_options(&self) -> Result<PgConnectOptions> {
+        let url = self.url()?;
+        PgConnectOptions::from_str(url.expose_secret()).map_err(|e| {
+            Error::new(
+                ErrorKind::Config,
+                format!(
+                    "the database URL {} is invalid: {e}",
+                    redact_url(url.expose_secret())
+                ),
+            )
+            .with_source(e)
+        })
+    }
+
+    /// Opens a pool with `pool`'s settings; the first connection is made
+    /// before this returns, so a refused TLS handshake or password fails here.
+    ///
+    /// # Errors
+    /// As [`DatabaseArgs::connect_options`]; [`ErrorKind::Database`] if the
+    /// server cannot be reached or refuses the connection (the message names
+    /// the URL with its password masked and sqlx's reason, e.g. an unknown
+    /// certificate issuer).
+    pub async fn connect(&self, pool: PgPoolOptions) -> Result<PgPool> {
+        let options = self.connect_options()?;
+        let shown = self.redacted();
+        tracing::info!(database = %shown, "connecting to the database");
+        pool.connect_with(options).await.map_err(|e| {
+            Error::new(
+                ErrorKind::Database,
+                format!("connecting to the database at {shown}: {e}"),
+            )
+            .with_source(e)
+        })
+    }
+}
+
+impl fmt::Debug for DatabaseArgs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DatabaseArgs")
+            .field(
+                "database_url",
+                &self
+                    .database_url
+                    .as_ref()
+                    .map(|url| redact_url(url.expose_secret())),
+            )
+            .field("database_url_file", &self.database_url_file)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{Args as _, FromArgMatches as _};
+
+    use super::*;
+
+    #[derive(Debug)]
+    struct Args {
+        database: DatabaseArgs,
+    }
+
+    /// Parses flags alone: the environment of the test run (a developer's
+    /// `DATABASE_URL`) is not read.
+    fn parse(args: &[&str]) -> std::result::Result<Args, clap::Error> {
+        let command = DatabaseArgs::augment_args(clap::Command::new("app"))
+            .mut_args(|arg| arg.env(None::<&str>));
+        let matches =
+            command.try_get_matches_from(std::iter::once("app").chain(args.iter().copied()))?;
+        Ok(Args {
+            database: DatabaseArgs::from_arg_matches(&matches)?,
+        })
+    }
+
+    #[test]
+    fn debug_masks_the_password() {
+        let args = parse(&["--database-url", "postgres://app:pg-s3cret@db/app"]).unwrap();
+        let shown = format!("{args:?}");
+        assert!(!shown.contains("pg-s3cret"), "{shown}");
+        assert!(shown.contains("postgres://app:***@db/app"), "{shown}");
+    }
+
+    #[test]
+    fn the_url_and_its_file_exclude_each_other() {
+        let err = parse(&[
+            "--database-url",
+            "postgres://db/a",
+            "--database-url-file",
+            "/f",
+        ])
+        .unwrap_err();
+        assert_eq!(err.kind(), clap::error::ErrorKind::ArgumentConflict);
+    }
+
+    #[test]
+    fn the_url_is_read_from_its_file() {
+        let dir = std::env::temp_dir().join(format!("outbox-dburl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("url");
+        std::fs::write(&path, "postgres://app:pw@db:5433/app?sslmode=require\n").unwrap();
+        let args = parse(&["--database-url-file", path.to_str().unwrap()]).unwrap();
+        let options = args.database.connect_options().unwrap();
+        assert_eq!(options.get_port(), 5433);
+        assert_eq!(options.get_database(), Some("app"));
+        assert_eq!(
+            args.database.redacted(),
+            "postgres://app:***@db:5433/app?sslmode=require"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        let err = args.database.url().unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config);
+        assert!(err.to_string().contains("--database-url-file"), "{err}");
+    }
+}

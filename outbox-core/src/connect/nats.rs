@@ -1,0 +1,420 @@
+//! `--nats-*`: where NATS is, who we are to it, and TLS.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use async_nats::ConnectErrorKind;
+
+use super::secret::{Secret, inline_or_file, redact_nats_url};
+use crate::error::{Error, ErrorKind, Result};
+
+/// How to reach NATS: the URL, credentials and TLS, as flags and environment
+/// variables. `#[command(flatten)]` it into a binary's arguments.
+///
+/// Every secret can come from the environment or from a file instead of argv
+/// (which `ps` shows): `--nats-password` / `--nats-password-file`,
+/// `--nats-token` / `--nats-token-file`, `--nats-nkey` (a seed) /
+/// `--nats-nkey-file`, each pair mutually exclusive, each with its
+/// environment variable (`NATS_PASSWORD`, `NATS_PASSWORD_FILE`, …). A file's
+/// trailing newline is ignored. `--nats-creds` names a credentials file (user
+/// JWT and seed, decentralised auth).
+///
+/// TLS: `--nats-tls-ca` to verify the server (and require TLS),
+/// `--nats-tls-cert` with `--nats-tls-key` for a client certificate (mutual
+/// TLS). A `tls://` URL requires TLS with the system's roots.
+///
+/// `Debug` redacts every secret, and a password or token in the URL.
+#[derive(Clone, clap::Args)]
+pub struct NatsArgs {
+    /// NATS server URL(s), comma-separated.
+    #[arg(
+        long,
+        env = "NATS_URL",
+        hide_env_values = true,
+        default_value = "nats://127.0.0.1:4222"
+    )]
+    pub nats_url: String,
+
+    /// NATS user (with --nats-password or --nats-password-file).
+    #[arg(long, env = "NATS_USER")]
+    pub nats_user: Option<String>,
+
+    /// NATS password (prefer NATS_PASSWORD or --nats-password-file: argv is visible to `ps`).
+    #[arg(
+        long,
+        env = "NATS_PASSWORD",
+        hide_env_values = true,
+        conflicts_with = "nats_password_file"
+    )]
+    pub nats_password: Option<Secret>,
+
+    /// File holding the NATS password.
+    #[arg(long, env = "NATS_PASSWORD_FILE", value_name = "PATH")]
+    pub nats_password_file: Option<PathBuf>,
+
+    /// NATS token (prefer NATS_TOKEN or --nats-token-file).
+    #[arg(
+        long,
+        env = "NATS_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "nats_token_file"
+    )]
+    pub nats_token: Option<Secret>,
+
+    /// File holding the NATS token.
+    #[arg(long, env = "NATS_TOKEN_FILE", value_name = "PATH")]
+    pub nats_token_file: Option<PathBuf>,
+
+    /// NATS nkey seed (prefer NATS_NKEY or --nats-nkey-file).
+    #[arg(
+        long,
+        env = "NATS_NKEY",
+        hide_env_values = true,
+        conflicts_with = "nats_nkey_file"
+    )]
+    pub nats_nkey: Option<Secret>,
+
+    /// File holding the NATS nkey seed (`SU…`).
+    #[arg(long, env = "NATS_NKEY_FILE", value_name = "PATH")]
+    pub nats_nkey_file: Option<PathBuf>,
+
+    /// NATS credentials file (JWT + nkey seed).
+    #[arg(long, env = "NATS_CREDS", value_name = "PATH")]
+    pub nats_creds: Option<PathBuf>,
+
+    /// CA certificate (PEM) to verify the NATS server's TLS certificate; requires TLS.
+    #[arg(long, env = "NATS_TLS_CA", value_name = "PATH")]
+    pub nats_tls_ca: Option<PathBuf>,
+
+    /// Client certificate (PEM) for TLS client authentication, with --nats-tls-key.
+    #[arg(long, env = "NATS_TLS_CERT", value_name = "PATH")]
+    pub nats_tls_cert: Option<PathBuf>,
+
+    /// Client key (PEM) for TLS client authentication.
+    #[arg(long, env = "NATS_TLS_KEY", value_name = "PATH")]
+    pub nats_tls_key: Option<PathBuf>,
+}
+
+impl Default for NatsArgs {
+    /// `nats://127.0.0.1:4222`, no credentials, no TLS.
+    fn default() -> Self {
+        Self::new("nats://127.0.0.1:4222")
+    }
+}
+
+impl NatsArgs {
+    /// Arguments for `url`, no credentials, no TLS; set the public fields for
+    /// more.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            nats_url: url.into(),
+            nats_user: None,
+            nats_password: None,
+            nats_password_file: None,
+            nats_token: None,
+            nats_token_file: None,
+            nats_nkey: None,
+            nats_nkey_file: None,
+            nats_creds: None,
+            nats_tls_ca: None,
+            nats_tls_cert: None,
+            nats_tls_key: None,
+        }
+    }
+
+    /// The URL(s) with any password or token masked, for logs.
+    pub fn redacted_url(&self) -> String {
+        redact_nats_url(&self.nats_url)
+    }
+
+    /// The password, from `--nats-password` or its file.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] if the file cannot be read.
+    pub fn password(&self) -> Result<Option<Secret>> {
+        inline_or_file(
+            self.nats_password.as_ref(),
+            self.nats_password_file.as_deref(),
+            "--nats-password-file",
+        )
+    }
+
+    /// The token, from `--nats-token` or its file.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] if the file cannot be read.
+    pub fn token(&self) -> Result<Option<Secret>> {
+        inline_or_file(
+            self.nats_token.as_ref(),
+            self.nats_token_file.as_deref(),
+            "--nats-token-file",
+        )
+    }
+
+    /// The nkey seed, from `--nats-nkey` or its file, checked to be a seed.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] if the file cannot be read or the value is not
+    /// an nkey seed.
+    pub fn nkey_seed(&self) -> Result<Option<Secret>> {
+        let seed = inline_or_file(
+            self.nats_nkey.as_ref(),
+            self.nats_nkey_file.as_deref(),
+            "--nats-nkey-file",
+        )?;
+        if let Some(seed) = &seed {
+            nkeys::KeyPair::from_seed(seed.expose_secret()).map_err(|e| {
+                Error::new(
+                    ErrorKind::Config,
+                    format!("--nats-nkey (or its file) is not an nkey seed: {e}"),
+                )
+                .with_source(e)
+            })?;
+        }
+        Ok(seed)
+    }
+
+    /// The client options these arguments describe, named `name`: secrets
+    /// read, pairs checked, TLS set up. The client reconnects forever after
+    /// a disconnect.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] if a secret file or the credentials file cannot
+    /// be read, an nkey seed is malformed, or one half of a pair is missing
+    /// (user and password, client certificate and key).
+    pub async fn connect_options(&self, name: &str) -> Result<async_nats::ConnectOptions> {
+        let mut options = async_nats::ConnectOptions::new()
+            .name(name)
+            .max_reconnects(None);
+        match (&self.nats_user, self.password()?) {
+            (Some(user), Some(password)) => {
+                options =
+                    options.user_and_password(user.clone(), password.expose_secret().to_owned());
+            }
+            (None, None) => {}
+            (Some(_), None) => {
+                return Err(Error::new(
+                    ErrorKind::Config,
+                    "--nats-user needs --nats-password or --nats-password-file",
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(Error::new(
+                    ErrorKind::Config,
+                    "a NATS password needs --nats-user",
+                ));
+            }
+        }
+        if let Some(token) = self.token()? {
+            options = options.token(token.expose_secret().to_owned());
+        }
+        if let Some(seed) = self.nkey_seed()? {
+            options = options.nkey(seed.expose_secret().to_owned());
+        }
+        if let Some(path) = &self.nats_creds {
+            options = options.credentials_file(path).await.map_err(|e| {
+                Error::new(
+                    ErrorKind::Config,
+                    format!("--nats-creds: cannot read {}: {e}", path.display()),
+                )
+                .with_source(e)
+            })?;
+        }
+        if let Some(ca) = &self.nats_tls_ca {
+            options = options.add_root_certificates(ca.clone()).require_tls(true);
+        }
+        match (&self.nats_tls_cert, &self.nats_tls_key) {
+            (Some(cert), Some(key)) => {
+                options = options
+                    .add_client_certificate(cert.clone(), key.clone())
+                    .require_tls(true);
+            }
+            (None, None) => {}
+            _ => {
+                return Err(Error::new(
+                    ErrorKind::Config,
+                    "--nats-tls-cert and --nats-tls-key go together",
+                ));
+            }
+        }
+        Ok(options)
+    }
+
+    /// Connects as `name`.
+    ///
+    /// The first attempt tells a refusal from an absence: a server that
+    /// rejects the credentials or the TLS handshake is an error at once,
+    /// while one that cannot be reached yet is waited for in the background
+    /// (the client keeps retrying, publishes fail fast meanwhile), so a
+    /// broker that is down does not stop the process.
+    ///
+    /// # Errors
+    /// As [`NatsArgs::connect_options`]; [`ErrorKind::Broker`] if the server
+    /// refuses the credentials (authorization violation) or the TLS handshake
+    /// fails, or the URL is invalid.
+    pub async fn connect(&self, name: &str) -> Result<async_nats::Client> {
+        let shown = self.redacted_url();
+        let first = self
+            .connect_options(name)
+            .await?
+            .connect(self.nats_url.as_str())
+            .await;
+        let error = match first {
+            Ok(client) => {
+                tracing::info!(nats = %shown, "connected to NATS");
+                return Ok(client);
+            }
+            Err(e) => e,
+        };
+        match error.kind() {
+            ConnectErrorKind::AuthorizationViolation | ConnectErrorKind::Authentication => {
+                return Err(Error::new(
+                    ErrorKind::Broker,
+                    format!(
+                        "NATS at {shown} refused the credentials ({error}): check --nats-user/--nats-password, \
+                         --nats-token, --nats-nkey or --nats-creds"
+                    ),
+                )
+                .with_source(error));
+            }
+            ConnectErrorKind::Tls => {
+                return Err(Error::new(
+                    ErrorKind::Broker,
+                    format!(
+                        "TLS with NATS at {shown} failed ({error}): check --nats-tls-ca, \
+                         --nats-tls-cert and --nats-tls-key"
+                    ),
+                )
+                .with_source(error));
+            }
+            _ => {}
+        }
+        tracing::warn!(nats = %shown, error = %error, "NATS is not reachable yet; connecting in the background");
+        self.connect_options(name)
+            .await?
+            .retry_on_initial_connect()
+            .connect(self.nats_url.as_str())
+            .await
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::Broker,
+                    format!("connecting to NATS at {shown}: {e}"),
+                )
+                .with_source(e)
+            })
+    }
+}
+
+impl fmt::Debug for NatsArgs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsArgs")
+            .field("nats_url", &self.redacted_url())
+            .field("nats_user", &self.nats_user)
+            .field("nats_password", &self.nats_password)
+            .field("nats_password_file", &self.nats_password_file)
+            .field("nats_token", &self.nats_token)
+            .field("nats_token_file", &self.nats_token_file)
+            .field("nats_nkey", &self.nats_nkey)
+            .field("nats_nkey_file", &self.nats_nkey_file)
+            .field("nats_creds", &self.nats_creds)
+            .field("nats_tls_ca", &self.nats_tls_ca)
+            .field("nats_tls_cert", &self.nats_tls_cert)
+            .field("nats_tls_key", &self.nats_tls_key)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{Args as _, FromArgMatches as _};
+
+    use super::*;
+
+    /// Parses flags alone, ignoring the test run's environment.
+    fn parse(args: &[&str]) -> std::result::Result<NatsArgs, clap::Error> {
+        let command =
+            NatsArgs::augment_args(clap::Command::new("app")).mut_args(|arg| arg.env(None::<&str>));
+        let matches =
+            command.try_get_matches_from(std::iter::once("app").chain(args.iter().copied()))?;
+        NatsArgs::from_arg_matches(&matches)
+    }
+
+    #[test]
+    fn debug_redacts_every_secret() {
+        let seed = nkeys::KeyPair::new_user().seed().unwrap();
+        let args = parse(&[
+            "--nats-url",
+            "nats://url-token@127.0.0.1:4222",
+            "--nats-user",
+            "relay",
+            "--nats-password",
+            "pw-s3cret",
+            "--nats-token",
+            "tok-s3cret",
+            "--nats-nkey",
+            &seed,
+        ])
+        .unwrap();
+        let shown = format!("{args:?}");
+        for secret in ["url-token", "pw-s3cret", "tok-s3cret", seed.as_str()] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        assert!(shown.contains("relay"), "{shown}");
+    }
+
+    #[test]
+    fn inline_secrets_exclude_their_files() {
+        for (inline, file) in [
+            ("--nats-password", "--nats-password-file"),
+            ("--nats-token", "--nats-token-file"),
+            ("--nats-nkey", "--nats-nkey-file"),
+        ] {
+            let err = parse(&[inline, "x", file, "/f"]).unwrap_err();
+            assert_eq!(
+                err.kind(),
+                clap::error::ErrorKind::ArgumentConflict,
+                "{inline}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn secrets_come_from_files_and_pairs_are_checked() {
+        let dir = std::env::temp_dir().join(format!("outbox-nats-args-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let token = dir.join("token");
+        std::fs::write(&token, "tok\n").unwrap();
+        let args = parse(&["--nats-token-file", token.to_str().unwrap()]).unwrap();
+        assert_eq!(args.token().unwrap().unwrap().expose_secret(), "tok");
+
+        let seed = dir.join("seed");
+        std::fs::write(&seed, "not a seed\n").unwrap();
+        let args = parse(&["--nats-nkey-file", seed.to_str().unwrap()]).unwrap();
+        let err = args.connect_options("t").await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config);
+        assert!(err.to_string().contains("nkey seed"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        let args = parse(&[
+            "--nats-password-file",
+            "/nonexistent/pw",
+            "--nats-user",
+            "u",
+        ])
+        .unwrap();
+        let err = args.connect_options("t").await.unwrap_err();
+        assert!(err.to_string().contains("--nats-password-file"), "{err}");
+        assert!(err.to_string().contains("/nonexistent/pw"), "{err}");
+
+        let args = parse(&["--nats-user", "u"]).unwrap();
+        assert_eq!(
+            args.connect_options("t").await.unwrap_err().kind(),
+            ErrorKind::Config
+        );
+        let args = parse(&["--nats-tls-cert", "/c.pem"]).unwrap();
+        assert_eq!(
+            args.connect_options("t").await.unwrap_err().kind(),
+            ErrorKind::Config
+        );
+    }
+}
