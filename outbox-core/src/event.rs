@@ -34,7 +34,7 @@
 //!     const TYPE: &'static str = "subscription.created";
 //! }
 //!
-//! # fn main() -> Result<(), outbox_pg::Error> {
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let schemas = SchemaRegistry::new().with_event::<SubscriptionCreated>()?;
 //! assert!(schemas.contains("subscription.created"));
 //!
@@ -65,6 +65,7 @@ use crate::schema::{SCHEMA_SUFFIX, SchemaRegistry};
 /// # use serde::{Deserialize, Serialize};
 /// #[derive(Serialize, Deserialize, JsonSchema)]
 /// struct InvoiceCreated { invoice_id: String, amount_cents: i64 }
+/// # let _ = InvoiceCreated { invoice_id: String::new(), amount_cents: 0 };
 ///
 /// impl outbox_pg::Event for InvoiceCreated {
 ///     const TYPE: &'static str = "invoice.created";
