@@ -1,3 +1,7 @@
+-- Idempotent, like every file here (see 20260101000001_outbox_events.sql),
+-- and run under the migration lock.
+select pg_advisory_xact_lock(1868721409, 0);
+
 -- The consumer's inbox: one row per (consumer, event) it has handled. The primary
 -- key is the whole dedupe mechanism; the row commits with the handler's work.
 create table if not exists inbox_events (
@@ -10,10 +14,22 @@ create table if not exists inbox_events (
   primary key (consumer, event_id)
 );
 
--- Retention deletes by age.
-create index if not exists inbox_events_handled_at_idx
-  on inbox_events (handled_at);
+do $$
+begin
+  -- Retention deletes by age.
+  if not exists (select from pg_indexes
+                  where schemaname = current_schema()
+                    and indexname = 'inbox_events_handled_at_idx') then
+    create index inbox_events_handled_at_idx
+      on inbox_events (handled_at);
+  end if;
 
--- "When was the last event applied for this subject?" for order-dependent handlers.
-create index if not exists inbox_events_subject_time_idx
-  on inbox_events (consumer, subject, event_time desc);
+  -- "When was the last event applied for this subject?" for order-dependent handlers.
+  if not exists (select from pg_indexes
+                  where schemaname = current_schema()
+                    and indexname = 'inbox_events_subject_time_idx') then
+    create index inbox_events_subject_time_idx
+      on inbox_events (consumer, subject, event_time desc);
+  end if;
+end
+$$;

@@ -1,3 +1,7 @@
+-- Idempotent, like every file here (see 20260101000001_outbox_events.sql),
+-- and run under the migration lock.
+select pg_advisory_xact_lock(1868721409, 0);
+
 -- Messages a consumer could not handle and will not retry: poison input (not
 -- JSON, not a CloudEvent, no valid id, a payload its handler cannot decode), a
 -- handler's explicit rejection, or the last allowed delivery failing. The row
@@ -23,5 +27,13 @@ create table if not exists inbox_dead_letters (
   created_at      timestamptz not null default now()
 );
 
-create index if not exists inbox_dead_letters_consumer_created_idx
-  on inbox_dead_letters (consumer, created_at);
+do $$
+begin
+  if not exists (select from pg_indexes
+                  where schemaname = current_schema()
+                    and indexname = 'inbox_dead_letters_consumer_created_idx') then
+    create index inbox_dead_letters_consumer_created_idx
+      on inbox_dead_letters (consumer, created_at);
+  end if;
+end
+$$;

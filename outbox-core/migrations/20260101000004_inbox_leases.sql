@@ -1,3 +1,7 @@
+-- Idempotent, like every file here (see 20260101000001_outbox_events.sql),
+-- and run under the migration lock.
+select pg_advisory_xact_lock(1868721409, 0);
+
 -- Ordered consumption (ConsumerConfig::ordered): one replica of a consumer at a
 -- time is its leader and the only one that fetches. Leadership itself is a
 -- session-level advisory lock (released by the server the moment the leader's

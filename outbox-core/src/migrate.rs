@@ -1,30 +1,121 @@
-//! The schema: `outbox_events` and `inbox_events`, embedded from `migrations/`,
-//! and the rule that start-up schema steps run one at a time.
+//! The schema: `outbox_events`, `inbox_events` and their companions, from the
+//! SQL files in `outbox-core/migrations/`, applied either by this library at
+//! start-up or by the service's own migration tool, beside the service's own
+//! migrations and without touching their history.
+//!
+//! # Two ways to apply it
+//!
+//! 1. **The library, at start-up**: [`migrate`] or [`migrate_with`]. The
+//!    history of these files is kept in their own table,
+//!    [`MIGRATION_TABLE`] (`outbox_schema_migrations`), never in sqlx's
+//!    `_sqlx_migrations`. A service that also runs
+//!    `sqlx::migrate!("./migrations")` for its own schema can call both, in
+//!    either order: neither migrator sees the other's rows, so neither fails
+//!    with "migration … was previously applied but is missing".
+//! 2. **The service's own tool**: copy the files into its migrations folder
+//!    (sqlx, refinery, Flyway as `V<version>__<name>.sql`) or apply them with
+//!    `psql --single-transaction -f` in file-name order, or feed [`MIGRATOR`]'s
+//!    entries to the service's own sqlx `Migrator`. Their versions are
+//!    timestamps, so they sort among the service's.
+//!
+//! Both ways can meet on one database: **every file is idempotent** and takes
+//! no table lock when its objects are already there (each index, column and
+//! trigger is created only after a catalog check; a bare `create index if not
+//! exists` would still wait for, and block, every open write to the table).
+//! So a start-up [`migrate`] after the service's tool applied the files, or the
+//! tool after [`migrate`], changes nothing. When the service's sqlx tool
+//! recorded a file in `_sqlx_migrations` with the text this build has, [`migrate`]
+//! records it as applied in its own table without running it again.
+//!
+//! # One at a time
 //!
 //! Replicas of a service usually start together, and each prepares its
-//! database at start-up. The embedded migrations are safe on their own: sqlx's
-//! migrator takes an advisory lock of its own before it even creates
-//! `_sqlx_migrations` (sqlx 0.8 `Migrator::run_direct`: `lock`, then
-//! `ensure_migrations_table`). A service's own DDL is not: two sessions
-//! running `create table if not exists t` at once can both find `t` missing,
-//! and the second fails with a unique violation on `pg_type_typname_nsp_index`
-//! (or `pg_class_relname_nsp_index` for an index). So [`migrate_with`] runs
-//! both steps on one connection holding [`MIGRATION_LOCK`], a session-level
-//! advisory lock, and closes that connection at the end: the session, and
-//! every lock it holds, ends with it whatever happened (sqlx's migrator
-//! leaves its own lock held when a migration fails).
+//! database at start-up. Two sessions running `create table if not exists t`
+//! at once can both find `t` missing, and the second fails with a unique
+//! violation on `pg_type_typname_nsp_index` (or `pg_class_relname_nsp_index`
+//! for an index). So [`migrate_with`] runs every step on one connection
+//! holding [`MIGRATION_LOCK`], a session-level advisory lock, and closes that
+//! connection at the end: the session, and every lock it holds, ends with it
+//! whatever happened. Each file takes the same lock again, transaction-scoped
+//! (`select pg_advisory_xact_lock(1868721409, 0)`, re-entrant on the session
+//! that holds it), so a service's tool applying the files and a replica
+//! starting up take turns as well.
+//!
+//! # Why sqlx's `Migrator`, on a table of our own
+//!
+//! The files are applied by sqlx's [`Migrator`] with its history table renamed
+//! to [`MIGRATION_TABLE`] (`dangerous_set_table_name`) rather than by a runner
+//! of our own: each file and its history row commit in one transaction, the
+//! table has `_sqlx_migrations`' layout and checksums (SHA-384 of the file),
+//! so rows move between the two unchanged, and a changed or unknown file is
+//! refused the way sqlx refuses it. Its own advisory lock is turned off:
+//! [`MIGRATION_LOCK`] is held instead, and taking sqlx's per-database lock
+//! while holding ours could deadlock against a service's sqlx migrator that
+//! holds sqlx's lock and waits for ours inside one of these files.
+//!
+//! # Earlier releases
+//!
+//! Releases before this one recorded these files in `_sqlx_migrations`. The
+//! first [`migrate`] of this release adopts them: each of our versions found
+//! there with our description is recorded in [`MIGRATION_TABLE`], and its
+//! `_sqlx_migrations` row is deleted when its checksum is not this build's
+//! (written by an earlier release of the library). No other row is touched,
+//! and a row with this build's checksum stays (the service's own tool wrote
+//! it from its copy of the files and would otherwise apply them again). So on
+//! the first start after upgrading, call [`migrate`] before the service's own
+//! `sqlx::migrate!`, which until then still finds our rows it does not know.
+//!
+//! # Schemas
+//!
+//! No name is schema-qualified: the tables, the sequence, the functions and
+//! [`MIGRATION_TABLE`] are created in the first schema of the session's
+//! `search_path`, and every query of the library, the relay and the inbox
+//! finds them through it. To keep them out of `public`, give every
+//! connection the same path, in the URL
+//! (`postgres://…/app?options=-csearch_path%3Dtenant`) or with
+//! `alter role app set search_path = tenant`. The triggers' functions resolve
+//! `outbox_events_seq` through the path of the session that inserts, so a
+//! writer must use that path too (as it must for the unqualified
+//! `outbox_events` anyway).
 
-use sqlx::PgPool;
-use sqlx::migrate::Migrator;
+use sqlx::migrate::{Migrate, MigrateError, Migrator};
+use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::error::{Error, ErrorKind, Result};
 
-/// The embedded migrations, for `MIGRATOR.run(&pool)` or `#[sqlx::test(migrator = …)]`.
-/// The same files work with `sqlx migrate run --source migrations`.
+/// The embedded migrations: the files of `outbox-core/migrations/`, for the
+/// service's own migration tool or to read the SQL.
 ///
-/// `MIGRATOR.run` alone does not take [`MIGRATION_LOCK`]; start-up code should
-/// call [`migrate`] or [`migrate_with`].
+/// Each entry has the file's `version`, `description`, `sql` and sqlx
+/// `checksum`. A service that applies its schema with sqlx can apply these
+/// with it, in one migrator and one history:
+///
+/// ```no_run
+/// # #[tokio::main]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let pool = sqlx::PgPool::connect("postgres://localhost/app").await?;
+/// use sqlx::migrate::Migrator;
+/// static APP: Migrator = sqlx::migrate!("./migrations");
+/// let both = Migrator::with_migrations(
+///     APP.iter().chain(outbox_pg::MIGRATOR.iter()).cloned().collect(),
+/// );
+/// both.run(&pool).await?;
+/// # Ok(()) }
+/// ```
+///
+/// Running `MIGRATOR.run(&pool)` **alone** records these files in
+/// `_sqlx_migrations`, where the service's own `sqlx::migrate!` then finds
+/// versions it does not know and fails. Start-up code calls [`migrate`] or
+/// [`migrate_with`], which keep their history in [`MIGRATION_TABLE`].
 pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
+
+/// The table [`migrate`] records the applied files in, created in the first
+/// schema of the `search_path`: `outbox_schema_migrations`, laid out as
+/// sqlx's `_sqlx_migrations`.
+pub const MIGRATION_TABLE: &str = "outbox_schema_migrations";
+
+/// sqlx's history table, where earlier releases recorded these files.
+const SQLX_TABLE: &str = "_sqlx_migrations";
 
 /// The advisory lock every start-up schema step holds, in PostgreSQL's two-key
 /// space: `pg_advisory_lock(1868721409, 0)` (`0x6f62_6d01`, "obm" and 1).
@@ -32,8 +123,10 @@ pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 /// Two-key advisory locks never meet single-key ones (`pg_advisory_lock(bigint)`,
 /// as sqlx's migrator and many applications take), and this first key is
 /// used for nothing else; the relay's shard locks are `0x6f62_7201` and
-/// `0x6f62_7202`, the inbox's are `hashtext('inbox_consumer.…')`. A script
-/// that changes the schema by hand while services may be starting takes it too:
+/// `0x6f62_7202`, the inbox's are `hashtext('inbox_consumer.…')`. Each
+/// migration file takes it for its transaction
+/// (`select pg_advisory_xact_lock(1868721409, 0)`). A script that changes the
+/// schema by hand while services may be starting takes it too:
 ///
 /// ```sql
 /// select pg_advisory_lock(1868721409, 0);
@@ -47,15 +140,23 @@ pub const MIGRATION_LOCK: (i32, i32) = (0x6f62_6d01, 0);
 ///
 /// # Errors
 /// [`ErrorKind::Database`] if the lock cannot be taken, a migration fails (it
-/// is rolled back) or the database holds a migration this build does not know.
+/// is rolled back; the message names its file), or [`MIGRATION_TABLE`] records
+/// a migration this build does not have or one whose text differs from this
+/// build's.
 pub async fn migrate(pool: &PgPool) -> Result<()> {
     migrate_with(pool, "").await
 }
 
 /// Start-up schema preparation for a service: applies every pending embedded
-/// migration, then runs `app_sql` (the service's own DDL: any number of
-/// `;`-separated statements, sent as one simple query, which PostgreSQL runs
-/// as one transaction), both under [`MIGRATION_LOCK`].
+/// migration, recording it in [`MIGRATION_TABLE`], then runs `app_sql` (the
+/// service's own DDL: any number of `;`-separated statements, sent as one
+/// simple query, which PostgreSQL runs as one transaction), both under
+/// [`MIGRATION_LOCK`].
+///
+/// The service's own migration history, sqlx's `_sqlx_migrations`, is left
+/// alone, but for the rows earlier releases of this library wrote there (see
+/// the [module docs](crate::migrate) and [`MIGRATOR`]): a service may run its
+/// `sqlx::migrate!` before or after this call.
 ///
 /// **The rule: every start-up schema step runs under the lock.** Replicas
 /// started at the same instant on a fresh database then prepare it one after
@@ -85,15 +186,17 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
 ///
 /// # Errors
 /// [`ErrorKind::Database`] if no connection can be had or the lock taken, a
-/// migration fails (it is rolled back), the database holds a migration this
-/// build does not know, or `app_sql` fails (its statements are rolled back).
+/// migration fails (it is rolled back; the message names its file),
+/// [`MIGRATION_TABLE`] records a migration this build does not have or one
+/// whose text differs from this build's, or `app_sql` fails (its statements
+/// are rolled back).
 pub async fn migrate_with(pool: &PgPool, app_sql: &str) -> Result<()> {
     let mut conn = pool
         .acquire()
         .await
         .map_err(|e| Error::database("connecting to migrate", e))?;
     // Never returned to the pool: closing it ends the session, which releases
-    // our lock and sqlx's even if a step below fails or this future is dropped.
+    // the lock even if a step below fails or this future is dropped.
     conn.close_on_drop();
     sqlx::query("select pg_advisory_lock($1, $2)")
         .bind(MIGRATION_LOCK.0)
@@ -101,12 +204,7 @@ pub async fn migrate_with(pool: &PgPool, app_sql: &str) -> Result<()> {
         .execute(&mut *conn)
         .await
         .map_err(|e| Error::database("taking the migration lock", e))?;
-    MIGRATOR
-        .run_direct(None, &mut *conn, false)
-        .await
-        .map_err(|e| {
-            Error::new(ErrorKind::Database, format!("running migrations: {e}")).with_source(e)
-        })?;
+    apply(&mut conn).await?;
     if !app_sql.trim().is_empty() {
         sqlx::raw_sql(sqlx::AssertSqlSafe(app_sql.to_owned()))
             .execute(&mut *conn)
@@ -117,4 +215,135 @@ pub async fn migrate_with(pool: &PgPool, app_sql: &str) -> Result<()> {
     // server ends the session, and releases the lock, when the socket closes.
     let _closed = conn.close().await;
     Ok(())
+}
+
+/// Creates [`MIGRATION_TABLE`], adopts our rows of `_sqlx_migrations`, then
+/// applies what is still pending. The caller holds [`MIGRATION_LOCK`].
+async fn apply(conn: &mut PgConnection) -> Result<()> {
+    let mut migrator = Migrator::with_migrations(MIGRATOR.iter().cloned().collect());
+    migrator.dangerous_set_table_name(MIGRATION_TABLE);
+    // MIGRATION_LOCK is held instead (see the module docs).
+    migrator.set_locking(false);
+    conn.ensure_migrations_table(MIGRATION_TABLE)
+        .await
+        .map_err(|e| migrate_error(&format!("creating {MIGRATION_TABLE}"), e))?;
+    adopt(conn).await?;
+    migrator
+        .run_direct(None, conn, false)
+        .await
+        .map_err(|e| migrate_error("running the outbox schema migrations", e))
+}
+
+/// Records in [`MIGRATION_TABLE`] each of our files that `_sqlx_migrations`
+/// holds as applied under our version and description, and deletes those rows
+/// whose checksum is not this build's (an earlier release of this library
+/// wrote them); one transaction. Nothing happens without `_sqlx_migrations`.
+async fn adopt(conn: &mut PgConnection) -> Result<()> {
+    let found: bool = sqlx::query_scalar("select to_regclass($1) is not null")
+        .bind(SQLX_TABLE)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| Error::database("looking for _sqlx_migrations", e))?;
+    if !found {
+        return Ok(());
+    }
+    let versions: Vec<i64> = MIGRATOR.iter().map(|m| m.version).collect();
+    let mut tx = conn
+        .begin()
+        .await
+        .map_err(|e| Error::database("adopting _sqlx_migrations rows", e))?;
+    let theirs: Vec<(i64, String, Vec<u8>)> = sqlx::query_as(
+        "select version, description, checksum from _sqlx_migrations
+          where success and version = any($1)
+          order by version",
+    )
+    .bind(&versions)
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(|e| Error::database("reading _sqlx_migrations", e))?;
+    if theirs.is_empty() {
+        return Ok(());
+    }
+    let ours: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "select version from {MIGRATION_TABLE}"
+    )))
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(|e| Error::database(&format!("reading {MIGRATION_TABLE}"), e))?;
+    for (version, description, checksum) in theirs {
+        let Some(migration) = MIGRATOR
+            .iter()
+            .find(|m| m.version == version && *m.description == *description)
+        else {
+            continue; // same version, another description: not ours
+        };
+        if !ours.contains(&version) {
+            tx.skip(MIGRATION_TABLE, migration).await.map_err(|e| {
+                migrate_error(
+                    &format!(
+                        "recording {} in {MIGRATION_TABLE}",
+                        file_name(migration.version)
+                    ),
+                    e,
+                )
+            })?;
+        }
+        if *checksum != *migration.checksum {
+            sqlx::query(
+                "delete from _sqlx_migrations
+                  where version = $1 and description = $2 and checksum = $3",
+            )
+            .bind(version)
+            .bind(&description)
+            .bind(&checksum)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| {
+                Error::database(
+                    &format!(
+                        "removing {} from _sqlx_migrations",
+                        file_name(migration.version)
+                    ),
+                    e,
+                )
+            })?;
+        }
+    }
+    tx.commit()
+        .await
+        .map_err(|e| Error::database("adopting _sqlx_migrations rows", e))
+}
+
+/// The file a version was embedded from, `20260101000001_outbox_events.sql`,
+/// for messages (sqlx's description is the name with `_` as spaces).
+fn file_name(version: i64) -> String {
+    match MIGRATOR.iter().find(|m| m.version == version) {
+        Some(m) => format!("{version}_{}.sql", m.description.replace(' ', "_")),
+        None => format!("version {version}"),
+    }
+}
+
+/// An [`ErrorKind::Database`] error saying what failed and, where the error
+/// is about one migration, which file.
+fn migrate_error(context: &str, e: MigrateError) -> Error {
+    let message = match &e {
+        MigrateError::ExecuteMigration(cause, version) => {
+            format!("applying migration {}: {cause}", file_name(*version))
+        }
+        MigrateError::VersionMissing(version) => format!(
+            "{MIGRATION_TABLE} records migration {version}, which this build of outbox-pg \
+             does not have (a newer release migrated this database)"
+        ),
+        MigrateError::VersionMismatch(version) => format!(
+            "migration {} was applied from a different text than this build's \
+             (its checksum in {MIGRATION_TABLE} differs)",
+            file_name(*version)
+        ),
+        MigrateError::Dirty(version) => format!(
+            "migration {} is recorded as failed in {MIGRATION_TABLE}",
+            file_name(*version)
+        ),
+        other => format!("{context}: {other}"),
+    };
+    Error::new(ErrorKind::Database, message).with_source(e)
 }

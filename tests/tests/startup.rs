@@ -62,13 +62,13 @@ impl Databases {
         Self { anchor, log_dir }
     }
 
-    /// A new database with nothing in it: no `_sqlx_migrations`, no tables.
+    /// A new database with nothing in it: no migration history, no tables.
     async fn empty(&self, what: &str, round: usize) -> (String, PgPool) {
         let name = format!("{}_{what}_{round}", self.anchor.name());
         let url = create_database(self.anchor.url(), &name).await.unwrap();
         let pool = PgPool::connect(&url).await.unwrap();
         assert!(
-            !exists(&pool, "_sqlx_migrations").await,
+            !exists(&pool, outbox_pg::MIGRATION_TABLE).await,
             "{name} is not empty"
         );
         (url, pool)
@@ -91,11 +91,13 @@ async fn assert_schema_complete(pool: &PgPool, app: &[&str], round: usize) {
         .filter(|m| !m.migration_type.is_down_migration())
         .map(|m| m.version)
         .collect();
-    let applied: Vec<i64> =
-        sqlx::query_scalar("select version from _sqlx_migrations where success order by version")
-            .fetch_all(pool)
-            .await
-            .unwrap();
+    let applied: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "select version from {} where success order by version",
+        outbox_pg::MIGRATION_TABLE
+    )))
+    .fetch_all(pool)
+    .await
+    .unwrap();
     assert_eq!(applied, expected, "round {round}: applied migrations");
     for relation in LIBRARY_RELATIONS.iter().chain(app) {
         assert!(
