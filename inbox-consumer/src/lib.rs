@@ -177,3 +177,8 @@ pub use router::{Routable, Router};
 pub use runtime::{Consumer, ConsumerConfig, Unrouted};
 pub use service::{HandlerService, typed};
 pub use trace::{Trace, TraceLayer};
+
+/// The crate README's examples, compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -112,3 +112,8 @@ pub use validate::{
     MAX_JSON_DEPTH, MAX_TRACESTATE_LEN, check_json_decodable, validate_event_type, validate_time,
     validate_traceparent, validate_tracestate,
 };
+
+/// The crate README's examples, compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

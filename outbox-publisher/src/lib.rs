@@ -84,3 +84,8 @@ pub use sink::{
 pub use stream::{DEFAULT_DUPLICATE_WINDOW, StreamSpec};
 
 pub use async_nats::jetstream::stream::StorageType;
+
+/// The crate README's examples, compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

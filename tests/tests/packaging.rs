@@ -1,0 +1,145 @@
+//! What publishing the library crates promises, checked from `cargo metadata`:
+//! the declared `rust-version` is true for the whole dependency tree, and each
+//! crate carries what crates.io shows (description, readme, licence files,
+//! keywords, categories). `cargo publish --workspace --dry-run` in CI checks
+//! that each packages and builds from its package alone.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+
+const LIBRARIES: [&str; 3] = ["outbox-pg", "outbox-publisher", "inbox-consumer"];
+
+/// The host's target triple, from `rustc -vV`.
+fn host() -> String {
+    let out = Command::new("rustc")
+        .arg("-vV")
+        .output()
+        .expect("running rustc -vV");
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("host: ").map(str::to_owned))
+        .expect("rustc -vV names the host")
+}
+
+/// `cargo metadata` for this host (the packages of other platforms need not
+/// be downloaded).
+fn metadata() -> Value {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new(env!("CARGO"))
+        .args(["metadata", "--format-version", "1", "--locked", "--offline"])
+        .args(["--filter-platform", &host()])
+        .current_dir(&root)
+        .output()
+        .expect("running cargo metadata");
+    assert!(
+        out.status.success(),
+        "cargo metadata failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn version(v: &str) -> (u64, u64, u64) {
+    let mut parts = v.split('.').map(|p| p.parse::<u64>().unwrap());
+    (
+        parts.next().unwrap(),
+        parts.next().unwrap_or(0),
+        parts.next().unwrap_or(0),
+    )
+}
+
+#[test]
+fn the_declared_rust_version_covers_every_dependency() {
+    let meta = metadata();
+    let packages: HashMap<&str, &Value> = meta["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["id"].as_str().unwrap(), p))
+        .collect();
+    let nodes: HashMap<&str, &Value> = meta["resolve"]["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| (n["id"].as_str().unwrap(), n))
+        .collect();
+
+    let mut queue: VecDeque<&str> = packages
+        .iter()
+        .filter(|(_, p)| LIBRARIES.contains(&p["name"].as_str().unwrap()))
+        .map(|(id, _)| *id)
+        .collect();
+    assert_eq!(queue.len(), LIBRARIES.len());
+    let declared: HashSet<&str> = queue
+        .iter()
+        .map(|id| packages[id]["rust_version"].as_str().unwrap())
+        .collect();
+    assert_eq!(declared.len(), 1, "the libraries declare {declared:?}");
+    let declared = version(declared.into_iter().next().unwrap());
+
+    // Every package a library build (any feature, binaries included) compiles.
+    let mut seen = HashSet::new();
+    let mut needs = Vec::new();
+    while let Some(id) = queue.pop_front() {
+        if !seen.insert(id) {
+            continue;
+        }
+        if let Some(rv) = packages[id]["rust_version"].as_str() {
+            if version(rv) > declared {
+                needs.push(format!("{} needs {rv}", packages[id]["name"]));
+            }
+        }
+        for dep in nodes[id]["deps"].as_array().unwrap() {
+            let normal_or_build = dep["dep_kinds"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|k| k["kind"].as_str() != Some("dev"));
+            if normal_or_build {
+                queue.push_back(dep["pkg"].as_str().unwrap());
+            }
+        }
+    }
+    assert!(seen.len() > 50, "walked only {} packages", seen.len());
+    assert!(
+        needs.is_empty(),
+        "rust-version {declared:?} is too low: {needs:?}"
+    );
+}
+
+#[test]
+fn each_library_crate_carries_what_the_registry_shows() {
+    let meta = metadata();
+    for package in meta["packages"].as_array().unwrap() {
+        let name = package["name"].as_str().unwrap();
+        if !LIBRARIES.contains(&name) {
+            continue;
+        }
+        let dir = Path::new(package["manifest_path"].as_str().unwrap())
+            .parent()
+            .unwrap();
+        for field in ["description", "license", "repository", "readme"] {
+            assert!(package[field].is_string(), "{name}: no {field}");
+        }
+        let keywords = package["keywords"].as_array().unwrap();
+        assert!(
+            (1..=5).contains(&keywords.len()),
+            "{name}: keywords {keywords:?}"
+        );
+        assert!(
+            !package["categories"].as_array().unwrap().is_empty(),
+            "{name}: no categories"
+        );
+        for file in ["README.md", "LICENSE-MIT", "LICENSE-APACHE"] {
+            let text = std::fs::read_to_string(dir.join(file))
+                .unwrap_or_else(|e| panic!("{name}: {file}: {e}"));
+            assert!(text.len() > 200, "{name}: {file} is nearly empty");
+        }
+    }
+    let changelog = Path::new(env!("CARGO_MANIFEST_DIR")).join("../CHANGELOG.md");
+    assert!(changelog.is_file(), "no CHANGELOG.md");
+}
