@@ -49,7 +49,7 @@ begin
       where published_at is null;
   end if;
 
-  -- (Earlier releases of this file also built outbox_events_subject_unpublished_idx,
+  -- (Earlier versions of this file also built outbox_events_subject_unpublished_idx,
   -- for per-subject ordering, which 20260101000005 replaces and drops. It is
   -- no longer built here only to be dropped there.)
 

@@ -119,7 +119,7 @@ begin
       where published_at is null and next_attempt_at is not null;
   end if;
 
-  -- The previous claim's per-subject index (built by earlier releases of
+  -- The previous claim's per-subject index (built by earlier versions of
   -- 20260101000001) is no longer read.
   if exists (select from pg_indexes
               where schemaname = current_schema()

@@ -53,13 +53,13 @@
 //! while holding ours could deadlock against a service's sqlx migrator that
 //! holds sqlx's lock and waits for ours inside one of these files.
 //!
-//! # Earlier releases
+//! # Databases migrated by earlier builds
 //!
-//! Releases before this one recorded these files in `_sqlx_migrations`. The
-//! first [`migrate`] of this release adopts them: each of our versions found
+//! Earlier builds recorded these files in `_sqlx_migrations`. The first
+//! [`migrate`] of this one adopts them: each of our versions found
 //! there with our description is recorded in [`MIGRATION_TABLE`], and its
 //! `_sqlx_migrations` row is deleted when its checksum is not this build's
-//! (written by an earlier release of the library). No other row is touched,
+//! (written by an earlier build of the library). No other row is touched,
 //! and a row with this build's checksum stays (the service's own tool wrote
 //! it from its copy of the files and would otherwise apply them again). So on
 //! the first start after upgrading, call [`migrate`] before the service's own
@@ -114,7 +114,7 @@ pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 /// sqlx's `_sqlx_migrations`.
 pub const MIGRATION_TABLE: &str = "outbox_schema_migrations";
 
-/// sqlx's history table, where earlier releases recorded these files.
+/// sqlx's history table, where earlier builds recorded these files.
 const SQLX_TABLE: &str = "_sqlx_migrations";
 
 /// The advisory lock every start-up schema step holds, in PostgreSQL's two-key
@@ -154,7 +154,7 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
 /// [`MIGRATION_LOCK`].
 ///
 /// The service's own migration history, sqlx's `_sqlx_migrations`, is left
-/// alone, but for the rows earlier releases of this library wrote there (see
+/// alone, but for the rows earlier builds of this library wrote there (see
 /// the [module docs](crate::migrate) and [`MIGRATOR`]): a service may run its
 /// `sqlx::migrate!` before or after this call.
 ///
@@ -236,7 +236,7 @@ async fn apply(conn: &mut PgConnection) -> Result<()> {
 
 /// Records in [`MIGRATION_TABLE`] each of our files that `_sqlx_migrations`
 /// holds as applied under our version and description, and deletes those rows
-/// whose checksum is not this build's (an earlier release of this library
+/// whose checksum is not this build's (an earlier build of this library
 /// wrote them); one transaction. Nothing happens without `_sqlx_migrations`.
 async fn adopt(conn: &mut PgConnection) -> Result<()> {
     let found: bool = sqlx::query_scalar("select to_regclass($1) is not null")
@@ -332,7 +332,7 @@ fn migrate_error(context: &str, e: MigrateError) -> Error {
         }
         MigrateError::VersionMissing(version) => format!(
             "{MIGRATION_TABLE} records migration {version}, which this build of outbox-pg \
-             does not have (a newer release migrated this database)"
+             does not have (a newer build migrated this database)"
         ),
         MigrateError::VersionMismatch(version) => format!(
             "migration {} was applied from a different text than this build's \
