@@ -371,3 +371,54 @@ fn is_outbox_row(row: &str) -> bool {
         .iter()
         .any(|m| row.starts_with(&format!("{{\"version\":{},", m.version)))
 }
+
+/// A file that fails is named in the error, rolled back with its history
+/// row (the files before it stay recorded), and leaves no lock behind; once
+/// the cause is gone, the next start completes.
+#[tokio::test]
+async fn a_failing_file_is_named_rolled_back_and_leaves_no_lock() {
+    let server = server().await;
+    let db = fresh(&server, Target::Public).await;
+    // A table where file 5 expects its sequence: `create sequence if not
+    // exists` passes over it, `setval` fails.
+    sqlx::query("create table outbox_events_seq (n int)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let err = outbox_pg::migrate(&db.pool).await.unwrap_err();
+    assert_eq!(err.kind(), outbox_pg::ErrorKind::Database);
+    assert!(
+        err.to_string()
+            .contains("applying migration 20260101000005_outbox_order_and_shards.sql"),
+        "{err}"
+    );
+    let versions: Vec<i64> = recorded(&db).await.into_iter().map(|(v, _)| v).collect();
+    assert_eq!(versions, support::outbox_versions()[..4]);
+    assert!(!exists(&db, "outbox_events_shard_seq_idx").await);
+    let lock = outbox_pg::MIGRATION_LOCK;
+    outbox_testkit::wait_until(
+        "the migration lock released",
+        std::time::Duration::from_secs(10),
+        || async {
+            sqlx::query_scalar::<_, i64>(
+                "select count(*) from pg_locks
+                  where locktype = 'advisory' and classid::text::bigint = $1
+                    and objid::text::bigint = $2 and objsubid = 2",
+            )
+            .bind(i64::from(lock.0))
+            .bind(i64::from(lock.1))
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+                == 0
+        },
+    )
+    .await
+    .unwrap();
+    sqlx::query("drop table outbox_events_seq")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    run_ok(&db, Order::OutboxFirst).await;
+    assert_eq!(recorded(&db).await.len(), MIGRATOR.iter().count());
+}
