@@ -1,7 +1,9 @@
-//! The quickest real round trip: a subscription row and its
-//! `subscription.created` event committed in one transaction, a rolled-back
-//! one and a schema-invalid one that never leave, the relay moving the
-//! committed events to JetStream, and the stream read back.
+//! The quickest real round trip: a typed event declared once; a subscription
+//! row and its `subscription.created` event committed in one transaction, a
+//! rolled-back one and a schema-invalid one that never leave; the relay moving
+//! the committed events to JetStream; the stream read back; and a consumer
+//! built with `Consumer::builder` opening one account per subscription through
+//! the inbox.
 //!
 //! ```text
 //! cargo run --bin quickstart                      # starts its own Postgres and nats-server
@@ -13,18 +15,49 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
 use futures::StreamExt;
-use outbox_pg::{Envelope, Outbox, SchemaRegistry};
+use inbox_consumer::prelude::*;
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use outbox_testkit::{nats, postgres};
-use serde::Serialize;
-use sqlx::PgPool;
+use serde::{Deserialize, Serialize};
+use sqlx::{PgPool, PgTransaction};
+use tokio_util::sync::CancellationToken;
 
-#[derive(Serialize)]
+/// A customer subscribed to a plan: the type string, the payload and its
+/// schema (derived: a negative amount is refused), declared once.
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 struct SubscriptionCreated {
+    #[schemars(length(min = 1))]
     subscription_id: String,
     customer_id: String,
     plan: String,
+    #[schemars(range(min = 0))]
     amount_cents: i64,
+}
+
+impl Event for SubscriptionCreated {
+    const TYPE: &'static str = "subscription.created";
+}
+
+/// Opens an account per subscription, in the inbox's transaction.
+#[derive(Clone)]
+struct OpenAccount;
+
+impl Handler for OpenAccount {
+    type Message = SubscriptionCreated;
+
+    async fn handle(
+        &self,
+        event: Envelope<SubscriptionCreated>,
+        tx: &mut PgTransaction<'static>,
+    ) -> Result<(), HandlerError> {
+        sqlx::query("insert into accounts (subscription_id, plan) values ($1, $2)")
+            .bind(&event.data().subscription_id)
+            .bind(&event.data().plan)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
 }
 
 #[tokio::main]
@@ -41,11 +74,12 @@ async fn main() -> Result<(), Box<dyn Error>> {
     outbox_pg::migrate_with(
         &pool,
         "create table if not exists subscriptions (
-           id text primary key, customer_id text not null, plan text not null, amount_cents bigint not null)",
+           id text primary key, customer_id text not null, plan text not null, amount_cents bigint not null);
+         create table if not exists accounts (
+           subscription_id text not null, plan text not null, opened_at timestamptz not null default now())",
     )
     .await?;
-    let schemas = concat!(env!("CARGO_MANIFEST_DIR"), "/../../schemas/events");
-    let outbox = Outbox::new(SchemaRegistry::from_dir(schemas)?);
+    let outbox = Outbox::new(SchemaRegistry::new().with_event::<SubscriptionCreated>()?);
 
     let run = std::process::id();
     let mut committed = Vec::new();
@@ -85,7 +119,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
     );
 
     let js = jetstream::new(nats_client);
-    let consumer = js
+    let reader = js.clone();
+    let consumer = reader
         .get_stream("QUICKSTART")
         .await?
         .create_consumer(consumer::pull::OrderedConfig::default())
@@ -108,15 +143,44 @@ async fn main() -> Result<(), Box<dyn Error>> {
             seen.push(envelope.id().to_string());
         }
     }
-    if seen == committed {
-        println!(
-            "ok: {} committed events delivered in order; nothing from the rollback or the invalid request",
-            seen.len()
-        );
-        Ok(())
-    } else {
-        Err(format!("expected {committed:?}, received {seen:?}").into())
+    if seen != committed {
+        return Err(format!("expected {committed:?}, received {seen:?}").into());
     }
+    println!(
+        "ok: {} committed events delivered in order; nothing from the rollback or the invalid request",
+        seen.len()
+    );
+
+    // The consuming side: one call assembles trace, metrics, the inbox and the
+    // router, and subscribes to the handled type only.
+    let stop = CancellationToken::new();
+    let consuming = tokio::spawn(
+        Consumer::builder(js, pool.clone(), "QUICKSTART", format!("quickstart_{run}"))
+            .handler(OpenAccount)
+            .run(stop.clone().cancelled_owned()),
+    );
+    let ids: Vec<String> = (0..committed.len())
+        .map(|i| format!("sub_{run}_{i}"))
+        .collect();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let opened: i64 =
+            sqlx::query_scalar("select count(*) from accounts where subscription_id = any($1)")
+                .bind(&ids)
+                .fetch_one(&pool)
+                .await?;
+        if opened == i64::try_from(ids.len())? {
+            println!("consumed:  {opened} accounts opened, one per event, through the inbox");
+            break;
+        }
+        if tokio::time::Instant::now() > deadline || consuming.is_finished() {
+            return Err(format!("only {opened} of {} accounts opened", ids.len()).into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.cancel();
+    consuming.await??;
+    Ok(())
 }
 
 /// Inserts a subscription and its event in one transaction; commits or rolls back.
@@ -135,8 +199,7 @@ async fn create(
         .bind(amount_cents)
         .execute(&mut *tx)
         .await?;
-    let event = Envelope::new(
-        "subscription.created",
+    let event = Envelope::event(
         "subscriptions",
         id,
         SubscriptionCreated {
