@@ -3,30 +3,6 @@
 //! start-up or by the service's own migration tool, beside the service's own
 //! migrations and without touching their history.
 //!
-//! # Two ways to apply it
-//!
-//! 1. **The library, at start-up**: [`migrate`] or [`migrate_with`]. The
-//!    history of these files is kept in their own table,
-//!    [`MIGRATION_TABLE`] (`outbox_schema_migrations`), never in sqlx's
-//!    `_sqlx_migrations`. A service that also runs
-//!    `sqlx::migrate!("./migrations")` for its own schema can call both, in
-//!    either order: neither migrator sees the other's rows, so neither fails
-//!    with "migration … was previously applied but is missing".
-//! 2. **The service's own tool**: copy the files into its migrations folder
-//!    (sqlx, refinery, Flyway as `V<version>__<name>.sql`) or apply them with
-//!    `psql --single-transaction -f` in file-name order, or feed [`MIGRATOR`]'s
-//!    entries to the service's own sqlx `Migrator`. Their versions are
-//!    timestamps, so they sort among the service's.
-//!
-//! Both ways can meet on one database: **every file is idempotent** and takes
-//! no table lock when its objects are already there (each index, column and
-//! trigger is created only after a catalog check; a bare `create index if not
-//! exists` would still wait for, and block, every open write to the table).
-//! So a start-up [`migrate`] after the service's tool applied the files, or the
-//! tool after [`migrate`], changes nothing. When the service's sqlx tool
-//! recorded a file in `_sqlx_migrations` with the text this build has, [`migrate`]
-//! records it as applied in its own table without running it again.
-//!
 //! # One at a time
 //!
 //! Replicas of a service usually start together, and each prepares its
@@ -53,30 +29,8 @@
 //! while holding ours could deadlock against a service's sqlx migrator that
 //! holds sqlx's lock and waits for ours inside one of these files.
 //!
-//! # Databases migrated by earlier builds
-//!
-//! Earlier builds recorded these files in `_sqlx_migrations`. The first
-//! [`migrate`] of this one adopts them: each of our versions found
-//! there with our description is recorded in [`MIGRATION_TABLE`], and its
-//! `_sqlx_migrations` row is deleted when its checksum is not this build's
-//! (written by an earlier build of the library). No other row is touched,
-//! and a row with this build's checksum stays (the service's own tool wrote
-//! it from its copy of the files and would otherwise apply them again). So on
-//! the first start after upgrading, call [`migrate`] before the service's own
-//! `sqlx::migrate!`, which until then still finds our rows it does not know.
-//!
-//! # Schemas
-//!
-//! No name is schema-qualified: the tables, the sequence, the functions and
-//! [`MIGRATION_TABLE`] are created in the first schema of the session's
-//! `search_path`, and every query of the library, the relay and the inbox
-//! finds them through it. To keep them out of `public`, give every
-//! connection the same path, in the URL
-//! (`postgres://…/app?options=-csearch_path%3Dtenant`) or with
-//! `alter role app set search_path = tenant`. The triggers' functions resolve
-//! `outbox_events_seq` through the path of the session that inserts, so a
-//! writer must use that path too (as it must for the unqualified
-//! `outbox_events` anyway).
+//! The ways to apply the schema, and what becomes of databases migrated by
+//! earlier builds, are described on [`migrate`].
 
 use sqlx::migrate::{Migrate, MigrateError, Migrator};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -135,8 +89,67 @@ const SQLX_TABLE: &str = "_sqlx_migrations";
 /// ```
 pub const MIGRATION_LOCK: (i32, i32) = (0x6f62_6d01, 0);
 
-/// Applies every pending migration, under [`MIGRATION_LOCK`]: the same as
-/// [`migrate_with`] with no SQL of the service's own.
+/// Applies every pending migration, under [`MIGRATION_LOCK`], recording it
+/// in [`MIGRATION_TABLE`]: the same as [`migrate_with`] with no SQL of the
+/// service's own.
+///
+/// ```no_run
+/// # #[tokio::main]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = sqlx::PgPool::connect("postgres://localhost/app").await?;
+/// sqlx::migrate!("./migrations").run(&pool).await?; // the service's own schema
+/// outbox_pg::migrate(&pool).await?; // the outbox's, beside it, in either order
+/// # Ok(()) }
+/// ```
+///
+/// # Two ways to apply the schema
+///
+/// 1. **The library, at start-up**: [`migrate`] or [`migrate_with`]. The
+///    history of these files is kept in their own table,
+///    [`MIGRATION_TABLE`] (`outbox_schema_migrations`), never in sqlx's
+///    `_sqlx_migrations`. A service that also runs
+///    `sqlx::migrate!("./migrations")` for its own schema can call both, in
+///    either order: neither migrator sees the other's rows, so neither fails
+///    with "migration … was previously applied but is missing".
+/// 2. **The service's own tool**: copy the files into its migrations folder
+///    (sqlx, refinery, Flyway as `V<version>__<name>.sql`) or apply them with
+///    `psql --single-transaction -f` in file-name order, or feed [`MIGRATOR`]'s
+///    entries to the service's own sqlx `Migrator`. Their versions are
+///    timestamps, so they sort among the service's.
+///
+/// Both ways can meet on one database: **every file is idempotent** and takes
+/// no table lock when its objects are already there (each index, column and
+/// trigger is created only after a catalog check; a bare `create index if not
+/// exists` would still wait for, and block, every open write to the table).
+/// So a start-up [`migrate`] after the service's tool applied the files, or the
+/// tool after [`migrate`], changes nothing. When the service's sqlx tool
+/// recorded a file in `_sqlx_migrations` with the text this build has, [`migrate`]
+/// records it as applied in its own table without running it again.
+///
+/// # Databases migrated by earlier builds
+///
+/// Earlier builds recorded these files in `_sqlx_migrations`. The first
+/// [`migrate`] of this one adopts them: each of our versions found
+/// there with our description is recorded in [`MIGRATION_TABLE`], and its
+/// `_sqlx_migrations` row is deleted when its checksum is not this build's
+/// (written by an earlier build of the library). No other row is touched,
+/// and a row with this build's checksum stays (the service's own tool wrote
+/// it from its copy of the files and would otherwise apply them again). So on
+/// the first start after upgrading, call [`migrate`] before the service's own
+/// `sqlx::migrate!`, which until then still finds our rows it does not know.
+///
+/// # Another schema
+///
+/// No name is schema-qualified: the tables, the sequence, the functions and
+/// [`MIGRATION_TABLE`] are created in the first schema of the session's
+/// `search_path`, and every query of the library, the relay and the inbox
+/// finds them through it. To keep them out of `public`, give every
+/// connection the same path, in the URL
+/// (`postgres://…/app?options=-csearch_path%3Dtenant`) or with
+/// `alter role app set search_path = tenant`. The triggers' functions resolve
+/// `outbox_events_seq` through the path of the session that inserts, so a
+/// writer must use that path too (as it must for the unqualified
+/// `outbox_events` anyway).
 ///
 /// # Errors
 /// [`ErrorKind::Database`] if the lock cannot be taken, a migration fails (it
@@ -155,8 +168,9 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
 ///
 /// The service's own migration history, sqlx's `_sqlx_migrations`, is left
 /// alone, but for the rows earlier builds of this library wrote there (see
-/// the [module docs](crate::migrate) and [`MIGRATOR`]): a service may run its
-/// `sqlx::migrate!` before or after this call.
+/// [`migrate`], which also describes the other way to apply the schema, with
+/// the service's own tool): a service may run its `sqlx::migrate!` before or
+/// after this call.
 ///
 /// **The rule: every start-up schema step runs under the lock.** Replicas
 /// started at the same instant on a fresh database then prepare it one after
