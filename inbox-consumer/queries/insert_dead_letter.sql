@@ -17,6 +17,6 @@ with earlier as (
    where not exists (select 1 from earlier)
   returning id
 )
-select id from written
+select id as "id!" from written
 union all
 select id from earlier

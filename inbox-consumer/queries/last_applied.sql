@@ -2,7 +2,7 @@
 -- other than the event being handled (whose row is already inserted).
 -- SkipStale asks it only for an event without a sequence; every applied row
 -- counts, with a sequence or without.
-select max(event_time)
+select max(event_time) as "last?"
   from inbox_events
  where consumer = $1
    and subject = $2

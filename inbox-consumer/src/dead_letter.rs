@@ -29,8 +29,6 @@ use crate::error::{Error, ErrorKind};
 
 pub use crate::poison::{Poison, Reason};
 
-const INSERT_DEAD_LETTER: &str = include_str!("../queries/insert_dead_letter.sql");
-
 /// Header naming the [`Reason`] on a message republished to the DLQ subject.
 pub const REASON_HEADER: &str = "Inbox-Dead-Letter-Reason";
 
@@ -51,20 +49,22 @@ impl DeadLetter<'_> {
     pub(crate) async fn insert(&self, pool: &PgPool) -> Result<i64, Error> {
         let stream_sequence = i64::try_from(self.info.stream_sequence).unwrap_or(i64::MAX);
         let delivered = i64::try_from(self.info.delivered).unwrap_or(i64::MAX);
-        sqlx::query_scalar::<_, i64>(INSERT_DEAD_LETTER)
-            .bind(&self.info.consumer)
-            .bind(&self.info.stream)
-            .bind(stream_sequence)
-            .bind(&self.info.nats_subject)
-            .bind(self.event_id.map(uuid::Uuid::from))
-            .bind(delivered)
-            .bind(self.reason.as_str())
-            .bind(&self.error)
-            .bind(headers_json(self.headers))
-            .bind(self.payload)
-            .fetch_one(pool)
-            .await
-            .map_err(|e| Error::database("inserting into inbox_dead_letters", e))
+        sqlx::query_file_scalar!(
+            "queries/insert_dead_letter.sql",
+            &self.info.consumer,
+            &self.info.stream,
+            stream_sequence,
+            &self.info.nats_subject,
+            self.event_id.map(uuid::Uuid::from),
+            delivered,
+            self.reason.as_str(),
+            &self.error,
+            headers_json(self.headers),
+            self.payload,
+        )
+        .fetch_one(pool)
+        .await
+        .map_err(|e| Error::database("inserting into inbox_dead_letters", e))
     }
 
     /// Republishes the raw message to `subject` and waits for the stream's ack.

@@ -21,8 +21,6 @@ use sqlx::PgPool;
 use crate::error::{Error, ErrorKind};
 use crate::retry::RetryPolicy;
 
-const PRUNE_INBOX: &str = include_str!("../queries/prune_inbox.sql");
-
 /// The default retention window: 14 days.
 pub const DEFAULT_WINDOW: Duration = Duration::from_secs(14 * 24 * 60 * 60);
 
@@ -100,14 +98,16 @@ impl Retention {
             })?;
         let mut total = 0;
         loop {
-            let deleted = sqlx::query(PRUNE_INBOX)
-                .bind(consumer)
-                .bind(cutoff)
-                .bind(i64::from(self.batch_size))
-                .execute(pool)
-                .await
-                .map_err(|e| Error::database("pruning inbox_events", e))?
-                .rows_affected();
+            let deleted = sqlx::query_file!(
+                "queries/prune_inbox.sql",
+                consumer,
+                cutoff,
+                i64::from(self.batch_size),
+            )
+            .execute(pool)
+            .await
+            .map_err(|e| Error::database("pruning inbox_events", e))?
+            .rows_affected();
             total += deleted;
             if deleted < u64::from(self.batch_size) {
                 return Ok(total);

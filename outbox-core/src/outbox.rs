@@ -9,8 +9,6 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::schema::SchemaRegistry;
 use crate::validate::check_json_decodable;
 
-const INSERT_EVENTS: &str = include_str!("../queries/insert_events.sql");
-
 /// Default of [`Outbox::max_message_size`]: 1 MiB, the default `max_payload`
 /// of nats-server.
 pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 1_048_576;
@@ -108,18 +106,21 @@ impl Outbox {
         if rows.ids.is_empty() {
             return Ok(Vec::new());
         }
-        sqlx::query(INSERT_EVENTS)
-            .bind(&rows.ids)
-            .bind(&rows.event_types)
-            .bind(&rows.sources)
-            .bind(&rows.subjects)
-            .bind(&rows.times)
-            .bind(&rows.data)
-            .bind(&rows.traceparents)
-            .bind(&rows.tracestates)
-            .execute(&mut **tx)
-            .await
-            .map_err(|e| Error::database("inserting into outbox_events", e))?;
+        sqlx::query_file!(
+            "queries/insert_events.sql",
+            &rows.ids,
+            &rows.event_types,
+            &rows.sources,
+            &rows.subjects,
+            &rows.times,
+            &rows.data,
+            // Arrays whose elements may be NULL (the macro expects `&[String]`).
+            &rows.traceparents as &[Option<String>],
+            &rows.tracestates as &[Option<String>],
+        )
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| Error::database("inserting into outbox_events", e))?;
         Ok(events.iter().map(Envelope::id).collect())
     }
 }

@@ -20,6 +20,8 @@
 --    batch. Sizes are the stored size of small uncompressed values (no
 --    rendering) and the text length of the others, so the bound holds for
 --    compressed values too.
+-- 5. Column names carry the query macro's overrides: `!` not null, `?`
+--    nullable, `: _` decoded leniently (see ClaimRecord in src/store.rs).
 with main as (
   select r.*
     from unnest($1::smallint[], $2::bigint[], $3::int[]) as s(shard, after, rows)
@@ -83,23 +85,25 @@ budget as (
   select r.*, sum(r.size) over (order by r.seq rows unbounded preceding) - r.size as before
     from row_sizes r
 )
-select c.id, c.seq, c.shard, c.retry, c.event_type, c.source, c.subject,
+select c.id as "id!", c.seq as "seq!", c.shard as "shard!", c.retry as "retry!",
+       c.event_type as "event_type!: _", c.source as "source!: _", c.subject as "subject!: _",
        case when isfinite(c.time)
              and c.time >= '0001-01-01 00:00:00+00' and c.time < '10000-01-01 00:00:00+00'
-            then c.time end as time,
+            then c.time end as "time?: _",
        case when isfinite(c.created_at)
              and c.created_at >= '0001-01-01 00:00:00+00' and c.created_at < '10000-01-01 00:00:00+00'
-            then c.created_at end as created_at,
-       c.attempts, c.traceparent, c.tracestate,
-       c.data_len::bigint as data_len,
-       coalesce(c.before, 0) > 0 and coalesce(c.before, 0) + c.data_len > $5 as over_budget,
-       case when c.data_len <= $6 and not (coalesce(c.before, 0) > 0 and coalesce(c.before, 0) + c.data_len > $5)
-            then c.data::text end as data,
-       b.seq is not null as blocked,
-       b.seq is not null and (b.attempts >= $4 or not isfinite(b.next_attempt_at)) as blocker_parked,
+            then c.created_at end as "created_at?: _",
+       c.attempts as "attempts!", c.traceparent as "traceparent?: _", c.tracestate as "tracestate?: _",
+       c.data_len::bigint as "data_len!",
+       coalesce(c.before, 0) > 0 and coalesce(c.before, 0) + c.data_len > $5::bigint as "over_budget!",
+       case when c.data_len <= $6::bigint
+             and not (coalesce(c.before, 0) > 0 and coalesce(c.before, 0) + c.data_len > $5::bigint)
+            then c.data::text end as "data?: _",
+       b.seq is not null as "blocked!",
+       b.seq is not null and (b.attempts >= $4 or not isfinite(b.next_attempt_at)) as "blocker_parked!",
        case when b.seq is not null and b.attempts < $4 and isfinite(b.next_attempt_at)
-            then b.next_attempt_at end as blocker_due,
-       coalesce(b.next_attempt_at <= now(), false) as blocker_due_now
+            then b.next_attempt_at end as "blocker_due?: _",
+       coalesce(b.next_attempt_at <= now(), false) as "blocker_due_now!"
   from budget c
   left join lateral (
     select p.seq, p.attempts, p.next_attempt_at

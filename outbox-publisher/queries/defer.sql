@@ -4,7 +4,7 @@
 -- move past them.
 --   $1 ids, $2 due times (null: the blocker is parked), $3 deferral (ms)
 update outbox_events o
-   set next_attempt_at = coalesce(d.due, now() + $3 * interval '1 millisecond')
+   set next_attempt_at = coalesce(d.due, now() + $3::bigint * interval '1 millisecond')
   from unnest($1::uuid[], $2::timestamptz[]) as d(id, due)
  where o.id = d.id
    and o.published_at is null

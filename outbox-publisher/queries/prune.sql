@@ -5,7 +5,7 @@ delete from outbox_events
  where id in (select id
                 from outbox_events
                where published_at is not null
-                 and published_at < now() - $1 * interval '1 millisecond'
+                 and published_at < now() - $1::bigint * interval '1 millisecond'
                order by published_at
                limit $2
                  for update skip locked)

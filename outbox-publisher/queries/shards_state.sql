@@ -1,8 +1,8 @@
 -- Who holds what, from the lock table: the workers of every live relay (each
 -- holds the shared member lock ($1, its worker count)) and the shards other
 -- sessions hold (exclusive locks ($2, shard)).
-select coalesce(sum(l.objid::text::bigint) filter (where l.classid::text::bigint = $1 and l.mode = 'ShareLock'), 0)::bigint as workers,
-       coalesce(array_agg(l.objid::text::int) filter (where l.classid::text::bigint = $2 and l.pid <> pg_backend_pid()), '{}') as taken
+select coalesce(sum(l.objid::text::bigint) filter (where l.classid::text::bigint = $1 and l.mode = 'ShareLock'), 0)::bigint as "workers!",
+       coalesce(array_agg(l.objid::text::int) filter (where l.classid::text::bigint = $2 and l.pid <> pg_backend_pid()), '{}') as "taken!"
   from pg_locks l
  where l.locktype = 'advisory'
    and l.objsubid = 2

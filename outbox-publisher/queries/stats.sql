@@ -1,6 +1,6 @@
 -- Backlog gauges. $1 max attempts.
-select count(*) filter (where attempts < $1)                         as backlog,
-       count(*) filter (where attempts >= $1)                        as past_cap,
-       coalesce(extract(epoch from now() - min(created_at)), 0)::float8 as oldest_age_secs
+select count(*) filter (where attempts < $1)                         as "backlog!",
+       count(*) filter (where attempts >= $1)                        as "past_cap!",
+       coalesce(extract(epoch from now() - min(created_at)), 0)::float8 as "oldest_age_secs!"
   from outbox_events
  where published_at is null

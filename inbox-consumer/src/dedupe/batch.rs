@@ -23,8 +23,6 @@ use crate::delivery::{BatchResults, Delivery, InTx, Outcome};
 use crate::error::{BoxError, Error, ErrorKind};
 use crate::ordering::sequence_column;
 
-const INSERT_INBOX_BATCH: &str = include_str!("../../queries/insert_inbox_batch.sql");
-
 impl<S> Service<Vec<Delivery>> for Dedupe<S>
 where
     S: Service<InTx<Delivery>, Response = InTx<Outcome>> + Clone + Send + 'static,
@@ -187,16 +185,19 @@ async fn insert(
         times.push(envelope.time());
         sequences.push(sequence);
     }
-    let inserted: Vec<Uuid> = sqlx::query_scalar(INSERT_INBOX_BATCH)
-        .bind(consumer)
-        .bind(ids)
-        .bind(types)
-        .bind(subjects)
-        .bind(times)
-        .bind(sequences)
-        .fetch_all(&mut **tx)
-        .await
-        .map_err(|e| Error::database("inserting a batch into inbox_events", e))?;
+    let inserted: Vec<Uuid> = sqlx::query_file_scalar!(
+        "queries/insert_inbox_batch.sql",
+        consumer,
+        &ids,
+        &types as &[&str],
+        &subjects as &[&str],
+        &times,
+        // Elements may be NULL (the macro expects `&[i64]`).
+        &sequences as &[Option<i64>],
+    )
+    .fetch_all(&mut **tx)
+    .await
+    .map_err(|e| Error::database("inserting a batch into inbox_events", e))?;
     Ok(inserted.into_iter().collect())
 }
 

@@ -57,9 +57,6 @@ use crate::runtime::lease::check_fence;
 pub use layer::DedupeLayer;
 pub use timeouts::Timeouts;
 
-const INSERT_INBOX: &str = include_str!("../../queries/insert_inbox.sql");
-const CHECK_TX: &str = include_str!("../../queries/check_tx.sql");
-
 /// Records the delivery's event in the inbox inside `conn`'s transaction,
 /// with its `sequence` (NULL when it carries none) for
 /// [`SkipStale`](crate::ordering::SkipStale).
@@ -75,16 +72,18 @@ const CHECK_TX: &str = include_str!("../../queries/check_tx.sql");
 pub async fn record(conn: &mut PgConnection, delivery: &Delivery) -> Result<bool, Error> {
     let env = delivery.envelope();
     let sequence = crate::ordering::sequence_column(env.sequence())?;
-    let done = sqlx::query(INSERT_INBOX)
-        .bind(delivery.consumer())
-        .bind(env.id().as_uuid())
-        .bind(env.event_type().as_str())
-        .bind(env.subject())
-        .bind(env.time())
-        .bind(sequence)
-        .execute(conn)
-        .await
-        .map_err(|e| Error::database("inserting into inbox_events", e))?;
+    let done = sqlx::query_file!(
+        "queries/insert_inbox.sql",
+        delivery.consumer(),
+        uuid::Uuid::from(env.id()),
+        env.event_type().as_str(),
+        env.subject(),
+        env.time(),
+        sequence,
+    )
+    .execute(conn)
+    .await
+    .map_err(|e| Error::database("inserting into inbox_events", e))?;
     Ok(done.rows_affected() == 1)
 }
 
@@ -182,6 +181,7 @@ where
 
 /// Begins a transaction with `begin` (the statement that also sets its timeouts).
 async fn begin_tx(pool: &PgPool, begin: String) -> Result<PgTransaction<'static>, Error> {
+    // Not checked at compile time: built at run time from `Timeouts` (`SET LOCAL`).
     pool.begin_with(sqlx::AssertSqlSafe(begin))
         .await
         .map_err(|e| Error::database("beginning the inbox transaction", e))
@@ -197,12 +197,15 @@ async fn commit(
     // A handler that swallowed a failed statement returns Ok on an aborted
     // transaction, whose COMMIT silently rolls back: acking it would lose the
     // event. Refuse to commit it instead.
-    sqlx::query(CHECK_TX).execute(&mut *tx).await.map_err(|e| {
-        Error::database(
-            "the handler returned Ok but its transaction is aborted (a statement failed)",
-            e,
-        )
-    })?;
+    sqlx::query_file!("queries/check_tx.sql")
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| {
+            Error::database(
+                "the handler returned Ok but its transaction is aborted (a statement failed)",
+                e,
+            )
+        })?;
     if let Some(epoch) = epoch {
         check_fence(&mut tx, consumer, epoch).await?;
     }

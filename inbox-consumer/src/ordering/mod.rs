@@ -95,10 +95,6 @@ use crate::error::{BoxError, Error, ErrorKind};
 
 pub use layer::SkipStaleLayer;
 
-const LAST_APPLIED: &str = include_str!("../../queries/last_applied.sql");
-const LAST_APPLIED_SEQUENCE: &str = include_str!("../../queries/last_applied_sequence.sql");
-const LOCK_SUBJECT: &str = include_str!("../../queries/lock_subject.sql");
-
 /// Takes `consumer`'s lock on `subject`, held until `conn`'s transaction
 /// commits or rolls back; waits while another transaction holds it.
 ///
@@ -114,9 +110,7 @@ pub async fn lock_subject(
     consumer: &str,
     subject: &str,
 ) -> Result<(), Error> {
-    sqlx::query(LOCK_SUBJECT)
-        .bind(consumer)
-        .bind(subject)
+    sqlx::query_file!("queries/lock_subject.sql", consumer, subject)
         .execute(conn)
         .await
         .map_err(|e| Error::database("taking the subject's lock", e))?;
@@ -134,13 +128,15 @@ pub async fn last_applied(
     subject: &str,
     except: EventId,
 ) -> Result<Option<DateTime<Utc>>, Error> {
-    sqlx::query_scalar::<_, Option<DateTime<Utc>>>(LAST_APPLIED)
-        .bind(consumer)
-        .bind(subject)
-        .bind(except.as_uuid())
-        .fetch_one(conn)
-        .await
-        .map_err(|e| Error::database("reading the last applied event time", e))
+    sqlx::query_file_scalar!(
+        "queries/last_applied.sql",
+        consumer,
+        subject,
+        except.as_uuid()
+    )
+    .fetch_one(conn)
+    .await
+    .map_err(|e| Error::database("reading the last applied event time", e))
 }
 
 /// The highest `sequence` `consumer` has recorded for `subject`, other than
@@ -160,13 +156,15 @@ pub async fn last_applied_sequence(
     subject: &str,
     except: EventId,
 ) -> Result<Option<u64>, Error> {
-    let last = sqlx::query_scalar::<_, Option<i64>>(LAST_APPLIED_SEQUENCE)
-        .bind(consumer)
-        .bind(subject)
-        .bind(except.as_uuid())
-        .fetch_one(conn)
-        .await
-        .map_err(|e| Error::database("reading the last applied event sequence", e))?;
+    let last: Option<i64> = sqlx::query_file_scalar!(
+        "queries/last_applied_sequence.sql",
+        consumer,
+        subject,
+        except.as_uuid(),
+    )
+    .fetch_one(conn)
+    .await
+    .map_err(|e| Error::database("reading the last applied event sequence", e))?;
     last.map(|last| {
         u64::try_from(last).map_err(|e| {
             Error::new(

@@ -37,14 +37,6 @@ use tokio::time::Instant;
 
 use crate::error::{Error, ErrorKind};
 
-const TRY_LOCK: &str = include_str!("../../queries/lease_try_lock.sql");
-const FENCE_EXCLUSIVE: &str = include_str!("../../queries/lease_fence_exclusive.sql");
-const FENCE_SHARED: &str = include_str!("../../queries/lease_fence_shared.sql");
-const EPOCH: &str = include_str!("../../queries/lease_epoch.sql");
-const TAKE: &str = include_str!("../../queries/lease_take.sql");
-const PREVIOUS: &str = include_str!("../../queries/lease_previous.sql");
-const RELEASE: &str = include_str!("../../queries/lease_release.sql");
-
 /// How recently a leader's session must have been confirmed for it to pull.
 pub(crate) const CONFIRM_WINDOW: Duration = Duration::from_secs(1);
 /// Lifetime of one pull request of a leader.
@@ -77,13 +69,11 @@ pub(crate) async fn check_fence(
     consumer: &str,
     epoch: i64,
 ) -> Result<(), Error> {
-    sqlx::query(FENCE_SHARED)
-        .bind(consumer)
+    sqlx::query_file!("queries/lease_fence_shared.sql", consumer)
         .execute(&mut *conn)
         .await
         .map_err(|e| Error::database("taking the leadership fence", e))?;
-    let current: Option<i64> = sqlx::query_scalar(EPOCH)
-        .bind(consumer)
+    let current: Option<i64> = sqlx::query_file_scalar!("queries/lease_epoch.sql", consumer)
         .fetch_optional(&mut *conn)
         .await
         .map_err(|e| Error::database("reading the leader epoch", e))?;
@@ -234,8 +224,7 @@ async fn try_lead(
             )
         }
     };
-    let locked: bool = sqlx::query_scalar(TRY_LOCK)
-        .bind(consumer)
+    let locked: bool = sqlx::query_file_scalar!("queries/lease_try_lock.sql", consumer)
         .fetch_one(&mut *conn)
         .await
         .map_err(|e| Error::database("trying the leadership lock", e))?;
@@ -246,19 +235,15 @@ async fn try_lead(
         .begin()
         .await
         .map_err(|e| Error::database("beginning the epoch bump", e))?;
-    sqlx::query(FENCE_EXCLUSIVE)
-        .bind(consumer)
+    sqlx::query_file!("queries/lease_fence_exclusive.sql", consumer)
         .execute(&mut *tx)
         .await
         .map_err(|e| Error::database("taking the leadership fence", e))?;
-    let previous: Option<bool> = sqlx::query_scalar(PREVIOUS)
-        .bind(consumer)
+    let previous: Option<bool> = sqlx::query_file_scalar!("queries/lease_previous.sql", consumer)
         .fetch_optional(&mut *tx)
         .await
         .map_err(|e| Error::database("reading the previous leader's release", e))?;
-    let epoch: i64 = sqlx::query_scalar(TAKE)
-        .bind(consumer)
-        .bind(holder)
+    let epoch: i64 = sqlx::query_file_scalar!("queries/lease_take.sql", consumer, holder)
         .fetch_one(&mut *tx)
         .await
         .map_err(|e| Error::database("bumping the leader epoch", e))?;
@@ -288,7 +273,8 @@ async fn keep(
                     // The tenure was dropped, not released: not a clean handover.
                     return;
                 }
-                let unlocked = sqlx::query(RELEASE).bind(&consumer).bind(epoch).execute(&mut conn);
+                let unlocked = sqlx::query_file_scalar!("queries/lease_release.sql", &consumer, epoch)
+                    .fetch_one(&mut conn);
                 if let Err(e) = tokio::time::timeout(patience, unlocked).await.map_err(|_| "timed out".to_owned())
                     .and_then(|r| r.map_err(|e| e.to_string()))
                 {

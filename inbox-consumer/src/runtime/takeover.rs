@@ -26,8 +26,6 @@ use uuid::Uuid;
 use super::process::Shared;
 use crate::error::Error;
 
-const DONE: &str = include_str!("../../queries/done_events.sql");
-
 /// A job the backlog can hold: it knows its event.
 pub(crate) trait Pending {
     /// The envelope subject.
@@ -195,9 +193,7 @@ pub(crate) async fn scan<J: Pending>(
         }
     }
     let ids: Vec<Uuid> = events.iter().map(|(id, _)| *id.as_uuid()).collect();
-    let done: HashSet<Uuid> = sqlx::query_scalar::<_, Uuid>(DONE)
-        .bind(durable)
-        .bind(&ids)
+    let done: HashSet<Uuid> = sqlx::query_file_scalar!("queries/done_events.sql", durable, &ids)
         .fetch_all(&shared.pool)
         .await
         .map_err(|e| Error::database("reading which pending events are done", e))?
