@@ -11,6 +11,11 @@
 //! - [`nats`] gives a test its own nats-server, or the one at `NATS_URL`;
 //!   [`postgres`] does the same for PostgreSQL and `DATABASE_URL`.
 //! - [`Program`] runs one of the workspace's binaries as a child process.
+//! - Secure set-ups, made in the test: [`TestCerts`] (a CA, server and client
+//!   certificates), [`PgServer::start_tls`] (TLS only, plain TCP refused),
+//!   [`NatsServer::start_with_config`] with [`token_config`], [`NkeyUser`],
+//!   [`JwtAuth`] (operator, account and user JWTs, creds file) or
+//!   [`TestCerts::nats_tls_block`].
 //!
 //! PostgreSQL refuses to run as root. Run as root, the harness starts it as the
 //! `postgres` user (override with `OUTBOX_TEST_PG_USER`) through `setpriv`.
@@ -20,12 +25,16 @@
 
 mod error;
 mod nats;
+mod nats_auth;
 mod pg;
 mod process;
 mod program;
+mod tls;
 
 pub use error::{Error, Result};
 pub use nats::{NatsHandle, NatsServer, nats};
+pub use nats_auth::{JwtAuth, NkeyUser, token_config};
 pub use pg::{PgHandle, PgServer, TestDb, create_database, postgres};
 pub use process::wait_until;
 pub use program::Program;
+pub use tls::{CLIENT_NAME, TestCerts};

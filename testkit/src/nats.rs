@@ -47,16 +47,39 @@ impl NatsServer {
     /// # Errors
     /// As [`NatsServer::start`].
     pub fn start_with_args(args: &[&str]) -> Result<Self> {
+        Self::start_inner(args, None)
+    }
+
+    /// Starts a server with `config` as its configuration file (`-c`), for
+    /// what only a file can say: `authorization { token | users: [{ nkey }] }`,
+    /// `operator` / `resolver: MEMORY` / `resolver_preload` for JWT auth, a
+    /// `tls { … }` block (see [`TestCerts::nats_tls_block`](crate::TestCerts::nats_tls_block)).
+    /// The listen address, port, JetStream and its store stay the harness's.
+    ///
+    /// # Errors
+    /// As [`NatsServer::start`]; the log tail says what the server disliked.
+    pub fn start_with_config(config: &str) -> Result<Self> {
+        Self::start_inner(&[], Some(config))
+    }
+
+    fn start_inner(args: &[&str], config: Option<&str>) -> Result<Self> {
         remove_stale_dirs(DIR_PREFIX);
         let bin = nats_server_bin()?;
         let dir = tempfile::Builder::new()
             .prefix(&format!("{DIR_PREFIX}{}-", std::process::id()))
             .tempdir()?;
+        let mut args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        if let Some(config) = config {
+            let path = dir.path().join("nats.conf");
+            std::fs::write(&path, config)?;
+            args.push("-c".to_owned());
+            args.push(path.display().to_string());
+        }
         let mut server = Self {
             port: free_port()?,
             dir,
             bin,
-            args: args.iter().map(|a| (*a).to_owned()).collect(),
+            args,
             child: None,
         };
         server.launch()?;

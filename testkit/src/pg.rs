@@ -16,6 +16,7 @@ use crate::process::{
     current_uid, find_binary, free_port, have_setpriv, remove_stale_dirs, signal, spawn, wait_exit,
     wait_ready,
 };
+use crate::tls::TestCerts;
 
 const DIR_PREFIX: &str = "outbox-testkit-pg-";
 const INSTALL_HINT: &str = "install PostgreSQL (Debian: `apt-get install postgresql`), \
@@ -31,6 +32,7 @@ pub struct PgServer {
     run_as: Option<String>,
     port: u16,
     child: Option<Child>,
+    tls: bool,
 }
 
 impl PgServer {
@@ -40,6 +42,24 @@ impl PgServer {
     /// If the binaries are missing (the message says how to install them), the
     /// unprivileged user does not exist, or the server does not come up.
     pub fn start() -> Result<Self> {
+        Self::start_inner(None)
+    }
+
+    /// Starts a server that accepts only TLS connections on its TCP port:
+    /// `ssl=on` with `certs`' server certificate and key (copied into the
+    /// server's directory, the key owned by the server's user, mode 0600) and
+    /// a `pg_hba.conf` of `hostssl` lines and `hostnossl … reject`. The role
+    /// [`CLIENT_NAME`](crate::CLIENT_NAME), if a test creates it, logs in with
+    /// the client certificate (`cert`); every other role is trusted over TLS.
+    /// [`url`](Self::url) names `sslmode=verify-full` and the CA.
+    ///
+    /// # Errors
+    /// As [`PgServer::start`]; also if the files cannot be copied.
+    pub fn start_tls(certs: &TestCerts) -> Result<Self> {
+        Self::start_inner(Some(certs))
+    }
+
+    fn start_inner(certs: Option<&TestCerts>) -> Result<Self> {
         remove_stale_dirs(DIR_PREFIX);
         let bin_dir = pg_bin_dir()?;
         let run_as = if current_uid() == Some(0) {
@@ -64,10 +84,58 @@ impl PgServer {
             bin_dir,
             run_as,
             child: None,
+            tls: certs.is_some(),
         };
         server.initdb()?;
+        if let Some(certs) = certs {
+            server.install_tls(certs)?;
+        }
         server.launch()?;
         Ok(server)
+    }
+
+    fn tls_dir(&self) -> PathBuf {
+        self.dir.path().join("tls")
+    }
+
+    /// Copies the certificate, key and CA where the server's user owns them,
+    /// and writes a `pg_hba.conf` that refuses unencrypted TCP connections.
+    fn install_tls(&self, certs: &TestCerts) -> Result<()> {
+        let dir = self.tls_dir();
+        std::fs::create_dir(&dir)?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
+        let hba = format!(
+            "local all all trust\n\
+             hostssl all {client} 127.0.0.1/32 cert\n\
+             hostssl all all 127.0.0.1/32 trust\n\
+             hostnossl all all all reject\n",
+            client = crate::CLIENT_NAME
+        );
+        std::fs::write(dir.join("pg_hba.conf"), hba)?;
+        for (from, to, mode) in [
+            (certs.server_cert(), "server.pem", 0o644),
+            (certs.server_key(), "server.key", 0o600),
+            (certs.ca(), "ca.pem", 0o644),
+            (dir.join("pg_hba.conf"), "pg_hba.conf", 0o644),
+        ] {
+            let to = dir.join(to);
+            if from != to {
+                std::fs::copy(&from, &to)?;
+            }
+            std::fs::set_permissions(&to, std::fs::Permissions::from_mode(mode))?;
+            if let Some(user) = &self.run_as {
+                let (uid, gid) = user_ids(user)?;
+                std::os::unix::fs::chown(&to, Some(uid), Some(gid))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The CA the server's certificate is checked against (a copy of the
+    /// [`TestCerts`] CA); `None` unless started with
+    /// [`start_tls`](Self::start_tls).
+    pub fn tls_ca(&self) -> Option<PathBuf> {
+        self.tls.then(|| self.tls_dir().join("ca.pem"))
     }
 
     fn data_dir(&self) -> PathBuf {
@@ -146,6 +214,7 @@ impl PgServer {
             .arg("listen_addresses=127.0.0.1")
             .arg("-c")
             .arg(format!("unix_socket_directories={}", data.display()))
+            .args(self.tls_options())
             .args([
                 "-c",
                 "max_connections=300",
@@ -181,14 +250,37 @@ impl PgServer {
         ready
     }
 
+    fn tls_options(&self) -> Vec<String> {
+        if !self.tls {
+            return Vec::new();
+        }
+        let dir = self.tls_dir();
+        let file = |name: &str| dir.join(name).display().to_string();
+        [
+            "ssl=on".to_owned(),
+            format!("ssl_cert_file={}", file("server.pem")),
+            format!("ssl_key_file={}", file("server.key")),
+            format!("ssl_ca_file={}", file("ca.pem")),
+            format!("hba_file={}", file("pg_hba.conf")),
+        ]
+        .into_iter()
+        .flat_map(|setting| ["-c".to_owned(), setting])
+        .collect()
+    }
+
     /// The loopback port the server listens on (it keeps it across restarts).
     pub fn port(&self) -> u16 {
         self.port
     }
 
-    /// A connection URL for `database` on this server.
+    /// A connection URL for `database` on this server; for a TLS server,
+    /// with `sslmode=verify-full` and `sslrootcert` naming the CA.
     pub fn url(&self, database: &str) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+        let url = format!("postgres://postgres@127.0.0.1:{}/{database}", self.port);
+        match self.tls_ca() {
+            Some(ca) => format!("{url}?sslmode=verify-full&sslrootcert={}", ca.display()),
+            None => url,
+        }
     }
 
     /// Stops the server the way a crash does (`SIGQUIT`, immediate shutdown:

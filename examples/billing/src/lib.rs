@@ -27,9 +27,9 @@
 //!
 //! | flag (env) | default | |
 //! | --- | --- | --- |
-//! | `--database-url` (`DATABASE_URL`) | required | billing's database |
+//! | `--database-url` (`DATABASE_URL`) or `--database-url-file` (`DATABASE_URL_FILE`) | required | billing's database; TLS in the URL (`?sslmode=verify-full&sslrootcert=…`) |
 //! | `--nats-url` (`NATS_URL`) | `nats://127.0.0.1:4222` | |
-//! | `--nats-user`/`--nats-password`, `--nats-token`, `--nats-nkey`, `--nats-creds`, `--nats-tls-ca`, `--nats-tls-cert`/`--nats-tls-key` | | credentials and TLS, as for `outbox-relay` |
+//! | `--nats-user`/`--nats-password`, `--nats-token`, `--nats-nkey` (each secret also as `--*-file`), `--nats-creds`, `--nats-tls-ca`, `--nats-tls-cert`/`--nats-tls-key` | | credentials and TLS, as for `outbox-relay` (README, "Production connections") |
 //! | `--consumer` | `billing` | durable name and inbox dedupe namespace |
 //! | `--concurrency` | 16 | deliveries (or batches) handled at once by the leading replica (never two of one subscription) |
 //! | `--batch` | 1 | deliveries handled in one transaction: above 1, up to N of distinct subscriptions share one inbox insert and one commit, then their acks; one whose handler fails is handled alone after it |

@@ -27,10 +27,10 @@
 //!
 //! | flag (env) | default | |
 //! | --- | --- | --- |
-//! | `--database-url` (`DATABASE_URL`) | required | this service's database |
+//! | `--database-url` (`DATABASE_URL`) or `--database-url-file` (`DATABASE_URL_FILE`) | required | this service's database; TLS in the URL (`?sslmode=verify-full&sslrootcert=…`) |
 //! | `--listen` | `127.0.0.1:8080` | port 0 picks a free port; stdout says `listening on http://ADDR` |
 //! | `--nats-url` (`NATS_URL`) | `nats://127.0.0.1:4222` | for the in-process relay |
-//! | `--nats-user`/`--nats-password`, `--nats-token`, `--nats-nkey`, `--nats-creds`, `--nats-tls-ca`, `--nats-tls-cert`/`--nats-tls-key` | | credentials and TLS, as for `outbox-relay` |
+//! | `--nats-user`/`--nats-password`, `--nats-token`, `--nats-nkey` (each secret also as `--*-file`), `--nats-creds`, `--nats-tls-ca`, `--nats-tls-cert`/`--nats-tls-key` | | credentials and TLS, as for `outbox-relay` (README, "Production connections") |
 //! | `--no-relay` | | publish with a separate `outbox-relay` instead |
 //! | `--stream` | `OUTBOX` | |
 //! | `--subjects` | `subscription.>,invoice.>` | the stream's subjects, if the relay creates it |

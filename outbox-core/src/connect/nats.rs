@@ -277,7 +277,7 @@ impl NatsArgs {
                 )
                 .with_source(error));
             }
-            ConnectErrorKind::Tls => {
+            _ if is_tls_failure(&error) => {
                 return Err(Error::new(
                     ErrorKind::Broker,
                     format!(
@@ -303,6 +303,31 @@ impl NatsArgs {
                 .with_source(e)
             })
     }
+}
+
+/// Whether the connection failed in the TLS handshake: a certificate not
+/// trusted, a client certificate the server requires and did not get. These
+/// do not heal by retrying. async-nats reports some as [`ConnectErrorKind::Tls`]
+/// and others as I/O errors wrapping a rustls error.
+fn is_tls_failure(error: &async_nats::ConnectError) -> bool {
+    if error.kind() == ConnectErrorKind::Tls {
+        return true;
+    }
+    let mut cause = std::error::Error::source(error);
+    while let Some(e) = cause {
+        if e.is::<async_nats::rustls::Error>() {
+            return true;
+        }
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && io
+                .get_ref()
+                .is_some_and(|inner| inner.is::<async_nats::rustls::Error>())
+        {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 impl fmt::Debug for NatsArgs {
