@@ -3,6 +3,7 @@
 //! schema) is written with `Outbox::enqueue`, relayed, and consumed by
 //! `Consumer::builder`, which subscribes to the router's types only and waits
 //! for a stream that a relay creates after it started.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 use std::time::Duration;
 

@@ -3,6 +3,7 @@
 //! crate carries what crates.io shows (description, readme, licence files,
 //! keywords, categories). `cargo publish --workspace --dry-run` in CI checks
 //! that each packages and builds from its package alone.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::Path;
@@ -88,10 +89,10 @@ fn the_declared_rust_version_covers_every_dependency() {
         if !seen.insert(id) {
             continue;
         }
-        if let Some(rv) = packages[id]["rust_version"].as_str() {
-            if version(rv) > declared {
-                needs.push(format!("{} needs {rv}", packages[id]["name"]));
-            }
+        if let Some(rv) = packages[id]["rust_version"].as_str()
+            && version(rv) > declared
+        {
+            needs.push(format!("{} needs {rv}", packages[id]["name"]));
         }
         for dep in nodes[id]["deps"].as_array().unwrap() {
             let normal_or_build = dep["dep_kinds"]

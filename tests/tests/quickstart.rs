@@ -1,11 +1,13 @@
 //! The quickstart, as a new user runs it: the `quickstart` binary against
 //! real servers, a typed event written, relayed, read back and consumed by
 //! `Consumer::builder`.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 use std::process::Command;
 
 use outbox_testkit::TestDb;
 
+#[allow(dead_code)] // this binary uses only bin_dir
 mod support;
 
 #[tokio::test]
@@ -13,7 +15,11 @@ async fn the_quickstart_runs_its_round_trip_through_the_builder() {
     let db = TestDb::new().await.unwrap();
     let nats = outbox_testkit::nats().unwrap();
     let bin = support::bin_dir().join("quickstart");
-    assert!(bin.is_file(), "{} is missing: cargo build --workspace --bins", bin.display());
+    assert!(
+        bin.is_file(),
+        "{} is missing: cargo build --workspace --bins",
+        bin.display()
+    );
     let out = tokio::task::spawn_blocking(move || {
         Command::new(bin)
             .env("DATABASE_URL", db.url())
@@ -25,8 +31,14 @@ async fn the_quickstart_runs_its_round_trip_through_the_builder() {
     .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "quickstart failed\n{stdout}\n{stderr}");
+    assert!(
+        out.status.success(),
+        "quickstart failed\n{stdout}\n{stderr}"
+    );
     assert!(stdout.contains("rejected:"), "{stdout}");
-    assert!(stdout.contains("ok: 3 committed events delivered in order"), "{stdout}");
+    assert!(
+        stdout.contains("ok: 3 committed events delivered in order"),
+        "{stdout}"
+    );
     assert!(stdout.contains("consumed:  3 accounts opened"), "{stdout}");
 }
