@@ -37,7 +37,7 @@ async fn the_quickstart_runs_its_round_trip_through_the_builder() {
     );
     assert!(stdout.contains("rejected:"), "{stdout}");
     assert!(
-        stdout.contains("ok: 3 committed events delivered in order"),
+        stdout.contains("ok: 3 committed events delivered;"),
         "{stdout}"
     );
     assert!(stdout.contains("consumed:  3 accounts opened"), "{stdout}");
