@@ -272,3 +272,83 @@ async fn a_builder_without_a_handler_or_a_stream_fails_clearly() {
         .unwrap()
         .unwrap();
 }
+
+#[tokio::test]
+async fn a_batched_builder_handles_each_event_once_through_duplicates() {
+    let db = database().await;
+    let nats = outbox_testkit::nats().unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    let stream = "BUILDER_BATCHED";
+    js.create_stream(jetstream::stream::Config {
+        name: stream.into(),
+        subjects: vec!["acct.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+
+    // 50 events, then 10 of them again under other message ids.
+    let events: Vec<Envelope<AccountOpened>> = (0..50)
+        .map(|i| {
+            let data = AccountOpened {
+                account_id: format!("b{i}"),
+                credit_cents: i,
+            };
+            Envelope::event("accounts", format!("b{i}"), data).unwrap()
+        })
+        .collect();
+    for (n, event) in events.iter().chain(&events[..10]).enumerate() {
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", format!("m{n}").as_str());
+        js.publish_with_headers("acct.opened", headers, event.to_json().unwrap().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    let stop = CancellationToken::new();
+    let consumer = tokio::spawn(
+        Consumer::builder(js.clone(), db.pool.clone(), stream, "batched")
+            .handler(Open)
+            .batched(16)
+            .run(stop.clone().cancelled_owned()),
+    );
+    let mut durable: jetstream::consumer::PullConsumer = loop {
+        if let Ok(c) = js
+            .get_stream(stream)
+            .await
+            .unwrap()
+            .get_consumer("batched")
+            .await
+        {
+            break c;
+        }
+        assert!(!consumer.is_finished(), "the consumer ended early");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let info = durable.info().await.unwrap();
+        if info.num_pending == 0
+            && info.num_ack_pending == 0
+            && info.delivered.stream_sequence >= 60
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not all consumed: {info:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(count(&db, "select count(*) from accounts").await, 50);
+    assert_eq!(count(&db, "select count(*) from inbox_events").await, 50);
+    assert_eq!(
+        count(&db, "select count(*) from inbox_dead_letters").await,
+        0
+    );
+    stop.cancel();
+    consumer.await.unwrap().unwrap();
+}
