@@ -115,7 +115,7 @@ impl<'a, R: Runner> Session<'a, R> {
     pub(crate) async fn run<F: Future<Output = ()>>(mut self, mut shutdown: Pin<&mut F>) -> Served {
         loop {
             self.start_jobs();
-            if self.stopping && self.tasks.is_empty() {
+            if self.stopping && self.tasks.is_empty() && self.pull.is_none() {
                 return Served::Shutdown(self.tenure.take());
             }
             let retry_pull = self.open_pull().await;
@@ -240,6 +240,7 @@ impl<'a, R: Runner> Session<'a, R> {
         let mut next = next;
         loop {
             match next {
+                Some(Ok(message)) if self.stopping => self.hand_back(message),
                 Some(Ok(message)) => self.admit(message),
                 Some(Err(e)) => {
                     tracing::warn!(consumer = %self.shared.config.durable, error = %e, "pull failed; pulling again");
@@ -285,6 +286,22 @@ impl<'a, R: Runner> Session<'a, R> {
                 self.tracked.insert(handle.id(), Vec::new());
             }
         }
+    }
+
+    /// Naks, for immediate redelivery to whoever pulls next, a message that
+    /// arrived after shutdown began: it is neither started nor left to wait
+    /// out `ack_wait`. Held (as a task with no subject) until the nak is sent.
+    fn hand_back(&mut self, message: jetstream::Message) {
+        self.held += 1;
+        let timeout = self.shared.config.ack_timeout;
+        let durable = self.shared.config.durable.clone();
+        let handle = self.tasks.spawn(async move {
+            if let Err(e) = ack::send(&message, AckKind::Nak(None), timeout).await {
+                tracing::debug!(consumer = %durable, error = %e, "nak at shutdown failed; redelivered after ack_wait");
+            }
+            Vec::new()
+        });
+        self.tracked.insert(handle.id(), Vec::new());
     }
 
     /// A task ended: its subjects free up (or pass to their next job) and its
@@ -359,10 +376,12 @@ impl<'a, R: Runner> Session<'a, R> {
             behind_busy_subjects = self.dispatcher.queued(),
             "shutting down: pulling stopped, finishing held messages",
         );
-        // Dropping the open pull unsubscribes its inbox: the server sees no
-        // interest and delivers nothing more to it.
+        // The open pull is read to its end (it expires within
+        // `PULL_EXPIRES`), not dropped: a pull request cannot be withdrawn,
+        // and a message the server sends it while the unsubscribe is still
+        // on its way would reach no one and wait out `ack_wait` before
+        // anyone else gets it. What arrives now is nak'ed at once instead.
         self.stopping = true;
-        self.pull = None;
         let _ = self.stop.send(true);
     }
 
