@@ -51,7 +51,9 @@
 //! - **Broker outages**: a failed pull is issued again after a pause (a pull
 //!   lost with a restarting broker ends after 7 s); ack failures are logged
 //!   (the redelivery will be a duplicate).
-//! - **Shutdown.** When the shutdown future resolves, pulling stops, and
+//! - **Shutdown.** When the shutdown future resolves, pulling stops (the
+//!   open pull is read to its end, at most 2 s, and what it still brings is
+//!   nak'ed for the next puller rather than left to `ack_wait`), and
 //!   every message already held (running or waiting) is finished, committed
 //!   and acked before [`Consumer::run`] returns (an ordered
 //!   consumer leaves an event whose in-place retry is cut short, and the
