@@ -12,7 +12,9 @@
 -- 2. retry: rows of these shards in the retry lane whose time has come.
 -- 3. blocker: per candidate, the first earlier row of its subject that waits in
 --    the retry lane and is not itself a candidate (in backoff, or parked past
---    the cap). A blocked candidate is not published; the caller defers it.
+--    the cap). A blocked candidate is not published; the caller defers it. A
+--    row an operator skipped (skipped_at set; it stays in the retry lane, due
+--    at 'infinity') blocks nothing.
 -- 4. Values a client cannot decode are turned into NULLs here, so one bad row
 --    can never fail the claim for the others: a time outside years 1-9999
 --    (RFC 3339) or infinite, and data over the largest message (not fetched).
@@ -46,6 +48,7 @@ retry as (
      and e.next_attempt_at is not null
      and e.next_attempt_at <= now()
      and e.attempts < $4
+     and e.skipped_at is null
    order by e.next_attempt_at
    limit $7
 ),
@@ -62,7 +65,8 @@ retrying as (
                    from outbox_events r
                   where r.shard = any($1::smallint[])
                     and r.published_at is null
-                    and r.next_attempt_at is not null) as found
+                    and r.next_attempt_at is not null
+                    and r.skipped_at is null) as found
 ),
 -- Sizes without rendering the JSON where the stored size tells: for a
 -- compressed or large value it does not, and its text length is taken.
@@ -112,6 +116,7 @@ select c.id as "id!", c.seq as "seq!", c.shard as "shard!", c.retry as "retry!",
        and p.subject = c.subject
        and p.published_at is null
        and p.next_attempt_at is not null
+       and p.skipped_at is null
        and p.seq < c.seq
        and p.id <> all((select ids from ids)::uuid[])
      order by p.seq

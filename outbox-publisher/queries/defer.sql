@@ -8,3 +8,4 @@ update outbox_events o
   from unnest($1::uuid[], $2::timestamptz[]) as d(id, due)
  where o.id = d.id
    and o.published_at is null
+   and o.skipped_at is null

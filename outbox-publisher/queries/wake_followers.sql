@@ -7,3 +7,4 @@ update outbox_events
    and published_at is null
    and next_attempt_at > now()
    and attempts = 0
+   and skipped_at is null
