@@ -1,0 +1,114 @@
+//! `outboxctl`: what an operator needs when events are late.
+//!
+//! ```text
+//! DATABASE_URL=postgres://… outboxctl status          # backlog, stuck rows, blocked subjects, relays
+//! outboxctl stuck                                     # rows past the cap or failing, with their errors
+//! outboxctl retry <id>… | --entity S | --all-stuck    # claimable again now
+//! outboxctl skip <id> --reason "…"                    # abandon a poison row; its subject moves on
+//! outboxctl prune [--dry-run]                         # outbox retention
+//! outboxctl inbox status | prune                      # per consumer
+//! outboxctl dead-letters list | show <id> | replay <id>… | purge --older-than 30d
+//! ```
+//!
+//! Every command prints JSON with `--json`. A wrong URL, a missing table or
+//! an unknown id is one line on stderr and exit status 1 (with `--json`, also
+//! `{"error": {"kind": …, "message": …}}` on stdout); a wrong flag is exit
+//! status 2.
+
+mod dead_letters;
+mod db;
+mod error;
+mod inbox;
+mod outbox;
+mod output;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::db::Database;
+use crate::error::Result;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "outboxctl",
+    version,
+    about = "Operate an outbox and its inboxes: status, stuck rows, retry, skip, retention, dead letters"
+)]
+struct Cli {
+    #[command(flatten)]
+    database: Database,
+
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Backlog, oldest unpublished age, rows in backoff and past the cap,
+    /// blocked subjects, per event type; published in the last hour; relays.
+    Status(outbox::status::Args),
+    /// Rows past the attempt cap or failing, with attempts and last error.
+    Stuck(outbox::stuck::Args),
+    /// Make rows claimable again now.
+    Retry(outbox::retry::Args),
+    /// Abandon a poison row so the rows of its subject behind it move on: kept
+    /// and recorded (who, when, why), never deleted, never reported as
+    /// published.
+    Skip(outbox::skip::Args),
+    /// Delete published rows older than the retention window.
+    Prune(outbox::prune::Args),
+    /// The consumers' inboxes.
+    #[command(subcommand)]
+    Inbox(inbox::Command),
+    /// Messages consumers could not handle.
+    #[command(subcommand, name = "dead-letters")]
+    DeadLetters(dead_letters::Command),
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    let db = &cli.database;
+    let json = cli.json;
+    match &cli.command {
+        Command::Status(args) => outbox::status::run(db, args, json).await,
+        Command::Stuck(args) => outbox::stuck::run(db, args, json).await,
+        Command::Retry(args) => outbox::retry::run(db, args, json).await,
+        Command::Skip(args) => outbox::skip::run(db, args, json).await,
+        Command::Prune(args) => outbox::prune::run(db, args, json).await,
+        Command::Inbox(command) => inbox::run(db, command, json).await,
+        Command::DeadLetters(command) => dead_letters::run(db, command, json).await,
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let json = cli.json;
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("outboxctl: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("outboxctl: {e}");
+            if json {
+                let error = serde_json::json!({
+                    "error": { "kind": e.kind().as_str(), "message": e.to_string() }
+                });
+                println!("{error}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}

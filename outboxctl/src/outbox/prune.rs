@@ -1,0 +1,13 @@
+//! `outboxctl prune`.
+
+use crate::db::Database;
+use crate::error::{Error, ErrorKind, Result};
+
+/// Flags of `outboxctl prune`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {}
+
+pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
+    let _ = (db, args, json);
+    Err(Error::new(ErrorKind::Config, "`outboxctl prune` is not built yet"))
+}

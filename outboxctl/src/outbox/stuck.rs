@@ -1,0 +1,13 @@
+//! `outboxctl stuck`.
+
+use crate::db::Database;
+use crate::error::{Error, ErrorKind, Result};
+
+/// Flags of `outboxctl stuck`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {}
+
+pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
+    let _ = (db, args, json);
+    Err(Error::new(ErrorKind::Config, "`outboxctl stuck` is not built yet"))
+}

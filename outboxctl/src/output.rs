@@ -1,0 +1,113 @@
+//! How a command's result is printed: as text for people, or as one JSON
+//! document (`--json`) for programs.
+
+use std::io::Write;
+
+use serde::Serialize;
+
+use crate::error::Result;
+
+/// A command's result: serialized as it is for `--json`, rendered by
+/// [`Report::human`] otherwise.
+pub(crate) trait Report: Serialize {
+    /// Writes the result for people.
+    ///
+    /// # Errors
+    /// The writer's.
+    fn human(&self, out: &mut dyn Write) -> std::io::Result<()>;
+}
+
+/// Prints `report` on stdout as JSON (one document and a newline) or as text.
+pub(crate) fn print(report: &impl Report, json: bool) -> Result<()> {
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    if json {
+        serde_json::to_writer_pretty(&mut out, report).map_err(std::io::Error::from)?;
+        writeln!(out)?;
+    } else {
+        report.human(&mut out)?;
+    }
+    out.flush()?;
+    Ok(())
+}
+
+/// A duration in seconds as people read it: `3d 4h`, `12m 5s`, `0.4s`.
+pub(crate) fn age(seconds: f64) -> String {
+    if !seconds.is_finite() || seconds < 0.0 {
+        return "-".to_owned();
+    }
+    if seconds < 10.0 {
+        return format!("{seconds:.1}s");
+    }
+    // Whole seconds from here: the fraction says nothing at this scale.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let s = seconds as u64;
+    let (d, h, m, s) = (s / 86_400, s / 3_600 % 24, s / 60 % 60, s % 60);
+    match (d, h, m) {
+        (0, 0, 0) => format!("{s}s"),
+        (0, 0, _) => format!("{m}m {s}s"),
+        (0, _, _) => format!("{h}h {m}m"),
+        _ => format!("{d}d {h}h"),
+    }
+}
+
+/// Rows of cells as aligned columns, the first row a header.
+pub(crate) fn table(out: &mut dyn Write, rows: &[Vec<String>]) -> std::io::Result<()> {
+    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..columns)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(|cell| cell.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for row in rows {
+        let mut line = String::new();
+        for (c, cell) in row.iter().enumerate() {
+            if c > 0 {
+                line.push_str("  ");
+            }
+            line.push_str(cell);
+            if c + 1 < row.len() {
+                let pad = widths[c].saturating_sub(cell.chars().count());
+                line.extend(std::iter::repeat_n(' ', pad));
+            }
+        }
+        writeln!(out, "{}", line.trim_end())?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ages_read_at_their_scale() {
+        assert_eq!(age(0.42), "0.4s");
+        assert_eq!(age(59.0), "59s");
+        assert_eq!(age(125.0), "2m 5s");
+        assert_eq!(age(3.0 * 3600.0 + 60.0), "3h 1m");
+        assert_eq!(age(2.0 * 86_400.0 + 7200.0), "2d 2h");
+        assert_eq!(age(f64::NAN), "-");
+    }
+
+    #[test]
+    fn tables_align_their_columns() {
+        let mut out = Vec::new();
+        table(
+            &mut out,
+            &[
+                vec!["type".into(), "rows".into()],
+                vec!["invoice.raised".into(), "3".into()],
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "type            rows\ninvoice.raised  3\n"
+        );
+    }
+}
