@@ -15,6 +15,16 @@
 //! migration `20260101000007_inbox_dead_letters_by_message.sql`) and returns
 //! it, and the DLQ copy carries `Nats-Msg-Id` `consumer:stream:sequence`, so
 //! a DLQ stream's duplicate window drops the second publish.
+//!
+//! # Replay
+//!
+//! `outboxctl dead-letters replay` publishes a dead letter's payload again to
+//! its stream, with its original headers (less `Nats-Msg-Id` and the headers
+//! added here), a fresh `Nats-Msg-Id` and [`REPLAY_CONSUMER_HEADER`] naming
+//! the consumer it is for. Every consumer of the stream receives it, but only
+//! that one handles it: the runtime acks a replay naming another consumer
+//! without handling it (counted as `inbox_replays_ignored_total`). The event
+//! keeps its own id, so the named consumer's inbox still dedupes it.
 
 use std::time::Duration;
 
@@ -31,6 +41,41 @@ pub use crate::poison::{Poison, Reason};
 
 /// Header naming the [`Reason`] on a message republished to the DLQ subject.
 pub const REASON_HEADER: &str = "Inbox-Dead-Letter-Reason";
+/// Header naming the consumer on a message republished to the DLQ subject.
+pub const CONSUMER_HEADER: &str = "Inbox-Consumer";
+/// Header naming the stream on a message republished to the DLQ subject.
+pub const STREAM_HEADER: &str = "Inbox-Stream";
+/// Header naming the stream sequence on a message republished to the DLQ subject.
+pub const STREAM_SEQUENCE_HEADER: &str = "Inbox-Stream-Sequence";
+/// Every header the DLQ copy adds to the original ones (a replay drops them).
+pub const DEAD_LETTER_HEADERS: [&str; 4] = [
+    REASON_HEADER,
+    CONSUMER_HEADER,
+    STREAM_HEADER,
+    STREAM_SEQUENCE_HEADER,
+];
+/// Header of a replayed dead letter naming the one consumer (durable name, the
+/// inbox's `consumer`) that is to handle it; every other consumer of the
+/// stream acks it without handling it. See [Replay](self#replay).
+pub const REPLAY_CONSUMER_HEADER: &str = "Inbox-Replay-Consumer";
+
+/// The consumer a replayed message is for: the value of
+/// [`REPLAY_CONSUMER_HEADER`], or `None` for a message that is not a replay.
+pub fn replay_consumer(headers: Option<&HeaderMap>) -> Option<&str> {
+    headers?
+        .get(REPLAY_CONSUMER_HEADER)
+        .map(async_nats::HeaderValue::as_str)
+}
+
+/// Whether a message with `headers` is a replay meant for a consumer other
+/// than `consumer` (which then acks it without handling it); returns the
+/// consumer it is for.
+pub(crate) fn replay_for_another<'h>(
+    headers: Option<&'h HeaderMap>,
+    consumer: &str,
+) -> Option<&'h str> {
+    replay_consumer(headers).filter(|target| *target != consumer)
+}
 
 /// Everything recorded about one dead letter.
 #[derive(Debug)]
@@ -76,10 +121,10 @@ impl DeadLetter<'_> {
     ) -> Result<(), Error> {
         let mut headers = self.headers.cloned().unwrap_or_default();
         headers.insert(REASON_HEADER, self.reason.as_str());
-        headers.insert("Inbox-Consumer", self.info.consumer.as_str());
-        headers.insert("Inbox-Stream", self.info.stream.as_str());
+        headers.insert(CONSUMER_HEADER, self.info.consumer.as_str());
+        headers.insert(STREAM_HEADER, self.info.stream.as_str());
         headers.insert(
-            "Inbox-Stream-Sequence",
+            STREAM_SEQUENCE_HEADER,
             self.info.stream_sequence.to_string().as_str(),
         );
         // The original id would be deduplicated away by a DLQ stream that saw
@@ -144,6 +189,18 @@ mod tests {
         assert_eq!(v["Nats-Msg-Id"], serde_json::json!(["abc"]));
         assert_eq!(v["x"], serde_json::json!(["1", "2"]));
         assert_eq!(headers_json(None), serde_json::json!({}));
+    }
+
+    #[test]
+    fn a_replay_for_another_consumer_is_told_apart() {
+        let mut h = HeaderMap::new();
+        assert_eq!(replay_consumer(None), None);
+        assert_eq!(replay_consumer(Some(&h)), None);
+        assert_eq!(replay_for_another(Some(&h), "billing"), None);
+        h.insert(REPLAY_CONSUMER_HEADER, "billing");
+        assert_eq!(replay_consumer(Some(&h)), Some("billing"));
+        assert_eq!(replay_for_another(Some(&h), "billing"), None);
+        assert_eq!(replay_for_another(Some(&h), "mailer"), Some("billing"));
     }
 
     #[test]

@@ -14,7 +14,10 @@
 //! Elsewhere: `inbox_duplicates_total` is counted by
 //! [`Dedupe`](crate::dedupe::Dedupe) (so it is counted with or without this
 //! layer), and `inbox_dead_lettered_total` (with a `reason` label) and
-//! `inbox_unrouted_total` by the runtime.
+//! `inbox_unrouted_total` by the runtime, as is `inbox_replays_ignored_total`
+//! (labelled `consumer`): replayed dead letters meant for another consumer of
+//! the stream (their [`REPLAY_CONSUMER_HEADER`](crate::dead_letter::REPLAY_CONSUMER_HEADER)
+//! names it), acked without being handled.
 //! Install any `metrics` recorder (for example `metrics-exporter-prometheus`)
 //! to export them.
 
@@ -45,6 +48,9 @@ pub mod names {
     pub const DEAD_LETTERED: &str = "inbox_dead_lettered_total";
     /// Counter: messages of a type no route handles, acked without an effect.
     pub const UNROUTED: &str = "inbox_unrouted_total";
+    /// Counter: replayed dead letters meant for another consumer, acked
+    /// without being handled (label `consumer` only).
+    pub const REPLAYS_IGNORED: &str = "inbox_replays_ignored_total";
     /// Histogram: seconds from the start of a delivery's handling to its commit or failure.
     pub const HANDLER_DURATION: &str = "inbox_handler_duration_seconds";
 }
@@ -67,6 +73,10 @@ pub fn describe() {
     describe_counter!(
         names::UNROUTED,
         "Messages of an event type no route handles, acked without an effect"
+    );
+    describe_counter!(
+        names::REPLAYS_IGNORED,
+        "Replayed dead letters meant for another consumer, acked without being handled"
     );
     describe_histogram!(
         names::HANDLER_DURATION,

@@ -33,6 +33,7 @@ use super::runner::Runner;
 use super::takeover::Backlog;
 use super::{Job, ack};
 use crate::delivery::{Delivery, DeliveryInfo};
+use crate::metrics::names;
 
 /// How long to wait before pulling again after a failed pull.
 const REPULL_DELAY: Duration = Duration::from_secs(1);
@@ -272,6 +273,13 @@ impl<'a, R: Runner> Session<'a, R> {
             }
         };
         self.held += 1;
+        if let Some(target) =
+            crate::dead_letter::replay_for_another(message.headers.as_ref(), &info.consumer)
+        {
+            let target = target.to_owned();
+            self.ignore_replay(message, info, target);
+            return;
+        }
         match Delivery::decode(&message, info.clone()) {
             Ok(delivery) => {
                 let delivery = match self.tenure.as_ref().map(Tenure::epoch) {
@@ -286,6 +294,29 @@ impl<'a, R: Runner> Session<'a, R> {
                 self.tracked.insert(handle.id(), Vec::new());
             }
         }
+    }
+
+    /// Acks, without handling it, a replayed dead letter meant for another
+    /// consumer of the stream (see [`crate::dead_letter`]), before it is
+    /// decoded, dispatched or batched. Held (as a task with no subject) until
+    /// the ack is sent; an ack that fails is redelivered and ignored again.
+    fn ignore_replay(&mut self, message: jetstream::Message, info: DeliveryInfo, target: String) {
+        metrics::counter!(names::REPLAYS_IGNORED, "consumer" => info.consumer.clone()).increment(1);
+        tracing::debug!(
+            consumer = %info.consumer, replay_for = %target, stream_sequence = info.stream_sequence,
+            "a replayed dead letter for another consumer: acked without being handled",
+        );
+        let timeout = self.shared.config.ack_timeout;
+        let handle = self.tasks.spawn(async move {
+            if let Err(e) = ack::send(&message, AckKind::Ack, timeout).await {
+                tracing::debug!(
+                    consumer = %info.consumer, stream_sequence = info.stream_sequence, error = %e,
+                    "ack of a replay for another consumer failed; it will be redelivered",
+                );
+            }
+            vec![true]
+        });
+        self.tracked.insert(handle.id(), Vec::new());
     }
 
     /// Naks, for immediate redelivery to whoever pulls next, a message that

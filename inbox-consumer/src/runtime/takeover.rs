@@ -187,6 +187,10 @@ pub(crate) async fn scan<J: Pending>(
         if !filters.is_empty() && !filters.iter().any(|f| matches(f, &message.subject)) {
             continue;
         }
+        // A replay for another consumer is acked unhandled when it comes back.
+        if crate::dead_letter::replay_for_another(Some(&message.headers), durable).is_some() {
+            continue;
+        }
         // Poison has no subject to hold back; it is dead-lettered wherever it lands.
         if let Ok(envelope) = Envelope::<Value>::from_json(&message.payload) {
             events.push((envelope.id(), envelope.subject().to_owned()));
