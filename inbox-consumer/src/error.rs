@@ -37,6 +37,11 @@ pub enum ErrorKind {
     /// took the lead, so this replica's transaction rolled back and its message
     /// is left for the new leader (neither acked nor nak'ed).
     LeaseLost,
+    /// The consumer's database role lacks a privilege it needs (checked at
+    /// start-up, or SQLSTATE `42501` later); the message names the role or
+    /// the refused statement's object, and the group role of
+    /// `ops/sql/roles.sql` that grants it (`outbox_consumer`).
+    Privilege,
 }
 
 impl fmt::Display for ErrorKind {
@@ -50,6 +55,7 @@ impl fmt::Display for ErrorKind {
             Self::Nats => "NATS error",
             Self::StreamUnavailable => "stream unavailable",
             Self::LeaseLost => "leadership lost",
+            Self::Privilege => "insufficient privilege",
         })
     }
 }
@@ -86,7 +92,19 @@ impl Error {
         self
     }
 
+    /// A database error; `42501` (insufficient privilege) is
+    /// [`ErrorKind::Privilege`], with the grant that fixes it.
     pub(crate) fn database(context: &str, source: sqlx::Error) -> Self {
+        if outbox_pg::is_insufficient_privilege(&source) {
+            return Self::new(
+                ErrorKind::Privilege,
+                format!(
+                    "{context}: {source} (the consumer's role needs the privileges of \
+                     outbox_consumer, ops/sql/roles.sql)"
+                ),
+            )
+            .with_source(source);
+        }
         Self::new(ErrorKind::Database, format!("{context}: {source}")).with_source(source)
     }
 

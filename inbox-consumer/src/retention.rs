@@ -13,6 +13,16 @@
 //! lost mark, a replay of the stream): keep the default 14 days unless you know
 //! both. Pruning deletes rows of one consumer in batches with `FOR UPDATE SKIP
 //! LOCKED`, so it never waits on a handler's transaction.
+//!
+//! # Dead letters
+//!
+//! `inbox_dead_letters` is bounded the same way, on a longer window
+//! ([`DEFAULT_DEAD_LETTER_WINDOW`], 30 days: a dead letter is evidence someone
+//! has to look at, and nothing deduplicates against it once its message is
+//! terminated). The runtime prunes a consumer's dead letters on the inbox's
+//! interval ([`Retention::dead_letter_window`]; `None` keeps them);
+//! [`prune_dead_letters`] does the same for one consumer or all of them, for
+//! a tool or a scheduled job.
 
 use std::time::Duration;
 
@@ -24,10 +34,17 @@ use crate::retry::RetryPolicy;
 /// The default retention window: 14 days.
 pub const DEFAULT_WINDOW: Duration = Duration::from_secs(14 * 24 * 60 * 60);
 
-/// How long inbox rows are kept, and how pruning runs.
+/// The default dead-letter retention window: 30 days.
+pub const DEFAULT_DEAD_LETTER_WINDOW: Duration = Duration::from_secs(30 * 24 * 60 * 60);
+
+/// Rows deleted per statement by default.
+const DEFAULT_BATCH: u32 = 1_000;
+
+/// How long inbox rows and dead letters are kept, and how pruning runs.
 #[derive(Debug, Clone)]
 pub struct Retention {
     window: Duration,
+    dead_letter_window: Option<Duration>,
     batch_size: u32,
     interval: Duration,
 }
@@ -36,7 +53,8 @@ impl Default for Retention {
     fn default() -> Self {
         Self {
             window: DEFAULT_WINDOW,
-            batch_size: 1_000,
+            dead_letter_window: Some(DEFAULT_DEAD_LETTER_WINDOW),
+            batch_size: DEFAULT_BATCH,
             interval: Duration::from_secs(60 * 60),
         }
     }
@@ -47,6 +65,14 @@ impl Retention {
     #[must_use]
     pub fn window(mut self, window: Duration) -> Self {
         self.window = window;
+        self
+    }
+
+    /// Dead letters recorded longer ago than this are pruned, on the same
+    /// interval as the inbox; `None` keeps them for ever. Default: 30 days.
+    #[must_use]
+    pub fn dead_letter_window(mut self, window: Option<Duration>) -> Self {
+        self.dead_letter_window = window;
         self
     }
 
@@ -74,6 +100,25 @@ impl Retention {
         self.interval
     }
 
+    /// The dead-letter window, if dead letters are pruned.
+    pub fn get_dead_letter_window(&self) -> Option<Duration> {
+        self.dead_letter_window
+    }
+
+    /// Deletes `consumer`'s dead letters older than the dead-letter window,
+    /// batch by batch; returns how many. Nothing when the window is `None`.
+    ///
+    /// # Errors
+    /// As [`prune_dead_letters`].
+    pub async fn prune_dead_letters(&self, pool: &PgPool, consumer: &str) -> Result<u64, Error> {
+        match self.dead_letter_window {
+            Some(window) => {
+                prune_dead_letters_in_batches(pool, Some(consumer), window, self.batch_size).await
+            }
+            None => Ok(0),
+        }
+    }
+
     /// Deletes `consumer`'s inbox rows older than the window, batch by batch,
     /// until a batch comes back short. Returns how many rows were deleted.
     ///
@@ -81,21 +126,7 @@ impl Retention {
     /// [`ErrorKind::Database`] if a delete fails (earlier batches stay deleted);
     /// [`ErrorKind::Config`] if the window is too large to subtract from now.
     pub async fn prune(&self, pool: &PgPool, consumer: &str) -> Result<u64, Error> {
-        let window = chrono::Duration::from_std(self.window).map_err(|e| {
-            Error::new(
-                ErrorKind::Config,
-                format!("retention window {:?} is out of range", self.window),
-            )
-            .with_source(e)
-        })?;
-        let cutoff = chrono::Utc::now()
-            .checked_sub_signed(window)
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::Config,
-                    "retention window reaches before the epoch",
-                )
-            })?;
+        let cutoff = cutoff(self.window)?;
         let mut total = 0;
         loop {
             let deleted = sqlx::query_file!(
@@ -112,6 +143,84 @@ impl Retention {
             if deleted < u64::from(self.batch_size) {
                 return Ok(total);
             }
+        }
+    }
+}
+
+/// `now - window`, as a timestamp.
+fn cutoff(window: Duration) -> Result<chrono::DateTime<chrono::Utc>, Error> {
+    let span = chrono::Duration::from_std(window).map_err(|e| {
+        Error::new(
+            ErrorKind::Config,
+            format!("retention window {window:?} is out of range"),
+        )
+        .with_source(e)
+    })?;
+    chrono::Utc::now().checked_sub_signed(span).ok_or_else(|| {
+        Error::new(
+            ErrorKind::Config,
+            "retention window reaches before the epoch",
+        )
+    })
+}
+
+/// Deletes dead letters recorded more than `older_than` ago, of `consumer`
+/// or, with `None`, of every consumer: 1,000 rows per statement, each
+/// skipping rows another transaction holds (`FOR UPDATE SKIP LOCKED`), until
+/// a batch comes back short. Returns how many rows were deleted.
+///
+/// This is what the runtime runs on its retention interval
+/// ([`Retention::dead_letter_window`]), for a tool or a scheduled job:
+///
+/// ```no_run
+/// # #[tokio::main]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let pool = sqlx::PgPool::connect("postgres://localhost/billing").await?;
+/// use std::time::Duration;
+/// let deleted = inbox_consumer::retention::prune_dead_letters(
+///     &pool,
+///     Some("billing"),
+///     Duration::from_secs(90 * 24 * 60 * 60),
+/// )
+/// .await?;
+/// # let _ = deleted; Ok(()) }
+/// ```
+///
+/// # Errors
+/// [`ErrorKind::Database`] if a delete fails (earlier batches stay deleted);
+/// [`ErrorKind::Privilege`] if the role may not delete from
+/// `inbox_dead_letters`; [`ErrorKind::Config`] if `older_than` is too large
+/// to subtract from now.
+pub async fn prune_dead_letters(
+    pool: &PgPool,
+    consumer: Option<&str>,
+    older_than: Duration,
+) -> Result<u64, Error> {
+    prune_dead_letters_in_batches(pool, consumer, older_than, DEFAULT_BATCH).await
+}
+
+async fn prune_dead_letters_in_batches(
+    pool: &PgPool,
+    consumer: Option<&str>,
+    older_than: Duration,
+    batch_size: u32,
+) -> Result<u64, Error> {
+    let cutoff = cutoff(older_than)?;
+    let mut total = 0;
+    loop {
+        let deleted = sqlx::query_file!(
+            "queries/prune_dead_letters.sql",
+            consumer,
+            cutoff,
+            i64::from(batch_size),
+        )
+        .execute(pool)
+        .await
+        .map_err(|e| Error::database("pruning inbox_dead_letters", e))?
+        .rows_affected();
+        total += deleted;
+        if deleted < u64::from(batch_size) {
+            return Ok(total);
         }
     }
 }

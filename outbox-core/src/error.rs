@@ -37,6 +37,10 @@ pub enum ErrorKind {
     /// NATS could not be reached or refused the connection: wrong
     /// credentials, a TLS failure (feature `connect`).
     Broker,
+    /// The database role lacks a privilege it needs (SQLSTATE `42501`), or
+    /// may not change a schema that is not up to date; the message names the
+    /// role, the privilege and the object.
+    Privilege,
 }
 
 impl fmt::Display for ErrorKind {
@@ -51,6 +55,7 @@ impl fmt::Display for ErrorKind {
             Self::TooLarge => "message too large",
             Self::Config => "configuration error",
             Self::Broker => "broker error",
+            Self::Privilege => "insufficient privilege",
         })
     }
 }

@@ -89,6 +89,7 @@ pub mod event;
 mod migrate;
 mod outbox;
 mod schema;
+pub mod privilege;
 mod sequence;
 mod validate;
 
@@ -104,6 +105,7 @@ pub use event::{Event, check_schema_file};
 pub use migrate::{MIGRATION_LOCK, MIGRATION_TABLE, MIGRATOR, migrate, migrate_with};
 pub use outbox::{DEFAULT_MAX_MESSAGE_SIZE, Outbox};
 pub use schema::{SCHEMA_SUFFIX, SchemaRegistry};
+pub use privilege::{Privilege, check_privileges, is_insufficient_privilege};
 /// The crate [`Event`] derives schemas with, re-exported so a service uses
 /// the same version (`#[derive(outbox_pg::schemars::JsonSchema)]`).
 pub use schemars;

@@ -36,6 +36,7 @@ use sqlx::migrate::{Migrate, MigrateError, Migrator};
 use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::privilege::is_insufficient_privilege;
 
 /// The embedded migrations: the files of `outbox-core/migrations/`, for the
 /// service's own migration tool or to read the SQL.
@@ -198,12 +199,28 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
 /// # Ok(()) }
 /// ```
 ///
+/// # Under a role that does not own the schema
+///
+/// Services should run under a role granted only what they use
+/// (`ops/sql/roles.sql`), with the migrations applied by the schema's owner.
+/// Such a role may still call this at start-up: when [`MIGRATION_TABLE`]
+/// records every embedded migration with this build's text, nothing that
+/// needs ownership or CREATE runs (only the lock and a read of
+/// [`MIGRATION_TABLE`]), and `app_sql` refused for want of a privilege
+/// (SQLSTATE `42501`: `create table if not exists` needs CREATE on the schema
+/// even when the table is there) is rolled back and logged as a warning
+/// naming the role and what was refused, not returned. A schema that is not
+/// up to date under such a role is an error saying to migrate as the owner.
+///
 /// # Errors
 /// [`ErrorKind::Database`] if no connection can be had or the lock taken, a
 /// migration fails (it is rolled back; the message names its file),
 /// [`MIGRATION_TABLE`] records a migration this build does not have or one
-/// whose text differs from this build's, or `app_sql` fails (its statements
-/// are rolled back).
+/// whose text differs from this build's, or `app_sql` fails for a reason
+/// other than a missing privilege (its statements are rolled back).
+/// [`ErrorKind::Privilege`] if migrations are pending and the role may not
+/// apply them (the message lists them and says to run them as the owner), or
+/// the role may not read [`MIGRATION_TABLE`].
 pub async fn migrate_with(pool: &PgPool, app_sql: &str) -> Result<()> {
     let mut conn = pool
         .acquire()
@@ -218,17 +235,126 @@ pub async fn migrate_with(pool: &PgPool, app_sql: &str) -> Result<()> {
         .execute(&mut *conn)
         .await
         .map_err(|e| Error::database("taking the migration lock", e))?;
-    apply(&mut conn).await?;
+    let role: String = sqlx::query_scalar("select current_user::text")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| Error::database("reading the current role", e))?;
+    let pending = pending(&mut conn, &role).await?;
+    if pending.is_empty() {
+        // Nothing to apply: no step that needs ownership or CREATE runs, so a
+        // role that only uses the tables starts on an up-to-date schema.
+        if let Err(e) = adopt(&mut conn).await {
+            if !is_insufficient_privilege(&e) {
+                return Err(e);
+            }
+            tracing::warn!(
+                role = %role, error = %e,
+                "the schema is up to date; leaving the outbox's rows of _sqlx_migrations to the owner"
+            );
+        }
+    } else {
+        apply(&mut conn).await.map_err(|e| {
+            if is_insufficient_privilege(&e) {
+                not_up_to_date(&role, &pending, e)
+            } else {
+                e
+            }
+        })?;
+    }
     if !app_sql.trim().is_empty() {
-        sqlx::raw_sql(sqlx::AssertSqlSafe(app_sql.to_owned()))
+        match sqlx::raw_sql(sqlx::AssertSqlSafe(app_sql.to_owned()))
             .execute(&mut *conn)
             .await
-            .map_err(|e| Error::database("running the service's schema SQL", e))?;
+        {
+            Ok(_) => {}
+            Err(e) if is_insufficient_privilege(&e) => {
+                // The service's own DDL (`create table if not exists …`) needs
+                // CREATE on the schema or ownership of its tables even when
+                // they are there; a role that only uses them is refused.
+                tracing::warn!(
+                    role = %role, refused = %e,
+                    "the service's schema SQL was refused and rolled back (the role does not own \
+                     the schema or its tables); its tables are used as they are: run it as the \
+                     owner when it changes"
+                );
+            }
+            Err(e) => return Err(Error::database("running the service's schema SQL", e)),
+        }
     }
     // The schema is in place. A failure to close cleanly changes nothing: the
     // server ends the session, and releases the lock, when the socket closes.
     let _closed = conn.close().await;
     Ok(())
+}
+
+/// The embedded migrations [`MIGRATION_TABLE`] does not record as applied
+/// with this build's text, by file name; empty when the schema is up to date.
+/// A version recorded there that this build does not have counts as pending
+/// too (the migrator then names it).
+///
+/// Read-only, so a role that does not own the tables can tell; only the
+/// SELECT of [`MIGRATION_TABLE`] is needed (`ops/sql/roles.sql` grants it).
+async fn pending(conn: &mut PgConnection, role: &str) -> Result<Vec<String>> {
+    let found: bool = sqlx::query_scalar("select to_regclass($1) is not null")
+        .bind(MIGRATION_TABLE)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| Error::database(&format!("looking for {MIGRATION_TABLE}"), e))?;
+    let recorded: Vec<(i64, bool, Vec<u8>)> = if found {
+        sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "select version, success, checksum from {MIGRATION_TABLE}"
+        )))
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|e| {
+            if is_insufficient_privilege(&e) {
+                Error::new(
+                    ErrorKind::Privilege,
+                    format!(
+                        "role `{role}` lacks SELECT on table {MIGRATION_TABLE}, so cannot tell \
+                         whether the schema is up to date; grant it outbox_writer, outbox_relay \
+                         or outbox_consumer (ops/sql/roles.sql)"
+                    ),
+                )
+                .with_source(e)
+            } else {
+                Error::database(&format!("reading {MIGRATION_TABLE}"), e)
+            }
+        })?
+    } else {
+        Vec::new()
+    };
+    let mut pending: Vec<String> = MIGRATOR
+        .iter()
+        .filter(|m| !m.migration_type.is_down_migration())
+        .filter(|m| {
+            !recorded.iter().any(|(version, success, checksum)| {
+                *version == m.version && *success && *checksum == *m.checksum
+            })
+        })
+        .map(|m| file_name(m.version))
+        .collect();
+    pending.extend(
+        recorded
+            .iter()
+            .filter(|(version, ..)| !MIGRATOR.iter().any(|m| m.version == *version))
+            .map(|(version, ..)| format!("version {version}, unknown to this build")),
+    );
+    Ok(pending)
+}
+
+/// The error of a role that may not apply what is pending.
+fn not_up_to_date(role: &str, pending: &[String], cause: Error) -> Error {
+    Error::new(
+        ErrorKind::Privilege,
+        format!(
+            "the outbox schema is not up to date (pending: {}) and role `{role}` may not change \
+             it ({cause}): run the migrations as the schema owner (outbox_pg::migrate, or the \
+             files of outbox-core/migrations/), then ops/sql/roles.sql",
+            pending.join(", ")
+        ),
+    )
+    .with_source(cause)
 }
 
 /// Creates [`MIGRATION_TABLE`], adopts our rows of `_sqlx_migrations`, then

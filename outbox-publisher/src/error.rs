@@ -21,6 +21,11 @@ pub enum ErrorKind {
     /// The JetStream stream is missing, could not be created, or differs from
     /// the configuration.
     Stream,
+    /// The relay's database role lacks a privilege it needs (checked at
+    /// start-up, or SQLSTATE `42501` later); the message names the role or
+    /// the refused statement's object, and the group role of
+    /// `ops/sql/roles.sql` that grants it (`outbox_relay`).
+    Privilege,
 }
 
 impl fmt::Display for ErrorKind {
@@ -30,6 +35,7 @@ impl fmt::Display for ErrorKind {
             Self::Database => "database error",
             Self::Broker => "broker error",
             Self::Stream => "stream error",
+            Self::Privilege => "insufficient privilege",
         })
     }
 }
@@ -59,7 +65,19 @@ impl Error {
         self
     }
 
+    /// A database error; `42501` (insufficient privilege) is
+    /// [`ErrorKind::Privilege`], with the grant that fixes it.
     pub(crate) fn database(context: &str, source: sqlx::Error) -> Self {
+        if outbox_pg::is_insufficient_privilege(&source) {
+            return Self::new(
+                ErrorKind::Privilege,
+                format!(
+                    "{context}: {source} (the relay's role needs the privileges of \
+                     outbox_relay, ops/sql/roles.sql)"
+                ),
+            )
+            .with_source(source);
+        }
         Self::new(ErrorKind::Database, format!("{context}: {source}")).with_source(source)
     }
 
@@ -117,6 +135,7 @@ impl From<outbox_pg::Error> for Error {
         let kind = match e.kind() {
             outbox_pg::ErrorKind::Database => ErrorKind::Database,
             outbox_pg::ErrorKind::Broker => ErrorKind::Broker,
+            outbox_pg::ErrorKind::Privilege => ErrorKind::Privilege,
             _ => ErrorKind::Config,
         };
         Self::new(kind, e.to_string()).with_source(e)

@@ -76,7 +76,7 @@ mod stream;
 
 pub use config::{BATCH_SIZE_RANGE, RelayConfig};
 pub use error::{BoxError, Error, ErrorKind, Result};
-pub use relay::{BatchReport, NOTIFY_CHANNEL, Relay};
+pub use relay::{BatchReport, NOTIFY_CHANNEL, Relay, required_privileges};
 pub use sink::{
     DEFAULT_MAX_PAYLOAD, FailureKind, JetStreamSink, OutgoingMessage, PublishAck, PublishFailure,
     Sink,

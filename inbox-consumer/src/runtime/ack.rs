@@ -3,7 +3,7 @@
 //! | result | JetStream |
 //! | --- | --- |
 //! | `Ok(Handled / Duplicate / Stale)` (committed) | `+ACK`, confirmed (`double_ack`) |
-//! | the database unreachable, or a lock wait timed out (rolled back) | `-NAK {delay}`, whatever the delivery count: never dead-lettered |
+//! | the database unreachable, a lock wait timed out, or a privilege the role lacks (rolled back) | `-NAK {delay}`, whatever the delivery count: never dead-lettered |
 //! | other retryable error (rolled back) | `-NAK {delay}`, delay from [`RetryPolicy`](crate::RetryPolicy) or [`HandlerError::retry_after`] |
 //! | other retryable error once the delivery budget is spent | dead letter (`max_deliveries`), then `+TERM` |
 //! | reject, undecodable payload | dead letter, then `+TERM` |
@@ -145,11 +145,13 @@ pub(crate) fn unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
                 sqlx::Error::Database(db) => db.code().is_some_and(|code| {
                     // 08: connection exception; 57P01-03: shutting down or
                     // starting; 53300: too many connections; 55P03: lock not
-                    // available (lock_timeout); 25P03: idle in transaction timeout.
+                    // available (lock_timeout); 25P03: idle in transaction
+                    // timeout; 42501: insufficient privilege (the role's
+                    // grants, not the event: retried, loudly, until granted).
                     code.starts_with("08")
                         || matches!(
                             &*code,
-                            "57P01" | "57P02" | "57P03" | "53300" | "55P03" | "25P03"
+                            "57P01" | "57P02" | "57P03" | "53300" | "55P03" | "25P03" | "42501"
                         )
                 }),
                 _ => false,

@@ -133,6 +133,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use sqlx::PgPool;
+use outbox_pg::Privilege;
 use tower::Service;
 
 use crate::delivery::{BatchResults, Delivery, Outcome};
@@ -169,6 +170,54 @@ fn stream_error(stream: &str, e: jetstream::context::GetStreamError) -> Error {
 
 /// A message and its decoded delivery.
 type Job = (jetstream::Message, Delivery);
+/// The privileges a consumer with `config` needs: SELECT and INSERT on
+/// `inbox_events` and `inbox_dead_letters`, USAGE on
+/// `inbox_dead_letters_id_seq`; DELETE on `inbox_events` when this process
+/// prunes, and on `inbox_dead_letters` when it prunes dead letters too;
+/// SELECT, INSERT and UPDATE on `inbox_leases` when ordered. Advisory locks
+/// need none. A handler's own tables are the service's to grant.
+pub fn required_privileges(config: &ConsumerConfig) -> Vec<Privilege> {
+    let mut required = vec![
+        Privilege::table("inbox_events", "SELECT"),
+        Privilege::table("inbox_events", "INSERT"),
+        Privilege::table("inbox_dead_letters", "SELECT"),
+        Privilege::table("inbox_dead_letters", "INSERT"),
+        Privilege::sequence("inbox_dead_letters_id_seq", "USAGE"),
+    ];
+    if config.prune {
+        required.push(Privilege::table("inbox_events", "DELETE"));
+        if config.retention.get_dead_letter_window().is_some() {
+            required.push(Privilege::table("inbox_dead_letters", "DELETE"));
+        }
+    }
+    if config.ordered {
+        required.extend([
+            Privilege::table("inbox_leases", "SELECT"),
+            Privilege::table("inbox_leases", "INSERT"),
+            Privilege::table("inbox_leases", "UPDATE"),
+        ]);
+    }
+    required
+}
+
+/// The group role of `ops/sql/roles.sql` that holds a consumer's privileges.
+const CONSUMER_ROLE: &str = "outbox_consumer";
+
+async fn check_privileges(pool: &PgPool, config: &ConsumerConfig) -> Result<()> {
+    match outbox_pg::check_privileges(pool, &required_privileges(config), CONSUMER_ROLE).await {
+        Err(e) if e.kind() == outbox_pg::ErrorKind::Privilege => Err(Error::new(
+            crate::ErrorKind::Privilege,
+            format!("consumer `{}`: {e}", config.durable),
+        )
+        .with_source(e)),
+        Err(e) => {
+            tracing::warn!(consumer = %config.durable, error = %e, "could not check the consumer's database privileges; going on");
+            Ok(())
+        }
+        Ok(()) => Ok(()),
+    }
+}
+
 
 /// A durable pull consumer bound to a database: the runtime of the inbox.
 ///
@@ -184,12 +233,18 @@ pub struct Consumer {
 }
 
 impl Consumer {
-    /// Creates the durable consumer on the stream, or updates it to `config`,
+    /// Checks the database role's privileges ([`required_privileges`]),
+    /// creates the durable consumer on the stream, or updates it to `config`,
     /// and checks the inbox retention window against its redelivery window.
     ///
     /// # Errors
     /// [`ErrorKind::StreamUnavailable`](crate::ErrorKind::StreamUnavailable)
     /// if the stream does not exist or JetStream does not answer (see
+    /// [`ErrorKind::Privilege`](crate::ErrorKind::Privilege) if the role lacks
+    /// a privilege the configuration uses, naming the role, each privilege
+    /// and its table ("role `billing_login` lacks INSERT on table
+    /// inbox_events; grant it outbox_consumer (ops/sql/roles.sql)"); a check
+    /// that cannot run (the database not reachable) is logged and passes;
     /// [`Consumer::builder`], which waits for it);
     /// [`ErrorKind::Config`](crate::ErrorKind::Config) if the stream name is
     /// not valid; [`ErrorKind::Nats`](crate::ErrorKind::Nats) if the consumer
@@ -201,6 +256,7 @@ impl Consumer {
     pub async fn new(js: jetstream::Context, pool: PgPool, config: ConsumerConfig) -> Result<Self> {
         let stream = js
             .get_stream(&config.stream)
+        check_privileges(&pool, &config).await?;
             .await
             .map_err(|e| stream_error(&config.stream, e))?;
         let consumer: PullConsumer =
@@ -388,6 +444,18 @@ async fn prune_periodically(shared: Arc<Shared>) {
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
 
 impl Drop for AbortOnDrop {
+        match retention
+            .prune_dead_letters(&shared.pool, &shared.config.durable)
+            .await
+        {
+            Ok(0) => {}
+            Ok(deleted) => {
+                tracing::info!(consumer = %shared.config.durable, deleted, "pruned dead letters past retention");
+            }
+            Err(e) => {
+                tracing::warn!(consumer = %shared.config.durable, error = %e, "dead-letter pruning failed");
+            }
+        }
     fn drop(&mut self) {
         self.0.abort();
     }

@@ -114,7 +114,20 @@ where
             true
         }
         Decision::Nak(delay) => {
+            let refused = result
+                .as_ref()
+                .err()
+                .is_some_and(|e| outbox_pg::is_insufficient_privilege(e.as_ref()));
             let error = result.err().map(|e| e.to_string()).unwrap_or_default();
+            if refused {
+                tracing::error!(
+                    consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
+                    stream_sequence = info.stream_sequence, retry_in = ?delay, error = %error,
+                    "the consumer's database role lacks a privilege: rolled back, redelivered until it is granted (never dead-lettered)",
+                );
+                nak(&message, &info, delay, &shared.config).await;
+                return false;
+            }
             tracing::warn!(
                 consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
                 subject = delivery.subject(), stream_sequence = info.stream_sequence, delivered = info.delivered,

@@ -72,6 +72,7 @@
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
+use outbox_pg::Privilege;
 use sqlx::PgPool;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -149,11 +150,43 @@ pub struct Relay<S = JetStreamSink> {
 }
 
 impl Relay<JetStreamSink> {
-    /// A relay publishing to JetStream through `client`, after creating or
-    /// verifying `stream`.
+/// The privileges a relay with `config` needs: SELECT and UPDATE on
+/// `outbox_events` (claims, marks, deferrals), DELETE on it when retention is
+/// on, and SELECT on the sequence `outbox_events_seq` (the settled horizon).
+/// Advisory locks, `pg_locks` and LISTEN need none.
+pub fn required_privileges(config: &RelayConfig) -> Vec<Privilege> {
+    let mut required = vec![
+        Privilege::table("outbox_events", "SELECT"),
+        Privilege::table("outbox_events", "UPDATE"),
+        Privilege::sequence("outbox_events_seq", "SELECT"),
+    ];
+    if config.retention.is_some() {
+        required.push(Privilege::table("outbox_events", "DELETE"));
+    }
+    required
+}
+
+/// The group role of `ops/sql/roles.sql` that holds a relay's privileges.
+const RELAY_ROLE: &str = "outbox_relay";
+
+async fn check_privileges(pool: &PgPool, config: &RelayConfig) -> Result<()> {
+    match outbox_pg::check_privileges(pool, &required_privileges(config), RELAY_ROLE).await {
+        Err(e) if e.kind() == outbox_pg::ErrorKind::Privilege => Err(e.into()),
+        Err(e) => {
+            warn!(error = %e, "could not check the relay's database privileges; going on");
+            Ok(())
+        }
+        Ok(()) => Ok(()),
+    }
+}
+
+    /// A relay publishing to JetStream through `client`, after checking the
+    /// database role's privileges ([`Relay::check_privileges`]) and creating
+    /// or verifying `stream`.
     ///
     /// # Errors
     /// [`ErrorKind::Config`] for an invalid config, or a stream whose
+    /// [`ErrorKind::Privilege`] if the role lacks a privilege the relay needs;
     /// duplicate window is not longer than the lease plus the publish timeout
     /// (a republish after a takeover would be stored twice);
     /// [`ErrorKind::Stream`] / [`ErrorKind::Broker`] from [`StreamSpec::ensure`].
@@ -165,6 +198,7 @@ impl Relay<JetStreamSink> {
     ) -> Result<Self> {
         config.validate()?;
         let sink = JetStreamSink::new(client, config.publish_timeout).expect_stream(stream.name());
+        check_privileges(&pool, &config).await?;
         let existing = stream.ensure(sink.context()).await?;
         let needed = config.lease + config.publish_timeout;
         if existing.duplicate_window <= needed {
@@ -192,7 +226,8 @@ impl Relay<JetStreamSink> {
     /// # Errors
     /// [`ErrorKind::Config`] if `config` is invalid or the stream's duplicate
     /// window is too short; [`ErrorKind::Stream`] if the stream differs from
-    /// `stream` — neither passes by waiting.
+    /// `stream`; [`ErrorKind::Privilege`] if the database role lacks a
+    /// privilege the relay needs — none passes by waiting.
     pub async fn run_jetstream(
         pool: PgPool,
         client: async_nats::Client,
@@ -236,7 +271,12 @@ impl Relay<JetStreamSink> {
                     }
                     return Ok(Some(relay));
                 }
-                Err(e) if matches!(e.kind(), ErrorKind::Config | ErrorKind::Stream) => {
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::Config | ErrorKind::Stream | ErrorKind::Privilege
+                    ) =>
+                {
                     return Err(e);
                 }
                 Err(e) => {
@@ -290,6 +330,22 @@ impl<S: Sink> Relay<S> {
 
     /// Runs until `shutdown` is cancelled: shard ownership, the publisher
     /// workers, the LISTEN wake-ups, the backlog gauges and the pruner. On
+    /// Checks that the database role holds what this relay's configuration
+    /// uses ([`required_privileges`]). [`Relay::jetstream`] (and so
+    /// [`Relay::connect_jetstream`] and [`Relay::run_jetstream`]) calls it
+    /// before anything else; a relay built with [`Relay::new`] on a sink of
+    /// its own may call it before [`run`](Self::run).
+    ///
+    /// # Errors
+    /// [`ErrorKind::Privilege`], naming the role and each missing privilege
+    /// and table: "role `relay_login` lacks UPDATE on table outbox_events;
+    /// grant it outbox_relay (ops/sql/roles.sql)". A check that cannot run
+    /// (the database not reachable) is logged and passes: the relay waits
+    /// for the database as it always does.
+    pub async fn check_privileges(&self) -> Result<()> {
+        check_privileges(self.store.pool(), &self.config).await
+    }
+
     /// shutdown each worker finishes its batch (every publish in it is
     /// bounded) and marks it, the shards are given back, then `run` returns.
     ///

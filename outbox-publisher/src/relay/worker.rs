@@ -6,11 +6,11 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use super::{BatchReport, Relay};
 use crate::backoff::LoopBackoff;
-use crate::error::Result;
+use crate::error::{ErrorKind, Result};
 use crate::sink::Sink;
 
 /// Consecutive batches without progress after which `drain` gives up on rows
@@ -168,6 +168,12 @@ impl<S: Sink> Relay<S> {
         match result {
             Err(e) if self.db_up.swap(false, Ordering::Relaxed) => {
                 warn!(error = %e, "outbox database unavailable; retrying with backoff");
+            }
+            // Not an outage: said every time (the backoff spaces it out)
+            // until an operator grants what is missing.
+            Err(e) if e.kind() == ErrorKind::Privilege => {
+                self.db_up.store(false, Ordering::Relaxed);
+                error!(error = %e, "the relay's database role lacks a privilege; retrying with backoff until it is granted");
             }
             Ok(_) if !self.db_up.swap(true, Ordering::Relaxed) => {
                 info!("outbox database available again");

@@ -1,0 +1,87 @@
+-- Least-privilege roles for the outbox and the inbox.
+--
+-- Run by the schema owner (the role that ran the migrations), after them, in
+-- each database, with the search_path the services use (the grants are made
+-- on the objects of current_schema()):
+--
+--   psql "$OWNER_DATABASE_URL" --single-transaction -v ON_ERROR_STOP=1 -f ops/sql/roles.sql
+--
+-- Rerunnable: the roles are created only when missing (they are cluster-wide,
+-- so a second database finds them), and GRANT of a privilege held already
+-- changes nothing. Run it again after every migration: table-level grants
+-- cover columns added later, but not tables or sequences added later.
+--
+-- Three NOLOGIN group roles, each granted exactly what one component uses:
+--
+--   outbox_writer    a service that enqueues events in its transactions
+--                    (outbox_pg::Outbox::enqueue): INSERT on outbox_events,
+--                    USAGE on outbox_events_seq (the insert trigger calls
+--                    nextval() as the inserting role).
+--   outbox_relay     outbox-relay, or a relay run in-process: SELECT, UPDATE
+--                    (claims, marks, backoff) and DELETE (retention) on
+--                    outbox_events; SELECT on outbox_events_seq (the settled
+--                    horizon reads last_value). Advisory locks, pg_locks and
+--                    LISTEN need no grant.
+--   outbox_consumer  an inbox consumer: SELECT, INSERT, DELETE (retention) on
+--                    inbox_events and inbox_dead_letters, USAGE on
+--                    inbox_dead_letters_id_seq; SELECT, INSERT, UPDATE on
+--                    inbox_leases (ordered consumers).
+--
+-- Each may also read outbox_schema_migrations, so outbox_pg::migrate at
+-- start-up can see the schema is up to date and change nothing. None may
+-- create, alter or drop anything: migrations run as the owner.
+--
+-- Login roles are the operator's, made members of what they run:
+--
+--   create role relay_login login password '…';
+--   grant outbox_relay to relay_login;
+--   grant outbox_writer, outbox_consumer to billing_login;  -- consumes and enqueues
+--
+-- A service's own tables (invoices, subscriptions, …) are granted by the
+-- service's operator the same way. A role missing a privilege is refused at
+-- start-up with an error naming the role, the privilege and the table.
+
+select pg_advisory_xact_lock(1868721409, 0); -- outbox_pg::MIGRATION_LOCK: not during a migration
+
+do $$
+declare
+  r text;
+begin
+  foreach r in array array['outbox_writer', 'outbox_relay', 'outbox_consumer'] loop
+    if not exists (select from pg_roles where rolname = r) then
+      begin
+        execute format('create role %I nologin', r);
+      exception when duplicate_object or unique_violation then
+        null; -- created meanwhile by another database's run
+      end;
+    end if;
+  end loop;
+end
+$$;
+
+do $$
+declare
+  s text := current_schema();
+begin
+  if s is null then
+    raise exception 'no schema on the search_path: set it to the schema the services use';
+  end if;
+  execute format('grant usage on schema %I to outbox_writer, outbox_relay, outbox_consumer', s);
+end
+$$;
+
+grant select on outbox_schema_migrations to outbox_writer, outbox_relay, outbox_consumer;
+
+-- outbox_writer
+grant insert on outbox_events to outbox_writer;
+grant usage on sequence outbox_events_seq to outbox_writer;
+
+-- outbox_relay
+grant select, update, delete on outbox_events to outbox_relay;
+grant select on sequence outbox_events_seq to outbox_relay;
+
+-- outbox_consumer
+grant select, insert, delete on inbox_events to outbox_consumer;
+grant select, insert, delete on inbox_dead_letters to outbox_consumer;
+grant usage on sequence inbox_dead_letters_id_seq to outbox_consumer;
+grant select, insert, update on inbox_leases to outbox_consumer;
