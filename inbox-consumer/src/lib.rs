@@ -148,6 +148,7 @@ pub mod dedupe;
 mod delivery;
 mod error;
 mod handler;
+mod health;
 pub mod metrics;
 pub mod ordering;
 mod poison;
@@ -166,6 +167,7 @@ pub use delivery::{
 };
 pub use error::{Action, BoxError, Error, ErrorKind, HandlerError, Result};
 pub use handler::Handler;
+pub use health::{DEFAULT_CHECK_TIMEOUT, Readiness};
 pub use metrics::{Metrics, MetricsLayer};
 pub use ordering::{SkipStale, SkipStaleLayer};
 #[cfg(feature = "connect")]

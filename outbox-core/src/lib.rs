@@ -85,11 +85,12 @@ pub mod connect;
 mod envelope;
 mod error;
 pub mod event;
+pub mod health;
 #[cfg(feature = "migrate")]
 mod migrate;
 mod outbox;
-mod schema;
 pub mod privilege;
+mod schema;
 mod sequence;
 mod validate;
 
@@ -104,8 +105,8 @@ pub use event::{Event, check_schema_file};
 #[cfg(feature = "migrate")]
 pub use migrate::{MIGRATION_LOCK, MIGRATION_TABLE, MIGRATOR, migrate, migrate_with};
 pub use outbox::{DEFAULT_MAX_MESSAGE_SIZE, Outbox};
-pub use schema::{SCHEMA_SUFFIX, SchemaRegistry};
 pub use privilege::{Privilege, check_privileges, is_insufficient_privilege};
+pub use schema::{SCHEMA_SUFFIX, SchemaRegistry};
 /// The crate [`Event`] derives schemas with, re-exported so a service uses
 /// the same version (`#[derive(outbox_pg::schemars::JsonSchema)]`).
 pub use schemars;

@@ -1,8 +1,11 @@
 //! What the `outbox-relay` binary and services that embed a relay share:
-//! log set-up, and (re-exported from [`outbox_pg::connect`], where consumer
+//! log set-up, the metrics and health endpoint ([`OpsServer`]), and (re-exported from [`outbox_pg::connect`], where consumer
 //! services find them too) the PostgreSQL and NATS connection flags, secrets
 //! and shutdown on a signal.
 
+mod ops;
+
+pub use ops::{OpsServer, ROWS_BUCKETS, SECONDS_BUCKETS, install_prometheus};
 pub use outbox_pg::connect::{DatabaseArgs, NatsArgs, Secret, cancel_on_signal, redact_url};
 
 /// How logs are written (to stderr).

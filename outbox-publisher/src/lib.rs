@@ -68,6 +68,7 @@ mod backoff;
 pub mod cli;
 mod config;
 mod error;
+mod health;
 pub mod metrics;
 pub mod relay;
 mod sink;
@@ -76,6 +77,7 @@ mod stream;
 
 pub use config::{BATCH_SIZE_RANGE, RelayConfig};
 pub use error::{BoxError, Error, ErrorKind, Result};
+pub use health::{DEFAULT_CHECK_TIMEOUT, Readiness};
 pub use relay::{BatchReport, NOTIFY_CHANNEL, Relay, required_privileges};
 pub use sink::{
     DEFAULT_MAX_PAYLOAD, FailureKind, JetStreamSink, OutgoingMessage, PublishAck, PublishFailure,

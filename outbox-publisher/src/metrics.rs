@@ -1,20 +1,31 @@
 //! The relay's metrics, recorded through the `metrics` facade (install any
-//! recorder; the `outbox-relay` binary serves them in Prometheus text format).
+//! recorder; the `outbox-relay` binary serves them in Prometheus text format
+//! on `/metrics`, histograms with buckets).
+//!
+//! Names follow the Prometheus conventions: counters end `_total`, units are
+//! suffixes in plural base units (`_seconds`, `_rows`), gauges carry no
+//! `_total`, and every name starts `outbox_`.
 //!
 //! | name | kind | labels |
 //! |---|---|---|
 //! | `outbox_published_total` | counter | `event_type` |
 //! | `outbox_duplicates_acked_total` | counter | `event_type` |
 //! | `outbox_publish_failures_total` | counter | `reason` |
-//! | `outbox_rows_capped_total` | counter | |
-//! | `outbox_pruned_total` | counter | |
-//! | `outbox_batch_size` | histogram | |
+//! | `outbox_capped_rows_total` | counter | (rows that reached the attempt cap) |
+//! | `outbox_pruned_rows_total` | counter | (published rows deleted by retention) |
+//! | `outbox_batch_rows` | histogram | (rows claimed per batch) |
 //! | `outbox_batch_phase_seconds` | histogram | `phase`: `horizon`, `claim`, `publish`, `mark` |
 //! | `outbox_publish_latency_seconds` | histogram | (publish → PubAck) |
 //! | `outbox_commit_to_ack_seconds` | histogram | (row `created_at` → PubAck) |
-//! | `outbox_backlog` | gauge | (unpublished rows under the cap) |
-//! | `outbox_rows_past_cap` | gauge | |
+//! | `outbox_backlog_rows` | gauge | (unpublished rows under the cap) |
+//! | `outbox_past_cap_rows` | gauge | (unpublished rows at or past the cap) |
 //! | `outbox_oldest_unpublished_age_seconds` | gauge | |
+//! | `outbox_relay_database_up` | gauge | 1 while the relay's last database round trip succeeded, else 0 |
+//! | `outbox_relay_broker_up` | gauge | 1 while NATS is connected and publishes are acked, else 0 |
+//!
+//! The table-wide gauges (backlog, past cap, oldest age) are reported by one
+//! relay, the owner of shard 0, every `stats_interval`; the `_up` gauges by
+//! every relay, as its state changes and every `stats_interval`.
 
 use std::time::Duration;
 
@@ -28,15 +39,36 @@ use crate::store::Stats;
 pub(crate) const PUBLISHED: &str = "outbox_published_total";
 pub(crate) const DUPLICATES: &str = "outbox_duplicates_acked_total";
 pub(crate) const FAILURES: &str = "outbox_publish_failures_total";
-pub(crate) const CAPPED: &str = "outbox_rows_capped_total";
-pub(crate) const PRUNED: &str = "outbox_pruned_total";
-pub(crate) const BATCH_SIZE: &str = "outbox_batch_size";
+pub(crate) const CAPPED: &str = "outbox_capped_rows_total";
+pub(crate) const PRUNED: &str = "outbox_pruned_rows_total";
+/// The histogram of rows per batch (its buckets are not seconds).
+pub const BATCH_ROWS: &str = "outbox_batch_rows";
 pub(crate) const BATCH_PHASE: &str = "outbox_batch_phase_seconds";
 pub(crate) const PUBLISH_LATENCY: &str = "outbox_publish_latency_seconds";
 pub(crate) const COMMIT_TO_ACK: &str = "outbox_commit_to_ack_seconds";
-pub(crate) const BACKLOG: &str = "outbox_backlog";
-pub(crate) const PAST_CAP: &str = "outbox_rows_past_cap";
+pub(crate) const BACKLOG: &str = "outbox_backlog_rows";
+pub(crate) const PAST_CAP: &str = "outbox_past_cap_rows";
 pub(crate) const OLDEST_AGE: &str = "outbox_oldest_unpublished_age_seconds";
+pub(crate) const DATABASE_UP: &str = "outbox_relay_database_up";
+pub(crate) const BROKER_UP: &str = "outbox_relay_broker_up";
+
+/// Every metric name the relay records.
+pub const NAMES: &[&str] = &[
+    PUBLISHED,
+    DUPLICATES,
+    FAILURES,
+    CAPPED,
+    PRUNED,
+    BATCH_ROWS,
+    BATCH_PHASE,
+    PUBLISH_LATENCY,
+    COMMIT_TO_ACK,
+    BACKLOG,
+    PAST_CAP,
+    OLDEST_AGE,
+    DATABASE_UP,
+    BROKER_UP,
+];
 
 /// Registers descriptions and units with the installed recorder. Call once
 /// after installing it; recording works without this.
@@ -55,7 +87,7 @@ pub fn describe() {
         "Rows that reached the attempt cap and are left alone"
     );
     describe_counter!(PRUNED, "Published rows deleted by retention");
-    describe_histogram!(BATCH_SIZE, Unit::Count, "Rows claimed per batch");
+    describe_histogram!(BATCH_ROWS, Unit::Count, "Rows claimed per batch");
     describe_histogram!(
         BATCH_PHASE,
         Unit::Seconds,
@@ -77,6 +109,14 @@ pub fn describe() {
         OLDEST_AGE,
         Unit::Seconds,
         "Age of the oldest unpublished row"
+    );
+    describe_gauge!(
+        DATABASE_UP,
+        "1 while the relay's last database round trip succeeded, else 0"
+    );
+    describe_gauge!(
+        BROKER_UP,
+        "1 while the relay is connected to NATS and its publishes are acked, else 0"
     );
 }
 
@@ -107,7 +147,7 @@ pub(crate) fn pruned(n: u64) {
 }
 
 pub(crate) fn batch(size: usize) {
-    histogram!(BATCH_SIZE).record(size as f64);
+    histogram!(BATCH_ROWS).record(size as f64);
 }
 
 /// Time a batch spent in `phase` (`horizon`, `claim`, `publish`, `mark`).
@@ -119,4 +159,14 @@ pub(crate) fn stats(stats: &Stats) {
     gauge!(BACKLOG).set(stats.backlog as f64);
     gauge!(PAST_CAP).set(stats.past_cap as f64);
     gauge!(OLDEST_AGE).set(stats.oldest_age_secs);
+}
+
+/// Sets `outbox_relay_database_up`.
+pub(crate) fn database_up(up: bool) {
+    gauge!(DATABASE_UP).set(if up { 1.0 } else { 0.0 });
+}
+
+/// Sets `outbox_relay_broker_up`.
+pub(crate) fn broker_up(up: bool) {
+    gauge!(BROKER_UP).set(if up { 1.0 } else { 0.0 });
 }

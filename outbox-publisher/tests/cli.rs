@@ -106,7 +106,7 @@ async fn metrics_addr_serves_prometheus_text_and_sigterm_exits_zero() {
         || {
             let fetched = http_get(&addr, "/metrics");
             let done = fetched.as_deref().is_some_and(|b| {
-                b.contains("outbox_published_total") && b.contains("outbox_backlog")
+                b.contains("outbox_published_total") && b.contains("outbox_backlog_rows")
             });
             if done {
                 body = fetched.unwrap_or_default();
@@ -120,7 +120,24 @@ async fn metrics_addr_serves_prometheus_text_and_sigterm_exits_zero() {
         body.contains("outbox_published_total{event_type=\"orders.created\"} 10"),
         "{body}"
     );
-    assert!(body.contains("outbox_publish_latency_seconds"), "{body}");
+    // Histograms of seconds are Prometheus histograms, with buckets.
+    assert!(
+        body.contains("# TYPE outbox_publish_latency_seconds histogram")
+            && body.contains("outbox_publish_latency_seconds_bucket{le=\"0.005\"}"),
+        "{body}"
+    );
+    assert!(body.contains("outbox_relay_broker_up 1"), "{body}");
+    assert!(body.contains("outbox_relay_database_up 1"), "{body}");
+    let health = http_get(&addr, "/healthz").unwrap_or_default();
+    assert!(
+        health.starts_with("HTTP/1.0 200") && health.ends_with("ok\n"),
+        "{health}"
+    );
+    let ready = http_get(&addr, "/readyz").unwrap_or_default();
+    assert!(
+        ready.starts_with("HTTP/1.0 200") && ready.contains(r#""ready":true"#),
+        "{ready}"
+    );
 
     Command::new("kill")
         .args(["-TERM", &child.id().to_string()])

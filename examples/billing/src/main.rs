@@ -10,6 +10,7 @@
 use std::error::Error;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use clap::Parser;
@@ -17,9 +18,11 @@ use example_billing::{
     CrashAfterCommitLayer, StackOptions, batch_service, connect_consumer, consumer_config,
     default_schemas_dir, service,
 };
+use inbox_consumer::Readiness;
 use inbox_consumer::connect::{DatabaseArgs, NatsArgs, cancel_on_signal};
+use outbox_pg::health::{Check, Report};
 use outbox_pg::{Outbox, SchemaRegistry};
-use outbox_publisher::cli::{LogFormat, init_logging};
+use outbox_publisher::cli::{LogFormat, OpsServer, init_logging, install_prometheus};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
@@ -90,7 +93,8 @@ struct Args {
     #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
     lease_timeout: Duration,
 
-    /// Serve Prometheus metrics on http://ADDR/metrics.
+    /// Serve Prometheus metrics on http://ADDR/metrics, liveness on /healthz
+    /// and readiness (database, NATS, stream, durable consumer) on /readyz.
     #[arg(long)]
     metrics_addr: Option<SocketAddr>,
 
@@ -137,14 +141,31 @@ async fn main() -> Result<(), Box<dyn Error>> {
         "draining the consumer, then the relay",
     ));
 
+    // Served from the start; ready once connected and the durable exists.
+    let readiness = Arc::new(OnceLock::<Readiness>::new());
+    let _stop_ops = shutdown.clone().drop_guard();
     if let Some(addr) = args.metrics_addr {
-        metrics_exporter_prometheus::PrometheusBuilder::new()
-            .with_http_listener(addr)
-            .install()
-            .map_err(|e| format!("serving metrics on {addr}: {e}"))?;
-        outbox_publisher::metrics::describe();
+        let metrics =
+            install_prometheus().map_err(|e| format!("installing the metrics recorder: {e}"))?;
         inbox_consumer::metrics::describe();
-        tracing::info!(%addr, "serving Prometheus metrics on /metrics");
+        let server = OpsServer::bind(addr).await?;
+        let readiness = Arc::clone(&readiness);
+        server.spawn(
+            metrics,
+            move || {
+                let readiness = readiness.get().cloned();
+                async move {
+                    match readiness {
+                        Some(r) => r.check().await,
+                        None => Report::new().with(Check::failed(
+                            "database",
+                            "not checked: still connecting at start-up",
+                        )),
+                    }
+                }
+            },
+            shutdown.clone(),
+        );
     }
 
     let schemas = args.schemas.clone().unwrap_or_else(default_schemas_dir);
@@ -167,6 +188,12 @@ async fn main() -> Result<(), Box<dyn Error>> {
     example_billing::migrate(&pool).await?;
 
     let nats = args.nats.connect("billing").await?;
+    let _ = readiness.set(Readiness::new(
+        pool.clone(),
+        nats.clone(),
+        args.stream.clone(),
+        args.consumer.clone(),
+    ));
     let relay = (!args.no_relay).then(|| {
         tokio::spawn(Relay::run_jetstream(
             pool.clone(),

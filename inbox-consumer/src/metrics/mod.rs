@@ -17,9 +17,20 @@
 //! `inbox_unrouted_total` by the runtime, as is `inbox_replays_ignored_total`
 //! (labelled `consumer`): replayed dead letters meant for another consumer of
 //! the stream (their [`REPLAY_CONSUMER_HEADER`](crate::dead_letter::REPLAY_CONSUMER_HEADER)
-//! names it), acked without being handled.
-//! Install any `metrics` recorder (for example `metrics-exporter-prometheus`)
-//! to export them.
+//! names it), acked without being handled. The runtime also reports the
+//! durable's lag, read from JetStream every
+//! [`LAG_INTERVAL`](crate::runtime::LAG_INTERVAL) (10 s) on a task of its own,
+//! as gauges labelled `consumer` and `stream`:
+//!
+//! | name | kind | what |
+//! | --- | --- | --- |
+//! | `inbox_consumer_pending_messages` | gauge | messages not yet delivered to the durable (`num_pending`) |
+//! | `inbox_consumer_ack_pending_messages` | gauge | delivered, not yet acked (`num_ack_pending`) |
+//!
+//! Names follow the Prometheus conventions: counters end `_total`, units are
+//! suffixes in plural base units, gauges carry no `_total`, every name starts
+//! `inbox_`. Install any `metrics` recorder (for example
+//! `metrics-exporter-prometheus`) to export them.
 
 mod batch;
 pub mod future;
@@ -53,12 +64,30 @@ pub mod names {
     pub const REPLAYS_IGNORED: &str = "inbox_replays_ignored_total";
     /// Histogram: seconds from the start of a delivery's handling to its commit or failure.
     pub const HANDLER_DURATION: &str = "inbox_handler_duration_seconds";
+    /// Gauge: messages not yet delivered to the durable (labels `consumer`, `stream`).
+    pub const PENDING: &str = "inbox_consumer_pending_messages";
+    /// Gauge: messages delivered and not yet acked (labels `consumer`, `stream`).
+    pub const ACK_PENDING: &str = "inbox_consumer_ack_pending_messages";
+
+    /// Every metric name the consumer records.
+    pub const ALL: &[&str] = &[
+        HANDLED,
+        STALE,
+        FAILED,
+        DUPLICATES,
+        DEAD_LETTERED,
+        UNROUTED,
+        REPLAYS_IGNORED,
+        HANDLER_DURATION,
+        PENDING,
+        ACK_PENDING,
+    ];
 }
 
 /// Registers descriptions and units of the metrics above with the installed
 /// recorder. Call once after installing it; recording works without this.
 pub fn describe() {
-    use metrics::{Unit, describe_counter, describe_histogram};
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     describe_counter!(names::HANDLED, "Deliveries whose effects committed");
     describe_counter!(
         names::STALE,
@@ -82,6 +111,16 @@ pub fn describe() {
         names::HANDLER_DURATION,
         Unit::Seconds,
         "From the start of a delivery's handling to its commit or failure"
+    );
+    describe_gauge!(
+        names::PENDING,
+        Unit::Count,
+        "Messages of the stream not yet delivered to the durable consumer"
+    );
+    describe_gauge!(
+        names::ACK_PENDING,
+        Unit::Count,
+        "Messages delivered to the durable consumer and not yet acked"
     );
 }
 

@@ -48,6 +48,10 @@
 //!   transaction (inbox rows written set-based, handlers in order, one
 //!   commit), then their acks. A delivery whose handler fails is left out of
 //!   the commit and handled alone afterwards.
+//! - **Lag** is read from JetStream every [`LAG_INTERVAL`] on a task of its
+//!   own (each request bounded by [`LAG_TIMEOUT`]) and exported as the gauges
+//!   `inbox_consumer_pending_messages` and
+//!   `inbox_consumer_ack_pending_messages` (see [`crate::metrics`]).
 //! - **Broker outages**: a failed pull is issued again after a pause (a pull
 //!   lost with a restarting broker ends after 7 s); ack failures are logged
 //!   (the redelivery will be a duplicate).
@@ -120,6 +124,7 @@ pub(crate) mod ack;
 mod batch;
 mod config;
 mod dispatch;
+mod lag;
 pub(crate) mod lease;
 mod process;
 mod runner;
@@ -132,8 +137,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer};
-use sqlx::PgPool;
 use outbox_pg::Privilege;
+use sqlx::PgPool;
 use tower::Service;
 
 use crate::delivery::{BatchResults, Delivery, Outcome};
@@ -142,6 +147,7 @@ use crate::retention;
 
 pub use crate::retry::RetryPolicy;
 pub use config::{ConsumerConfig, Unrouted};
+pub use lag::{LAG_INTERVAL, LAG_TIMEOUT};
 
 use lease::Tenure;
 use process::Shared;
@@ -168,8 +174,6 @@ fn stream_error(stream: &str, e: jetstream::context::GetStreamError) -> Error {
     Error::new(kind, format!("looking up stream `{stream}`: {e}")).with_source(e)
 }
 
-/// A message and its decoded delivery.
-type Job = (jetstream::Message, Delivery);
 /// The privileges a consumer with `config` needs: SELECT and INSERT on
 /// `inbox_events` and `inbox_dead_letters`, USAGE on
 /// `inbox_dead_letters_id_seq`; DELETE on `inbox_events` when this process
@@ -218,6 +222,8 @@ async fn check_privileges(pool: &PgPool, config: &ConsumerConfig) -> Result<()> 
     }
 }
 
+/// A message and its decoded delivery.
+type Job = (jetstream::Message, Delivery);
 
 /// A durable pull consumer bound to a database: the runtime of the inbox.
 ///
@@ -238,13 +244,13 @@ impl Consumer {
     /// and checks the inbox retention window against its redelivery window.
     ///
     /// # Errors
-    /// [`ErrorKind::StreamUnavailable`](crate::ErrorKind::StreamUnavailable)
-    /// if the stream does not exist or JetStream does not answer (see
     /// [`ErrorKind::Privilege`](crate::ErrorKind::Privilege) if the role lacks
     /// a privilege the configuration uses, naming the role, each privilege
     /// and its table ("role `billing_login` lacks INSERT on table
     /// inbox_events; grant it outbox_consumer (ops/sql/roles.sql)"); a check
     /// that cannot run (the database not reachable) is logged and passes;
+    /// [`ErrorKind::StreamUnavailable`](crate::ErrorKind::StreamUnavailable)
+    /// if the stream does not exist or JetStream does not answer (see
     /// [`Consumer::builder`], which waits for it);
     /// [`ErrorKind::Config`](crate::ErrorKind::Config) if the stream name is
     /// not valid; [`ErrorKind::Nats`](crate::ErrorKind::Nats) if the consumer
@@ -254,9 +260,9 @@ impl Consumer {
     /// [`crate::retention`] and
     /// [`check_window`](crate::retention::check_window)).
     pub async fn new(js: jetstream::Context, pool: PgPool, config: ConsumerConfig) -> Result<Self> {
+        check_privileges(&pool, &config).await?;
         let stream = js
             .get_stream(&config.stream)
-        check_privileges(&pool, &config).await?;
             .await
             .map_err(|e| stream_error(&config.stream, e))?;
         let consumer: PullConsumer =
@@ -354,6 +360,11 @@ impl Consumer {
         let _pruner = config
             .prune
             .then(|| AbortOnDrop(tokio::spawn(prune_periodically(Arc::clone(&shared)))));
+        let _lag = AbortOnDrop(tokio::spawn(lag::poll(
+            self.consumer.clone(),
+            config.durable.clone(),
+            config.stream.clone(),
+        )));
         let mut shutdown = std::pin::pin!(shutdown);
         tracing::info!(
             consumer = %config.durable, stream = %config.stream, concurrency = config.concurrency,
@@ -437,13 +448,6 @@ async fn prune_periodically(shared: Arc<Shared>) {
                 tracing::warn!(consumer = %shared.config.durable, error = %e, "inbox pruning failed");
             }
         }
-    }
-}
-
-/// Aborts the task when dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
         match retention
             .prune_dead_letters(&shared.pool, &shared.config.durable)
             .await
@@ -456,6 +460,13 @@ impl Drop for AbortOnDrop {
                 tracing::warn!(consumer = %shared.config.durable, error = %e, "dead-letter pruning failed");
             }
         }
+    }
+}
+
+/// Aborts the task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
     }

@@ -5,6 +5,11 @@
 //!   outbox-relay --stream OUTBOX --subjects 'subscription.>,invoice.>' --metrics-addr 127.0.0.1:9187
 //! ```
 //!
+//! `--metrics-addr` serves `/metrics` (Prometheus text), `/healthz` (200
+//! while the process runs) and `/readyz` (200 when the database answers, NATS
+//! is connected and the stream exists; 503 with a JSON body naming the failed
+//! check otherwise).
+//!
 //! Secrets come from the environment or files, never only from argv:
 //! `DATABASE_URL_FILE`, `NATS_TOKEN_FILE`, `NATS_NKEY_FILE`, `NATS_CREDS`, …
 //! PostgreSQL TLS through the URL (`?sslmode=verify-full&sslrootcert=ca.pem`),
@@ -17,11 +22,16 @@
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use outbox_publisher::cli::{DatabaseArgs, LogFormat, NatsArgs, cancel_on_signal, init_logging};
-use outbox_publisher::{Relay, RelayConfig, StorageType, StreamSpec};
+use outbox_pg::health::{Check, Report};
+use outbox_publisher::cli::{
+    DatabaseArgs, LogFormat, NatsArgs, OpsServer, cancel_on_signal, init_logging,
+    install_prometheus,
+};
+use outbox_publisher::{Readiness, Relay, RelayConfig, StorageType, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
@@ -102,7 +112,8 @@ struct Args {
     #[arg(long)]
     once: bool,
 
-    /// Serve Prometheus metrics on http://ADDR/metrics.
+    /// Serve Prometheus metrics on http://ADDR/metrics, liveness on /healthz
+    /// and readiness (database, NATS, stream) on /readyz.
     #[arg(long, env = "OUTBOX_METRICS_ADDR")]
     metrics_addr: Option<SocketAddr>,
 
@@ -140,13 +151,31 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    // Served from the start; ready once connected and the stream exists.
+    let readiness = Arc::new(OnceLock::<Readiness>::new());
+    let ops_shutdown = CancellationToken::new();
+    let _stop_ops = ops_shutdown.clone().drop_guard();
     if let Some(addr) = args.metrics_addr {
-        metrics_exporter_prometheus::PrometheusBuilder::new()
-            .with_http_listener(addr)
-            .install()
-            .map_err(|e| format!("serving metrics on {addr}: {e}"))?;
-        outbox_publisher::metrics::describe();
-        info!(%addr, "serving Prometheus metrics on /metrics");
+        let metrics =
+            install_prometheus().map_err(|e| format!("installing the metrics recorder: {e}"))?;
+        let server = OpsServer::bind(addr).await?;
+        let readiness = Arc::clone(&readiness);
+        server.spawn(
+            metrics,
+            move || {
+                let readiness = readiness.get().cloned();
+                async move {
+                    match readiness {
+                        Some(r) => r.check().await,
+                        None => Report::new().with(Check::failed(
+                            "database",
+                            "not checked: still connecting at start-up",
+                        )),
+                    }
+                }
+            },
+            ops_shutdown.clone(),
+        );
     }
 
     let config = RelayConfig::default()
@@ -170,6 +199,11 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         )
         .await?;
     let nats = args.nats.connect("outbox-relay").await?;
+    let _ = readiness.set(Readiness::new(
+        pool.clone(),
+        nats.clone(),
+        args.stream.clone(),
+    ));
 
     let mut stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());
     if let Some(storage) = args.stream_storage {

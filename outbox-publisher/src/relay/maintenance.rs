@@ -1,4 +1,4 @@
-//! The relay's background upkeep: backlog gauges and retention.
+//! The relay's background upkeep: backlog and reachability gauges, and retention.
 
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -11,17 +11,14 @@ use crate::sink::Sink;
 impl<S: Sink> Relay<S> {
     pub(super) async fn stats_loop(&self, shutdown: &CancellationToken) {
         while !shutdown.is_cancelled() {
+            // Every relay reports its own reachability.
+            self.report_health();
             // One relay reports the table-wide figures: the owner of shard 0.
-            if !self.shards.owned().contains(&0) {
-                tokio::select! {
-                    () = tokio::time::sleep(self.config.stats_interval) => {}
-                    () = shutdown.cancelled() => {}
+            if self.shards.owned().contains(&0) {
+                match self.store.stats(self.config.max_attempts).await {
+                    Ok(stats) => metrics::stats(&stats),
+                    Err(e) => debug!(error = %e, "reading backlog failed"),
                 }
-                continue;
-            }
-            match self.store.stats(self.config.max_attempts).await {
-                Ok(stats) => metrics::stats(&stats),
-                Err(e) => debug!(error = %e, "reading backlog failed"),
             }
             tokio::select! {
                 () = tokio::time::sleep(self.config.stats_interval) => {}

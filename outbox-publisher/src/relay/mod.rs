@@ -90,6 +90,7 @@ mod horizon;
 mod listen;
 mod maintenance;
 mod message;
+mod reachability;
 pub mod shards;
 mod worker;
 
@@ -149,7 +150,6 @@ pub struct Relay<S = JetStreamSink> {
     db_up: AtomicBool,
 }
 
-impl Relay<JetStreamSink> {
 /// The privileges a relay with `config` needs: SELECT and UPDATE on
 /// `outbox_events` (claims, marks, deferrals), DELETE on it when retention is
 /// on, and SELECT on the sequence `outbox_events_seq` (the settled horizon).
@@ -180,13 +180,14 @@ async fn check_privileges(pool: &PgPool, config: &RelayConfig) -> Result<()> {
     }
 }
 
+impl Relay<JetStreamSink> {
     /// A relay publishing to JetStream through `client`, after checking the
     /// database role's privileges ([`Relay::check_privileges`]) and creating
     /// or verifying `stream`.
     ///
     /// # Errors
-    /// [`ErrorKind::Config`] for an invalid config, or a stream whose
     /// [`ErrorKind::Privilege`] if the role lacks a privilege the relay needs;
+    /// [`ErrorKind::Config`] for an invalid config, or a stream whose
     /// duplicate window is not longer than the lease plus the publish timeout
     /// (a republish after a takeover would be stored twice);
     /// [`ErrorKind::Stream`] / [`ErrorKind::Broker`] from [`StreamSpec::ensure`].
@@ -197,8 +198,8 @@ async fn check_privileges(pool: &PgPool, config: &RelayConfig) -> Result<()> {
         config: RelayConfig,
     ) -> Result<Self> {
         config.validate()?;
-        let sink = JetStreamSink::new(client, config.publish_timeout).expect_stream(stream.name());
         check_privileges(&pool, &config).await?;
+        let sink = JetStreamSink::new(client, config.publish_timeout).expect_stream(stream.name());
         let existing = stream.ensure(sink.context()).await?;
         let needed = config.lease + config.publish_timeout;
         if existing.duplicate_window <= needed {
@@ -280,6 +281,7 @@ async fn check_privileges(pool: &PgPool, config: &RelayConfig) -> Result<()> {
                     return Err(e);
                 }
                 Err(e) => {
+                    crate::metrics::broker_up(false);
                     if !waiting {
                         warn!(stream = stream.name(), error = %e, "broker not reachable; waiting for it");
                         waiting = true;
@@ -328,8 +330,6 @@ impl<S: Sink> Relay<S> {
         &self.config
     }
 
-    /// Runs until `shutdown` is cancelled: shard ownership, the publisher
-    /// workers, the LISTEN wake-ups, the backlog gauges and the pruner. On
     /// Checks that the database role holds what this relay's configuration
     /// uses ([`required_privileges`]). [`Relay::jetstream`] (and so
     /// [`Relay::connect_jetstream`] and [`Relay::run_jetstream`]) calls it
@@ -346,6 +346,8 @@ impl<S: Sink> Relay<S> {
         check_privileges(self.store.pool(), &self.config).await
     }
 
+    /// Runs until `shutdown` is cancelled: shard ownership, the publisher
+    /// workers, the LISTEN wake-ups, the backlog gauges and the pruner. On
     /// shutdown each worker finishes its batch (every publish in it is
     /// bounded) and marks it, the shards are given back, then `run` returns.
     ///

@@ -39,6 +39,8 @@ impl<S: Sink> Relay<S> {
                     let result = self.run_batch(&checkout).await;
                     drop(checkout);
                     self.note_db_health(&result);
+                    self.note_broker_idle(&result);
+                    self.report_health();
                     empty = match &result {
                         Ok(report) if report.claimed == 0 => empty + 1,
                         _ => 0,
@@ -62,6 +64,7 @@ impl<S: Sink> Relay<S> {
                 }
             } else {
                 self.note_broker_health(0, 1, Some("not connected to NATS"));
+                self.report_health();
                 Some(idle.next())
             };
             if let Some(pause) = pause {
@@ -166,14 +169,14 @@ impl<S: Sink> Relay<S> {
     pub(super) fn note_db_health(&self, result: &Result<BatchReport>) {
         use std::sync::atomic::Ordering;
         match result {
-            Err(e) if self.db_up.swap(false, Ordering::Relaxed) => {
-                warn!(error = %e, "outbox database unavailable; retrying with backoff");
-            }
             // Not an outage: said every time (the backoff spaces it out)
             // until an operator grants what is missing.
             Err(e) if e.kind() == ErrorKind::Privilege => {
                 self.db_up.store(false, Ordering::Relaxed);
                 error!(error = %e, "the relay's database role lacks a privilege; retrying with backoff until it is granted");
+            }
+            Err(e) if self.db_up.swap(false, Ordering::Relaxed) => {
+                warn!(error = %e, "outbox database unavailable; retrying with backoff");
             }
             Ok(_) if !self.db_up.swap(true, Ordering::Relaxed) => {
                 info!("outbox database available again");

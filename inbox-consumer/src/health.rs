@@ -1,0 +1,156 @@
+//! Readiness of a consumer: the database answers, the NATS connection is up,
+//! the stream exists and so does the durable consumer. [`Readiness::check`]
+//! runs the checks, each bounded by a timeout, and returns an
+//! [`outbox_pg::health::Report`] naming what failed.
+//!
+//! Serve it from your own HTTP server (or the binaries' ops server,
+//! `outbox_publisher::cli::OpsServer`):
+//!
+//! ```no_run
+//! # async fn f(pool: sqlx::PgPool, nats: async_nats::Client) {
+//! let readiness = inbox_consumer::Readiness::new(pool, nats, "OUTBOX", "billing");
+//! let report = readiness.check().await;
+//! let status = if report.is_ready() { 200 } else { 503 };
+//! println!("{status} {}", report.to_json());
+//! # }
+//! ```
+
+use std::time::Duration;
+
+use async_nats::connection::State;
+use async_nats::jetstream;
+use outbox_pg::health::{Check, Report};
+use sqlx::{Connection, PgPool};
+
+/// The default bound on each check.
+pub const DEFAULT_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Checks a consumer's dependencies: `database`, `broker`, `stream` and
+/// `consumer` (the durable).
+#[derive(Debug, Clone)]
+pub struct Readiness {
+    pool: PgPool,
+    js: jetstream::Context,
+    stream: String,
+    durable: String,
+    timeout: Duration,
+}
+
+impl Readiness {
+    /// Checks `pool`, `client`'s connection, and that `stream` and its
+    /// durable consumer `durable` exist.
+    pub fn new(
+        pool: PgPool,
+        client: async_nats::Client,
+        stream: impl Into<String>,
+        durable: impl Into<String>,
+    ) -> Self {
+        Self {
+            pool,
+            js: jetstream::new(client),
+            stream: stream.into(),
+            durable: durable.into(),
+            timeout: DEFAULT_CHECK_TIMEOUT,
+        }
+    }
+
+    /// Bound on each check (default [`DEFAULT_CHECK_TIMEOUT`], 2 s).
+    #[must_use]
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Runs the checks: the database answers a round trip, the NATS
+    /// connection is `Connected`, the stream exists and the durable consumer
+    /// on it. What depends on a failed check is not asked for; its check says
+    /// so.
+    pub async fn check(&self) -> Report {
+        let (database, broker) = tokio::join!(self.database(), async { self.broker() });
+        let mut report = Report::new().with(database);
+        if !broker.ok() {
+            return report
+                .with(broker)
+                .with(Check::failed(
+                    "stream",
+                    "not checked: the broker is not connected",
+                ))
+                .with(Check::failed(
+                    "consumer",
+                    "not checked: the broker is not connected",
+                ));
+        }
+        report.push(broker);
+        let stream =
+            match tokio::time::timeout(self.timeout, self.js.get_stream(&self.stream)).await {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(e)) => {
+                    return report
+                        .with(Check::failed(
+                            "stream",
+                            format!("stream `{}`: {e}", self.stream),
+                        ))
+                        .with(Check::failed(
+                            "consumer",
+                            "not checked: the stream is not available",
+                        ));
+                }
+                Err(_) => {
+                    return report
+                        .with(Check::failed(
+                            "stream",
+                            format!(
+                                "JetStream did not answer about stream `{}` within {:?}",
+                                self.stream, self.timeout
+                            ),
+                        ))
+                        .with(Check::failed(
+                            "consumer",
+                            "not checked: the stream is not available",
+                        ));
+                }
+            };
+        report.push(Check::passed("stream"));
+        let consumer =
+            match tokio::time::timeout(self.timeout, stream.consumer_info(&self.durable)).await {
+                Ok(Ok(_)) => Check::passed("consumer"),
+                Ok(Err(e)) => Check::failed(
+                    "consumer",
+                    format!(
+                        "durable consumer `{}` on stream `{}`: {e}",
+                        self.durable, self.stream
+                    ),
+                ),
+                Err(_) => Check::failed(
+                    "consumer",
+                    format!(
+                        "JetStream did not answer about durable consumer `{}` within {:?}",
+                        self.durable, self.timeout
+                    ),
+                ),
+            };
+        report.with(consumer)
+    }
+
+    async fn database(&self) -> Check {
+        let ping = async {
+            let mut conn = self.pool.acquire().await?;
+            conn.ping().await
+        };
+        match tokio::time::timeout(self.timeout, ping).await {
+            Ok(Ok(())) => Check::passed("database"),
+            Ok(Err(e)) => Check::failed("database", format!("database not answering: {e}")),
+            Err(_) => Check::failed(
+                "database",
+                format!("database did not answer within {:?}", self.timeout),
+            ),
+        }
+    }
+
+    fn broker(&self) -> Check {
+        match self.js.client().connection_state() {
+            State::Connected => Check::passed("broker"),
+            state => Check::failed("broker", format!("not connected to NATS (state: {state})")),
+        }
+    }
+}

@@ -1,0 +1,172 @@
+//! Readiness reports: which dependency of a process answered and which did
+//! not, and why.
+//!
+//! The relay (`outbox_publisher::Readiness`) and the consumer runtime
+//! (`inbox_consumer::Readiness`) each check their own dependencies — the
+//! database, the NATS connection, the stream, the durable consumer — and
+//! return a [`Report`]. Serve it wherever your process answers probes: the
+//! shipped binaries answer `GET /readyz` with 200 and the report's
+//! [`to_json`](Report::to_json) when [`Report::is_ready`], 503 otherwise:
+//!
+//! ```json
+//! {"ready":false,"checks":{"database":{"ok":true},"broker":{"ok":false,"error":"not connected to NATS (state: disconnected)"}}}
+//! ```
+
+use std::fmt;
+
+/// The result of one check: passed, or failed with a message naming what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Check {
+    name: &'static str,
+    error: Option<String>,
+}
+
+impl Check {
+    /// A check named `name` that passed.
+    pub fn passed(name: &'static str) -> Self {
+        Self { name, error: None }
+    }
+
+    /// A check named `name` that failed with `error`.
+    pub fn failed(name: &'static str, error: impl fmt::Display) -> Self {
+        Self {
+            name,
+            error: Some(error.to_string()),
+        }
+    }
+
+    /// The check's name (`database`, `broker`, `stream`, `consumer`, …).
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// Whether it passed.
+    pub fn ok(&self) -> bool {
+        self.error.is_none()
+    }
+
+    /// Why it failed.
+    pub fn error(&self) -> Option<&str> {
+        self.error.as_deref()
+    }
+}
+
+/// Checks in the order they ran; ready when every one passed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Report {
+    checks: Vec<Check>,
+}
+
+impl Report {
+    /// An empty report (ready: nothing failed).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `check`, replacing an earlier check of the same name.
+    #[must_use]
+    pub fn with(mut self, check: Check) -> Self {
+        self.push(check);
+        self
+    }
+
+    /// Adds `check`, replacing an earlier check of the same name.
+    pub fn push(&mut self, check: Check) {
+        match self.checks.iter_mut().find(|c| c.name == check.name) {
+            Some(existing) => *existing = check,
+            None => self.checks.push(check),
+        }
+    }
+
+    /// Adds every check of `other`.
+    #[must_use]
+    pub fn merge(mut self, other: Report) -> Self {
+        for check in other.checks {
+            self.push(check);
+        }
+        self
+    }
+
+    /// Whether every check passed.
+    pub fn is_ready(&self) -> bool {
+        self.checks.iter().all(Check::ok)
+    }
+
+    /// The checks.
+    pub fn checks(&self) -> &[Check] {
+        &self.checks
+    }
+
+    /// The check named `name`.
+    pub fn check(&self, name: &str) -> Option<&Check> {
+        self.checks.iter().find(|c| c.name == name)
+    }
+
+    /// The checks that failed.
+    pub fn failures(&self) -> impl Iterator<Item = &Check> {
+        self.checks.iter().filter(|c| !c.ok())
+    }
+
+    /// `{"ready": bool, "checks": {name: {"ok": bool, "error"?: string}}}`.
+    pub fn to_json(&self) -> serde_json::Value {
+        let checks: serde_json::Map<String, serde_json::Value> = self
+            .checks
+            .iter()
+            .map(|c| {
+                let mut body = serde_json::Map::new();
+                body.insert("ok".into(), c.ok().into());
+                if let Some(e) = &c.error {
+                    body.insert("error".into(), e.as_str().into());
+                }
+                (c.name.to_owned(), body.into())
+            })
+            .collect();
+        let mut report = serde_json::Map::new();
+        report.insert("ready".into(), self.is_ready().into());
+        report.insert("checks".into(), checks.into());
+        report.into()
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_ready() {
+            return f.write_str("ready");
+        }
+        f.write_str("not ready:")?;
+        for (i, check) in self.failures().enumerate() {
+            let sep = if i == 0 { " " } else { "; " };
+            write!(
+                f,
+                "{sep}{}: {}",
+                check.name,
+                check.error().unwrap_or_default()
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_only_when_every_check_passed() {
+        let report = Report::new()
+            .with(Check::passed("database"))
+            .with(Check::failed("broker", "not connected"));
+        assert!(!report.is_ready());
+        assert_eq!(report.to_string(), "not ready: broker: not connected");
+        assert_eq!(
+            report.to_json(),
+            serde_json::json!({"ready": false, "checks": {
+                "database": {"ok": true},
+                "broker": {"ok": false, "error": "not connected"},
+            }})
+        );
+        let report = report.with(Check::passed("broker"));
+        assert!(report.is_ready());
+        assert_eq!(report.checks().len(), 2);
+    }
+}

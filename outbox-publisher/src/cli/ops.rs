@@ -1,0 +1,153 @@
+//! The binaries' operations endpoint: one small HTTP server on
+//! `--metrics-addr` answering
+//!
+//! | path | answer |
+//! |---|---|
+//! | `GET /metrics` | Prometheus text of every metric recorded in the process |
+//! | `GET /healthz` | 200 `ok` while the process runs (liveness) |
+//! | `GET /readyz` | 200 when every readiness check passed, 503 otherwise; the body is the [`Report`] as JSON |
+//!
+//! [`install_prometheus`] installs the process-wide recorder, rendering every
+//! histogram of seconds as a Prometheus histogram with [`SECONDS_BUCKETS`]
+//! (so `histogram_quantile` aggregates across replicas) and
+//! `outbox_batch_rows` with [`ROWS_BUCKETS`]. The readiness checks are the
+//! libraries' ([`crate::Readiness`], `inbox_consumer::Readiness`); any
+//! function returning a [`Report`] will do.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
+use outbox_pg::health::Report;
+use tokio_util::sync::CancellationToken;
+
+/// Bucket bounds, in seconds, of every histogram whose name ends `_seconds`.
+pub const SECONDS_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
+
+/// Bucket bounds of `outbox_batch_rows` (rows per batch).
+pub const ROWS_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0,
+];
+
+/// How often histogram data is folded into the rendered buckets.
+const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Installs the Prometheus recorder for the whole process, with the buckets
+/// above, and registers the relay's metric descriptions
+/// ([`crate::metrics::describe`]). Call once, early; services that also
+/// consume call `inbox_consumer::metrics::describe()` after it.
+///
+/// # Errors
+/// A [`BuildError`] if a recorder is already installed.
+pub fn install_prometheus() -> Result<PrometheusHandle, BuildError> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)?
+        .set_buckets_for_metric(
+            Matcher::Full(crate::metrics::BATCH_ROWS.into()),
+            ROWS_BUCKETS,
+        )?
+        .install_recorder()?;
+    crate::metrics::describe();
+    Ok(handle)
+}
+
+/// The operations endpoint, bound and not yet serving.
+#[derive(Debug)]
+pub struct OpsServer {
+    listener: tokio::net::TcpListener,
+    addr: SocketAddr,
+}
+
+impl OpsServer {
+    /// Binds `addr` (port 0 picks a free port: see [`local_addr`](Self::local_addr)).
+    ///
+    /// # Errors
+    /// An I/O error naming `addr` if it cannot be bound.
+    pub async fn bind(addr: SocketAddr) -> std::io::Result<Self> {
+        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("binding the metrics and health endpoint to {addr}: {e}"),
+            )
+        })?;
+        let addr = listener.local_addr()?;
+        Ok(Self { listener, addr })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Serves `/metrics` from `metrics`, `/healthz`, and `/readyz` from
+    /// `ready` (run once per request) on a task of its own until `shutdown`
+    /// is cancelled. Also runs the recorder's upkeep.
+    pub fn spawn<R, F>(
+        self,
+        metrics: PrometheusHandle,
+        ready: R,
+        shutdown: CancellationToken,
+    ) -> tokio::task::JoinHandle<()>
+    where
+        R: Fn() -> F + Clone + Send + Sync + 'static,
+        F: Future<Output = Report> + Send + 'static,
+    {
+        let upkeep = metrics.clone();
+        let stop_upkeep = shutdown.clone();
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(UPKEEP_INTERVAL);
+            loop {
+                tokio::select! {
+                    () = stop_upkeep.cancelled() => break,
+                    _ = ticks.tick() => upkeep.run_upkeep(),
+                }
+            }
+        });
+        let app = Router::new()
+            .route("/metrics", get(render_metrics))
+            .route("/healthz", get(|| async { "ok\n" }))
+            .route(
+                "/readyz",
+                get(move || {
+                    let ready = ready.clone();
+                    async move { readiness_response(ready().await) }
+                }),
+            )
+            .with_state(metrics);
+        let addr = self.addr;
+        tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+        tokio::spawn(async move {
+            let served = axum::serve(self.listener, app)
+                .with_graceful_shutdown(shutdown.cancelled_owned())
+                .await;
+            if let Err(e) = served {
+                tracing::error!(%addr, error = %e, "the metrics and health endpoint stopped");
+            }
+        })
+    }
+}
+
+async fn render_metrics(State(handle): State<PrometheusHandle>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        handle.render(),
+    )
+        .into_response()
+}
+
+fn readiness_response(report: Report) -> Response {
+    let status = if report.is_ready() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, axum::Json(report.to_json())).into_response()
+}
