@@ -1,4 +1,14 @@
-//! `outboxctl inbox status | prune`: the consumers' inboxes.
+//! `outboxctl inbox status | prune`: the consumers' inboxes, per consumer.
+//!
+//! A consumer is a JetStream durable name, and the `consumer` column of
+//! `inbox_events`, `inbox_dead_letters` and `inbox_leases`. The consumers are
+//! found by a skip-scan of the tables' indexes (one probe per consumer), so
+//! neither command reads a big inbox row by row to list them.
+
+mod prune;
+mod status;
+
+use std::time::Duration;
 
 use crate::db::Database;
 use crate::error::{Error, ErrorKind, Result};
@@ -6,13 +16,114 @@ use crate::error::{Error, ErrorKind, Result};
 /// `outboxctl inbox …`.
 #[derive(Debug, clap::Subcommand)]
 pub(crate) enum Command {
-    /// Rows, oldest and newest handled event, per consumer.
-    Status,
-    /// Delete inbox rows older than the retention window.
-    Prune,
+    /// Per consumer: inbox rows, oldest and newest handled_at, dead letters
+    /// (count, not yet replayed, newest), and the lease row of an ordered
+    /// consumer (holder, epoch, acquired_at, released).
+    Status(status::Args),
+    /// Delete inbox rows handled longer ago than the retention window, per
+    /// consumer, in batches that never wait on a handler's transaction.
+    ///
+    /// An inbox row is what makes a redelivered event a duplicate: pruning it
+    /// while the event can still arrive again (a JetStream redelivery, the
+    /// relay publishing again after a lost mark, a replay of the stream)
+    /// turns that late delivery into a second effect. Keep the window longer
+    /// than every way an event can come back (default 14 days, as the
+    /// consumer runtime's own pruning).
+    Prune(prune::Args),
 }
 
 pub(crate) async fn run(db: &Database, command: &Command, json: bool) -> Result<()> {
-    let _ = (db, command, json);
-    Err(Error::new(ErrorKind::Config, "`outboxctl inbox` is not built yet"))
+    match command {
+        Command::Status(args) => status::run(db, args, json).await,
+        Command::Prune(args) => prune::run(db, args, json).await,
+    }
+}
+
+/// Parses a duration flag: `30d`, `14days`, `12h`, `90m`, `1h 30m`.
+pub(crate) fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
+    humantime::parse_duration(text.trim())
+        .map_err(|e| format!("`{text}` is not a duration (like 30d, 12h, 90m): {e}"))
+}
+
+/// `now - window`.
+///
+/// # Errors
+/// [`ErrorKind::Config`] when the window reaches out of the calendar.
+pub(crate) fn cutoff(window: Duration, flag: &str) -> Result<chrono::DateTime<chrono::Utc>> {
+    chrono::Duration::from_std(window)
+        .ok()
+        .and_then(|window| chrono::Utc::now().checked_sub_signed(window))
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::Config,
+                format!("{flag} {}: too long", humantime::format_duration(window)),
+            )
+        })
+}
+
+/// The consumers the inbox tables know, from their indexes.
+///
+/// # Errors
+/// [`ErrorKind::Database`] (or [`ErrorKind::MissingTable`]) if the lookup
+/// fails.
+pub(crate) async fn consumers(pool: &sqlx::PgPool) -> Result<Vec<String>> {
+    sqlx::query_file_scalar!("queries/inbox_consumers.sql")
+        .fetch_all(pool)
+        .await
+        .map_err(|e| Error::database("listing the consumers", e))
+}
+
+/// `[consumer]` if the tables know it, else every consumer; or
+/// [`ErrorKind::NotFound`] naming an unknown one (and the known ones).
+pub(crate) async fn select_consumers(
+    pool: &sqlx::PgPool,
+    consumer: Option<&str>,
+) -> Result<Vec<String>> {
+    let known = consumers(pool).await?;
+    let Some(consumer) = consumer else {
+        return Ok(known);
+    };
+    if known.iter().any(|k| k == consumer) {
+        return Ok(vec![consumer.to_owned()]);
+    }
+    Err(Error::new(
+        ErrorKind::NotFound,
+        format!(
+            "consumer `{consumer}` not found: no row of inbox_events, inbox_dead_letters or \
+             inbox_leases names it (known: {})",
+            if known.is_empty() {
+                "none".to_owned()
+            } else {
+                known.join(", ")
+            }
+        ),
+    ))
+}
+
+/// A timestamp for a table cell.
+pub(crate) fn when(at: Option<chrono::DateTime<chrono::Utc>>) -> String {
+    at.map_or_else(
+        || "-".to_owned(),
+        |at| at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_as_people_write_them() {
+        assert_eq!(parse_duration("14d"), Ok(Duration::from_secs(14 * 86_400)));
+        assert_eq!(parse_duration("90m"), Ok(Duration::from_secs(5_400)));
+        assert_eq!(parse_duration(" 1h 30m "), Ok(Duration::from_secs(5_400)));
+        assert!(parse_duration("soon").unwrap_err().contains("`soon`"));
+    }
+
+    #[test]
+    fn a_cutoff_out_of_the_calendar_is_a_config_error() {
+        let e = cutoff(Duration::from_secs(u64::MAX / 4), "--older-than").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(cutoff(Duration::from_secs(3_600), "--older-than").is_ok());
+    }
 }
