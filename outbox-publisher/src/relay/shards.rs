@@ -41,9 +41,15 @@ use crate::store::Store;
 pub const SHARDS: usize = 64;
 /// How often ownership is confirmed and rebalanced.
 pub(crate) const REBALANCE_INTERVAL: Duration = Duration::from_millis(500);
-/// Advisory lock namespaces (first key) for members and shards.
-const MEMBERS_NS: i32 = 0x6f62_7201;
-const SHARDS_NS: i32 = 0x6f62_7202;
+/// Advisory lock namespace (first key) of the relays' member locks: every
+/// relay holds a shared lock `(MEMBERS_NS, its worker count)` on its shard
+/// ownership session, for as long as that session lives. Operator tools read
+/// the live relays from `pg_locks` with it.
+pub const MEMBERS_NS: i32 = 0x6f62_7201;
+/// Advisory lock namespace (first key) of shard ownership: the owner of shard
+/// `s` (0 to [`SHARDS`] - 1) holds an exclusive lock `(SHARDS_NS, s)` on the
+/// same session as its member lock.
+pub const SHARDS_NS: i32 = 0x6f62_7202;
 /// Every owned shard is read from its start again this often, to pick up
 /// rows an operator put back in the main lane below the cursor.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(60);

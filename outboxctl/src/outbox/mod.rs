@@ -1,7 +1,93 @@
-//! Commands on `outbox_events`.
+//! Commands on `outbox_events`: what is waiting and why (`status`, `stuck`),
+//! and what an operator does about it (`retry`, `skip`, `prune`).
+//!
+//! The relay's lanes, as these commands name them (see
+//! `outbox-publisher/src/relay/mod.rs`): a row not published and not skipped
+//! is *fresh* (the main lane, `next_attempt_at` null: claimable now), *in
+//! backoff* (failed, below the cap, due at `next_attempt_at`), *deferred*
+//! (never failed, waiting behind a failed earlier row of its subject) or
+//! *parked* (past the cap: `attempts >= --max-attempts`, or due at
+//! `'infinity'`). A *skipped* row was abandoned by an operator: kept, never
+//! published, passed over by the relay.
+
+use uuid::Uuid;
+
+use crate::error::{Error, ErrorKind, Result};
 
 pub(crate) mod prune;
 pub(crate) mod retry;
 pub(crate) mod skip;
 pub(crate) mod status;
 pub(crate) mod stuck;
+
+/// The table every command here reads.
+pub(crate) const TABLE: &str = "outbox_events";
+
+/// `--max-attempts`, as the relay's.
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub(crate) struct Cap {
+    /// The relay's attempt cap (its --max-attempts): a row with this many
+    /// attempts is past the cap (parked).
+    #[arg(
+        long,
+        env = "OUTBOX_MAX_ATTEMPTS",
+        default_value_t = 20,
+        value_parser = clap::value_parser!(i32).range(1..)
+    )]
+    pub(crate) max_attempts: i32,
+}
+
+/// Parses event ids given on the command line, naming the first that is not
+/// a UUID.
+///
+/// # Errors
+/// [`ErrorKind::Config`].
+pub(crate) fn parse_ids(ids: &[String]) -> Result<Vec<Uuid>> {
+    ids.iter()
+        .map(|s| {
+            Uuid::parse_str(s.trim()).map_err(|_| {
+                Error::new(
+                    ErrorKind::Config,
+                    format!("`{s}` is not an event id (a UUID such as 0191e2c4-6b1a-7c3e-9f00-1a2b3c4d5e6f)"),
+                )
+            })
+        })
+        .collect()
+}
+
+/// A timestamp as RFC 3339 with seconds, UTC (`2026-01-01T12:00:00Z`).
+pub(crate) fn when(t: &chrono::DateTime<chrono::Utc>) -> String {
+    t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+}
+
+/// At most `max` characters of `s` on one line, with `…` when cut.
+pub(crate) fn short(s: &str, max: usize) -> String {
+    let line: String = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    if line.chars().count() <= max {
+        line
+    } else {
+        let mut out: String = line.chars().take(max.saturating_sub(1)).collect();
+        out.push('…');
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_that_are_not_uuids_are_named() {
+        let e = parse_ids(&["nope".into()]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.to_string().contains("`nope`"), "{e}");
+        let id = Uuid::now_v7();
+        assert_eq!(parse_ids(&[id.to_string()]).unwrap(), vec![id]);
+    }
+
+    #[test]
+    fn long_errors_are_cut_to_one_line() {
+        assert_eq!(short("a\nb  c", 10), "a b c");
+        assert_eq!(short("abcdefghij", 5), "abcd…");
+    }
+}

@@ -1,13 +1,187 @@
-//! `outboxctl retry`.
+//! `outboxctl retry <id>… | --entity S | --all-stuck`: rows of the retry lane
+//! become claimable now, with a fresh attempt budget.
+//!
+//! One short transaction, safe while relays run: every id named is checked
+//! first (an unknown, published or skipped id fails the command naming it,
+//! and nothing changes), then one `update` sets `next_attempt_at = now(),
+//! attempts = 0` on the rows that are unpublished, not skipped and in the
+//! retry lane. `last_error` is kept until the relay publishes the row. A row
+//! in the main lane is claimable already: it is reported, not changed. Row
+//! locks are taken only by that update, bounded by `lock_timeout`.
+//!
+//! `--json` prints `{"retried": [ids], "already_claimable": n,
+//! "already_claimable_ids": [ids]}` (`already_claimable_ids` lists the ids
+//! named that were in the main lane; with `--entity`, `already_claimable`
+//! counts the subject's main-lane rows).
 
+use std::io::Write;
+
+use serde::Serialize;
+use uuid::Uuid;
+
+use super::{TABLE, parse_ids, when};
 use crate::db::Database;
 use crate::error::{Error, ErrorKind, Result};
+use crate::output::{Report, print};
 
 /// Flags of `outboxctl retry`.
 #[derive(Debug, clap::Args)]
-pub(crate) struct Args {}
+#[command(group(
+    clap::ArgGroup::new("rows").required(true).multiple(false).args(["ids", "entity", "all_stuck"])
+))]
+pub(crate) struct Args {
+    /// Event ids to retry.
+    #[arg(value_name = "ID")]
+    ids: Vec<String>,
+
+    /// Every row of this entity (envelope subject) in the retry lane: its
+    /// failing or parked head and the rows deferred behind it.
+    #[arg(long, value_name = "SUBJECT")]
+    entity: Option<String>,
+
+    /// Every row past the cap or failing.
+    #[arg(long)]
+    all_stuck: bool,
+}
+
+/// What `outboxctl retry` prints.
+#[derive(Debug, Serialize)]
+struct Retried {
+    retried: Vec<Uuid>,
+    already_claimable: i64,
+    already_claimable_ids: Vec<Uuid>,
+}
 
 pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
-    let _ = (db, args, json);
-    Err(Error::new(ErrorKind::Config, "`outboxctl retry` is not built yet"))
+    let ids = parse_ids(&args.ids)?;
+    if let Some(entity) = &args.entity
+        && entity.is_empty()
+    {
+        return Err(Error::new(ErrorKind::Config, "--entity needs a subject"));
+    }
+    let pool = db.connect(&[TABLE]).await?;
+    let mut tx = pool
+        .begin()
+        .await
+        .map_err(|e| Error::database("starting the transaction", e))?;
+    sqlx::query_file!("queries/session_timeouts.sql")
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| Error::database("setting the transaction's timeouts", e))?;
+
+    let report = if let Some(entity) = &args.entity {
+        let retried = sqlx::query_file_scalar!("queries/retry_entity.sql", entity)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(|e| Error::database("retrying the entity's rows", e))?;
+        let already_claimable =
+            sqlx::query_file_scalar!("queries/retry_entity_main_lane.sql", entity)
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(|e| Error::database("counting the entity's claimable rows", e))?;
+        Retried {
+            retried,
+            already_claimable,
+            already_claimable_ids: Vec::new(),
+        }
+    } else if args.all_stuck {
+        let retried = sqlx::query_file_scalar!("queries/retry_all_stuck.sql")
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(|e| Error::database("retrying the stuck rows", e))?;
+        Retried {
+            retried,
+            already_claimable: 0,
+            already_claimable_ids: Vec::new(),
+        }
+    } else {
+        let found = sqlx::query_file!("queries/retry_lookup.sql", &ids)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(|e| Error::database("reading the rows", e))?;
+        let unknown: Vec<String> = ids
+            .iter()
+            .filter(|id| !found.iter().any(|r| r.id == **id))
+            .map(Uuid::to_string)
+            .collect();
+        if !unknown.is_empty() {
+            return Err(Error::new(
+                ErrorKind::NotFound,
+                format!(
+                    "no outbox row with id {}; nothing was changed",
+                    unknown.join(", ")
+                ),
+            ));
+        }
+        for r in &found {
+            if let Some(skipped_at) = &r.skipped_at {
+                return Err(Error::new(
+                    ErrorKind::InvalidState,
+                    format!(
+                        "row {} was skipped at {} by {}: a skipped row is not retried; nothing was changed",
+                        r.id,
+                        when(skipped_at),
+                        r.skipped_by.as_deref().unwrap_or("an unknown operator")
+                    ),
+                ));
+            }
+            if let Some(published_at) = &r.published_at {
+                return Err(Error::new(
+                    ErrorKind::InvalidState,
+                    format!(
+                        "row {} was published at {}: nothing to retry; nothing was changed",
+                        r.id,
+                        when(published_at)
+                    ),
+                ));
+            }
+        }
+        let mut claimable: Vec<Uuid> = found.iter().filter(|r| r.main_lane).map(|r| r.id).collect();
+        claimable.sort_unstable();
+        claimable.dedup();
+        let retried = sqlx::query_file_scalar!("queries/retry_ids.sql", &ids)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(|e| Error::database("retrying the rows", e))?;
+        Retried {
+            retried,
+            already_claimable: claimable.len() as i64,
+            already_claimable_ids: claimable,
+        }
+    };
+    tx.commit()
+        .await
+        .map_err(|e| Error::database("committing the retry", e))?;
+    print(&report, json)
+}
+
+impl Report for Retried {
+    fn human(&self, out: &mut dyn Write) -> std::io::Result<()> {
+        writeln!(
+            out,
+            "{} row{} claimable again now",
+            self.retried.len(),
+            if self.retried.len() == 1 { "" } else { "s" }
+        )?;
+        for id in &self.retried {
+            writeln!(out, "  {id}")?;
+        }
+        if !self.already_claimable_ids.is_empty() {
+            writeln!(
+                out,
+                "already claimable (in the main lane), left as they are:"
+            )?;
+            for id in &self.already_claimable_ids {
+                writeln!(out, "  {id}")?;
+            }
+        } else if self.already_claimable > 0 {
+            writeln!(
+                out,
+                "{} more row{} of the entity already claimable (in the main lane)",
+                self.already_claimable,
+                if self.already_claimable == 1 { "" } else { "s" }
+            )?;
+        }
+        Ok(())
+    }
 }
