@@ -19,11 +19,15 @@
 --                    nextval() as the inserting role).
 --   outbox_relay     outbox-relay, or a relay run in-process: SELECT, UPDATE
 --                    (claims, marks, backoff) and DELETE (retention) on
---                    outbox_events; SELECT on outbox_events_seq (the settled
+--                    outbox_events (retention's row locks are covered by
+--                    UPDATE); SELECT on outbox_events_seq (the settled
 --                    horizon reads last_value). Advisory locks, pg_locks and
 --                    LISTEN need no grant.
 --   outbox_consumer  an inbox consumer: SELECT, INSERT, DELETE (retention) on
---                    inbox_events and inbox_dead_letters, USAGE on
+--                    inbox_events and inbox_dead_letters, and UPDATE of one
+--                    column of each (handled_at, created_at: the retention's
+--                    FOR UPDATE SKIP LOCKED row locks need UPDATE on some
+--                    column; no statement updates either), USAGE on
 --                    inbox_dead_letters_id_seq; SELECT, INSERT, UPDATE on
 --                    inbox_leases (ordered consumers).
 --
@@ -82,6 +86,8 @@ grant select on sequence outbox_events_seq to outbox_relay;
 
 -- outbox_consumer
 grant select, insert, delete on inbox_events to outbox_consumer;
+grant update (handled_at) on inbox_events to outbox_consumer;
 grant select, insert, delete on inbox_dead_letters to outbox_consumer;
+grant update (created_at) on inbox_dead_letters to outbox_consumer;
 grant usage on sequence inbox_dead_letters_id_seq to outbox_consumer;
 grant select, insert, update on inbox_leases to outbox_consumer;

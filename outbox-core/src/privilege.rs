@@ -30,6 +30,9 @@ pub enum ObjectKind {
     Table,
     /// A sequence (`has_sequence_privilege`).
     Sequence,
+    /// At least one column of a table (`has_any_column_privilege`): what a
+    /// row lock (`FOR UPDATE`) needs of UPDATE, granted on one column only.
+    AnyColumn,
 }
 
 impl ObjectKind {
@@ -37,6 +40,7 @@ impl ObjectKind {
         match self {
             Self::Table => "table",
             Self::Sequence => "sequence",
+            Self::AnyColumn => "a column of table",
         }
     }
 }
@@ -49,8 +53,8 @@ pub struct Privilege {
     pub object: &'static str,
     /// Table or sequence.
     pub kind: ObjectKind,
-    /// `SELECT`, `INSERT`, `UPDATE`, `DELETE` (tables); `USAGE`, `SELECT`
-    /// (sequences).
+    /// `SELECT`, `INSERT`, `UPDATE`, `DELETE` (tables, columns); `USAGE`,
+    /// `SELECT` (sequences).
     pub privilege: &'static str,
 }
 
@@ -60,6 +64,15 @@ impl Privilege {
         Self {
             object,
             kind: ObjectKind::Table,
+            privilege,
+        }
+    }
+
+    /// `privilege` on at least one column of table `object`.
+    pub const fn any_column(object: &'static str, privilege: &'static str) -> Self {
+        Self {
+            object,
+            kind: ObjectKind::AnyColumn,
             privilege,
         }
     }

@@ -91,6 +91,11 @@ async fn main() -> Result<(), Box<dyn Error>> {
         )
         .await?;
     example_subscriptions::migrate(&pool).await?;
+    // A role without the writer's grants is refused here, naming what it
+    // lacks, rather than at its first request.
+    outbox_pg::check_privileges(&pool, outbox_pg::privilege::WRITER, "outbox_writer")
+        .await
+        .map_err(|e| e.to_string())?;
 
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await

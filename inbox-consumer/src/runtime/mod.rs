@@ -176,8 +176,9 @@ fn stream_error(stream: &str, e: jetstream::context::GetStreamError) -> Error {
 
 /// The privileges a consumer with `config` needs: SELECT and INSERT on
 /// `inbox_events` and `inbox_dead_letters`, USAGE on
-/// `inbox_dead_letters_id_seq`; DELETE on `inbox_events` when this process
-/// prunes, and on `inbox_dead_letters` when it prunes dead letters too;
+/// `inbox_dead_letters_id_seq`; DELETE, and UPDATE on a column (the
+/// pruning's row locks), on `inbox_events` when this process prunes, and on
+/// `inbox_dead_letters` when it prunes dead letters too;
 /// SELECT, INSERT and UPDATE on `inbox_leases` when ordered. Advisory locks
 /// need none. A handler's own tables are the service's to grant.
 pub fn required_privileges(config: &ConsumerConfig) -> Vec<Privilege> {
@@ -188,10 +189,18 @@ pub fn required_privileges(config: &ConsumerConfig) -> Vec<Privilege> {
         Privilege::table("inbox_dead_letters", "INSERT"),
         Privilege::sequence("inbox_dead_letters_id_seq", "USAGE"),
     ];
+    // Pruning deletes in batches locked FOR UPDATE SKIP LOCKED, and a row
+    // lock needs UPDATE on a column of the table.
     if config.prune {
-        required.push(Privilege::table("inbox_events", "DELETE"));
+        required.extend([
+            Privilege::table("inbox_events", "DELETE"),
+            Privilege::any_column("inbox_events", "UPDATE"),
+        ]);
         if config.retention.get_dead_letter_window().is_some() {
-            required.push(Privilege::table("inbox_dead_letters", "DELETE"));
+            required.extend([
+                Privilege::table("inbox_dead_letters", "DELETE"),
+                Privilege::any_column("inbox_dead_letters", "UPDATE"),
+            ]);
         }
     }
     if config.ordered {

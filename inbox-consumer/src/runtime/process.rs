@@ -57,13 +57,22 @@ where
         let decision = ack::decide(&result, attempt, &shared.config);
         match decision {
             Decision::Nak(delay) if shared.config.ordered => {
+                let refused = refused(&result);
                 let error = result.err().map(|e| e.to_string()).unwrap_or_default();
-                tracing::warn!(
-                    consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
-                    subject = delivery.subject(), stream_sequence = info.stream_sequence,
-                    attempt, retry_in = ?delay, error = %error,
-                    "delivery failed and rolled back; retried in place, its subject waits",
-                );
+                if refused {
+                    tracing::error!(
+                        consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
+                        stream_sequence = info.stream_sequence, attempt, retry_in = ?delay, error = %error,
+                        "the consumer's database role lacks a privilege: rolled back, retried in place until it is granted (never dead-lettered)",
+                    );
+                } else {
+                    tracing::warn!(
+                        consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
+                        subject = delivery.subject(), stream_sequence = info.stream_sequence,
+                        attempt, retry_in = ?delay, error = %error,
+                        "delivery failed and rolled back; retried in place, its subject waits",
+                    );
+                }
                 let wait = async {
                     tokio::select! {
                         () = tokio::time::sleep(delay) => true,
@@ -114,10 +123,7 @@ where
             true
         }
         Decision::Nak(delay) => {
-            let refused = result
-                .as_ref()
-                .err()
-                .is_some_and(|e| outbox_pg::is_insufficient_privilege(e.as_ref()));
+            let refused = refused(&result);
             let error = result.err().map(|e| e.to_string()).unwrap_or_default();
             if refused {
                 tracing::error!(
@@ -292,6 +298,14 @@ pub(crate) async fn with_progress_all<F: Future>(
 }
 
 /// `error: cause: cause…`, for the dead-letter row.
+/// Whether the delivery failed on a privilege the role lacks (SQLSTATE 42501).
+fn refused(result: &Result<Outcome, BoxError>) -> bool {
+    result
+        .as_ref()
+        .err()
+        .is_some_and(|e| outbox_pg::is_insufficient_privilege(e.as_ref()))
+}
+
 fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
