@@ -1,0 +1,729 @@
+//! `outboxctl inbox …` and `outboxctl dead-letters …` run as an operator runs
+//! them, against real PostgreSQL and nats-server, their `--json` parsed:
+//!
+//! - three consumers of one stream (one at a time, batched, ordered), the
+//!   first rejecting an event while a row of its database says so: the event
+//!   is dead-lettered there and handled by the others; `list` and `show`
+//!   show it; once the flag is cleared, `replay` has the first consumer apply
+//!   it exactly once under its original id, the other two ack it without
+//!   handling it (their inbox rows of it were deleted first, so only the
+//!   replay header keeps them from applying it again), and a second replay
+//!   is a duplicate in the inbox (`replay_count` 2);
+//! - `inbox status` counts, `inbox prune` and `dead-letters purge` on rows
+//!   set back in time (`--dry-run` first), a short prune window refused
+//!   without `--force`;
+//! - errors: an unknown dead-letter id (nothing published), a replay whose
+//!   subject another stream stores, NATS not reachable, a wrong database URL
+//!   and a database without the tables, each one line and exit status 1.
+//!
+//! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
+//! before the tests run.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, stream};
+use inbox_consumer::prelude::*;
+use outbox_testkit::{TestDb, wait_until};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use sqlx::PgTransaction;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// The event the consumers of the main test handle.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+struct Thing {
+    n: i64,
+}
+
+impl Event for Thing {
+    const TYPE: &'static str = "octlinbox.thing";
+}
+
+/// Records `(consumer, event id, n)` in `applied`, unless `refuse` holds
+/// `(consumer, n)`: then rejects the event (a dead letter).
+#[derive(Clone)]
+struct Apply {
+    consumer: &'static str,
+}
+
+impl Handler for Apply {
+    type Message = Thing;
+
+    async fn handle(
+        &self,
+        event: Envelope<Thing>,
+        tx: &mut PgTransaction<'static>,
+    ) -> Result<(), HandlerError> {
+        let n = event.data().n;
+        let refused: bool = sqlx::query_scalar(
+            "select exists (select 1 from refuse where consumer = $1 and n = $2)",
+        )
+        .bind(self.consumer)
+        .bind(n)
+        .fetch_one(&mut **tx)
+        .await?;
+        if refused {
+            return Err(HandlerError::reject(format!(
+                "flagged: {} refuses thing {n}",
+                self.consumer
+            )));
+        }
+        sqlx::query("insert into applied (consumer, event_id, n) values ($1, $2, $3)")
+            .bind(self.consumer)
+            .bind(*event.id().as_uuid())
+            .bind(n)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+/// What a finished `outboxctl` printed.
+struct Run {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    /// The `--json` document of a successful run.
+    fn json(&self) -> Value {
+        assert_eq!(
+            self.code,
+            Some(0),
+            "outboxctl failed\nstdout: {}\nstderr: {}",
+            self.stdout,
+            self.stderr
+        );
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.stdout))
+    }
+
+    /// A failed run: exit status 1, one line on stderr (returned), and with
+    /// `--json` an error object of `kind` on stdout.
+    fn failure(&self, kind: &str) -> String {
+        assert_eq!(
+            self.code,
+            Some(1),
+            "expected a failure\nstdout: {}\nstderr: {}",
+            self.stdout,
+            self.stderr
+        );
+        let line = self.stderr.trim_end();
+        assert!(
+            !line.contains('\n'),
+            "the error is not one line:\n{}",
+            self.stderr
+        );
+        assert!(!line.contains("panicked"), "{line}");
+        assert!(line.starts_with("outboxctl: "), "{line}");
+        let error: Value = serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("no JSON error ({e}): {}", self.stdout));
+        assert_eq!(error["error"]["kind"], kind, "{error}");
+        line.to_owned()
+    }
+}
+
+/// `target/debug/outboxctl`, next to this test executable's `deps/`.
+fn outboxctl_bin() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .unwrap()
+        .join("outboxctl");
+    assert!(
+        bin.is_file(),
+        "{} is missing: build the binaries first with `cargo build --workspace --bins` (scripts/test does)",
+        bin.display()
+    );
+    bin
+}
+
+/// Runs `outboxctl --json <args>` on `database_url` to completion.
+async fn outboxctl(database_url: &str, args: &[&str]) -> Run {
+    let out = tokio::process::Command::new(outboxctl_bin())
+        .arg("--json")
+        .args(args)
+        .env("DATABASE_URL", database_url)
+        .env_remove("DATABASE_URL_FILE")
+        .env_remove("NATS_URL")
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .await
+        .unwrap();
+    Run {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+async fn scalar(db: &TestDb, sql: &str) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+async fn execute(db: &TestDb, sql: &str) {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
+/// A CloudEvent as any producer writes it, published with its id as the
+/// message id and an extra header; returns its id.
+async fn publish_thing(js: &jetstream::Context, n: i64) -> Uuid {
+    let id = Uuid::now_v7();
+    let body = json!({
+        "specversion": "1.0",
+        "id": id.to_string(),
+        "source": "octl-test",
+        "type": Thing::TYPE,
+        "subject": format!("thing-{n}"),
+        "time": "2026-12-01T00:00:00Z",
+        "datacontenttype": "application/json",
+        "data": {"n": n},
+    });
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", id.to_string().as_str());
+    headers.insert("x-origin", "octl-test");
+    js.publish_with_headers(
+        Thing::TYPE,
+        headers,
+        serde_json::to_vec(&body).unwrap().into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    id
+}
+
+/// Messages in `stream`.
+async fn messages(js: &jetstream::Context, stream: &str) -> u64 {
+    let mut stream = js.get_stream(stream).await.unwrap();
+    stream.info().await.unwrap().state.messages
+}
+
+/// Whether `durable` has acked everything up to stream sequence `sequence`.
+async fn settled(js: &jetstream::Context, stream: &str, durable: &str, sequence: u64) -> bool {
+    let Ok(stream) = js.get_stream(stream).await else {
+        return false;
+    };
+    let Ok(info) = stream.consumer_info(durable).await else {
+        return false;
+    };
+    info.num_pending == 0 && info.num_ack_pending == 0 && info.ack_floor.stream_sequence >= sequence
+}
+
+/// The consumer object of `consumer` in `inbox status --json`.
+fn status_of<'a>(status: &'a Value, consumer: &str) -> &'a Value {
+    status["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer"] == consumer)
+        .unwrap_or_else(|| panic!("no {consumer} in {status}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_letter_is_replayed_to_its_consumer_only_and_applied_once() {
+    let db = TestDb::new().await.unwrap();
+    execute(
+        &db,
+        "create table applied (consumer text not null, event_id uuid not null, n bigint not null);
+         create table refuse (consumer text not null, n bigint not null);
+         insert into refuse values ('alpha', 2);",
+    )
+    .await;
+    let nats = outbox_testkit::nats().unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    let stream_name = "OCTL_INBOX_REPLAY";
+    js.create_stream(stream::Config {
+        name: stream_name.into(),
+        subjects: vec!["octlinbox.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+
+    // alpha one at a time, beta batched, gamma ordered: the replay header is
+    // honoured on every path.
+    let stop = CancellationToken::new();
+    let builder = |durable: &'static str| {
+        Consumer::builder(client.clone(), db.pool.clone(), stream_name, durable)
+            .handler(Apply { consumer: durable })
+            .stream_patience(WAIT)
+    };
+    let consumers = vec![
+        tokio::spawn(builder("alpha").run(stop.clone().cancelled_owned())),
+        tokio::spawn(
+            builder("beta")
+                .batched(8)
+                .run(stop.clone().cancelled_owned()),
+        ),
+        tokio::spawn(
+            builder("gamma")
+                .configure(|c| c.ordered(true))
+                .run(stop.clone().cancelled_owned()),
+        ),
+    ];
+
+    let e1 = publish_thing(&js, 1).await;
+    let e2 = publish_thing(&js, 2).await;
+    let e3 = publish_thing(&js, 3).await;
+    for durable in ["alpha", "beta", "gamma"] {
+        wait_until(
+            &format!("{durable} to finish the three events"),
+            WAIT,
+            || settled(&js, stream_name, durable, 3),
+        )
+        .await
+        .unwrap();
+    }
+    assert_eq!(
+        scalar(&db, "select count(*) from applied where consumer = 'alpha'").await,
+        2
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "select count(*) from applied where consumer in ('beta', 'gamma')"
+        )
+        .await,
+        6
+    );
+    let url = db.url();
+
+    // list and show: the one dead letter, alpha's, of e2.
+    let list = outboxctl(url, &["dead-letters", "list"]).await.json();
+    assert_eq!(list["total"], 1, "{list}");
+    let letter = &list["dead_letters"][0];
+    assert_eq!(letter["consumer"], "alpha");
+    assert_eq!(letter["event_id"], e2.to_string());
+    assert_eq!(letter["reason"], "rejected");
+    assert_eq!(letter["stream"], stream_name);
+    assert_eq!(letter["replay_count"], 0);
+    assert!(letter["replayed_at"].is_null());
+    let id = letter["id"].as_i64().unwrap();
+    let none = outboxctl(url, &["dead-letters", "list", "--consumer", "beta"])
+        .await
+        .json();
+    assert_eq!(none["total"], 0, "{none}");
+    let by_reason = outboxctl(url, &["dead-letters", "list", "--reason", "rejected"])
+        .await
+        .json();
+    assert_eq!(by_reason["total"], 1, "{by_reason}");
+
+    let show = outboxctl(url, &["dead-letters", "show", &id.to_string()])
+        .await
+        .json();
+    assert_eq!(show["id"], id);
+    assert_eq!(show["payload"]["encoding"], "json", "{show}");
+    assert_eq!(show["payload"]["value"]["id"], e2.to_string());
+    assert_eq!(show["payload"]["value"]["data"]["n"], 2);
+    assert_eq!(show["headers"]["x-origin"], json!(["octl-test"]), "{show}");
+    assert_eq!(show["headers"]["Nats-Msg-Id"], json!([e2.to_string()]));
+    assert!(
+        show["error"]
+            .as_str()
+            .unwrap()
+            .contains("alpha refuses thing 2"),
+        "{show}"
+    );
+
+    // inbox status: rows per consumer, alpha's dead letter, gamma's lease.
+    let status = outboxctl(url, &["inbox", "status"]).await.json();
+    let alpha = status_of(&status, "alpha");
+    assert_eq!(alpha["inbox"]["rows"], 2, "{status}");
+    assert_eq!(alpha["dead_letters"]["total"], 1);
+    assert_eq!(alpha["dead_letters"]["not_replayed"], 1);
+    assert!(alpha["lease"].is_null());
+    assert!(alpha["inbox"]["oldest_handled_at"].is_string());
+    assert_eq!(status_of(&status, "beta")["inbox"]["rows"], 3);
+    assert_eq!(status_of(&status, "beta")["dead_letters"]["total"], 0);
+    let gamma = status_of(&status, "gamma");
+    assert_eq!(gamma["inbox"]["rows"], 3);
+    assert!(gamma["lease"]["epoch"].as_i64().unwrap() >= 1, "{status}");
+    assert!(gamma["lease"]["holder"].is_string());
+    let only = outboxctl(url, &["inbox", "status", "--consumer", "beta"])
+        .await
+        .json();
+    assert_eq!(only["consumers"].as_array().unwrap().len(), 1, "{only}");
+    let unknown = outboxctl(url, &["inbox", "status", "--consumer", "nobody"]).await;
+    let line = unknown.failure("not_found");
+    assert!(
+        line.contains("`nobody`") && line.contains("alpha"),
+        "{line}"
+    );
+
+    // Only the replay header keeps beta and gamma from applying e2 again:
+    // their inbox rows of it go.
+    execute(
+        &db,
+        &format!(
+            "delete from inbox_events where consumer in ('beta', 'gamma') and event_id = '{e2}'"
+        ),
+    )
+    .await;
+    execute(&db, "delete from refuse").await;
+    assert_eq!(messages(&js, stream_name).await, 3);
+
+    let nats_url = format!("--nats-url={}", nats.url());
+    let replay = outboxctl(url, &["dead-letters", "replay", &id.to_string(), &nats_url])
+        .await
+        .json();
+    let replayed = &replay["replayed"][0];
+    assert_eq!(replayed["id"], id, "{replay}");
+    assert_eq!(replayed["consumer"], "alpha");
+    assert_eq!(replayed["event_id"], e2.to_string());
+    assert_eq!(replayed["msg_id"], format!("replay:alpha:{id}:1"));
+    assert_eq!(replayed["stream_sequence"], 4);
+    assert_eq!(replayed["duplicate"], false);
+    assert_eq!(replayed["replay_count"], 1);
+    assert!(replayed["replayed_at"].is_string());
+
+    wait_until("alpha to apply the replayed event", WAIT, || async {
+        scalar(
+            &db,
+            &format!("select count(*) from applied where consumer = 'alpha' and event_id = '{e2}'"),
+        )
+        .await
+            == 1
+    })
+    .await
+    .unwrap();
+    for durable in ["alpha", "beta", "gamma"] {
+        wait_until(&format!("{durable} to ack the replay"), WAIT, || {
+            settled(&js, stream_name, durable, 4)
+        })
+        .await
+        .unwrap();
+    }
+    // alpha's inbox holds the original id; beta and gamma neither applied
+    // nor recorded it again.
+    assert_eq!(
+        scalar(
+            &db,
+            &format!(
+                "select count(*) from inbox_events where consumer = 'alpha' and event_id = '{e2}'"
+            ),
+        )
+        .await,
+        1
+    );
+    for durable in ["beta", "gamma"] {
+        assert_eq!(
+            scalar(
+                &db,
+                &format!(
+                    "select count(*) from applied where consumer = '{durable}' and event_id = '{e2}'"
+                ),
+            )
+            .await,
+            1,
+            "{durable} applied the replay meant for alpha"
+        );
+        assert_eq!(
+            scalar(
+                &db,
+                &format!(
+                    "select count(*) from inbox_events where consumer = '{durable}' and event_id = '{e2}'"
+                ),
+            )
+            .await,
+            0,
+            "{durable} handled the replay meant for alpha"
+        );
+    }
+
+    // Again, on purpose: a new message id gets it into the stream; alpha's
+    // inbox finds it a duplicate.
+    let again = outboxctl(url, &["dead-letters", "replay", &id.to_string(), &nats_url])
+        .await
+        .json();
+    assert_eq!(again["replayed"][0]["replay_count"], 2, "{again}");
+    assert_eq!(
+        again["replayed"][0]["msg_id"],
+        format!("replay:alpha:{id}:2")
+    );
+    assert_eq!(again["replayed"][0]["stream_sequence"], 5);
+    for durable in ["alpha", "beta", "gamma"] {
+        wait_until(&format!("{durable} to ack the second replay"), WAIT, || {
+            settled(&js, stream_name, durable, 5)
+        })
+        .await
+        .unwrap();
+    }
+    assert_eq!(
+        scalar(
+            &db,
+            &format!("select count(*) from applied where event_id = '{e2}'")
+        )
+        .await,
+        3,
+        "one effect per consumer"
+    );
+    assert_eq!(
+        scalar(&db, "select count(*) from inbox_dead_letters").await,
+        1
+    );
+    let list = outboxctl(url, &["dead-letters", "list"]).await.json();
+    assert_eq!(list["dead_letters"][0]["replay_count"], 2, "{list}");
+    let status = outboxctl(url, &["inbox", "status", "--consumer", "alpha"])
+        .await
+        .json();
+    assert_eq!(status_of(&status, "alpha")["inbox"]["rows"], 3, "{status}");
+    assert_eq!(
+        status_of(&status, "alpha")["dead_letters"]["not_replayed"],
+        0
+    );
+
+    stop.cancel();
+    for consumer in consumers {
+        consumer.await.unwrap().unwrap();
+    }
+
+    // inbox prune: alpha's e1 row set back 20 days; the default window is 14.
+    execute(
+        &db,
+        &format!(
+            "update inbox_events set handled_at = now() - interval '20 days'
+              where consumer = 'alpha' and event_id = '{e1}'"
+        ),
+    )
+    .await;
+    let inbox_rows = "select count(*) from inbox_events";
+    let before = scalar(&db, inbox_rows).await;
+    let dry = outboxctl(url, &["inbox", "prune", "--dry-run"])
+        .await
+        .json();
+    assert_eq!(dry["dry_run"], true, "{dry}");
+    assert_eq!(dry["total"], 1);
+    assert_eq!(dry["older_than_seconds"], 14.0 * 86_400.0);
+    let alpha = dry["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer"] == "alpha")
+        .unwrap();
+    assert_eq!(alpha["would_delete"], 1, "{dry}");
+    assert_eq!(
+        scalar(&db, inbox_rows).await,
+        before,
+        "a dry run deletes nothing"
+    );
+    let pruned = outboxctl(url, &["inbox", "prune"]).await.json();
+    assert_eq!(pruned["total"], 1, "{pruned}");
+    assert_eq!(scalar(&db, inbox_rows).await, before - 1);
+    assert_eq!(
+        scalar(
+            &db,
+            &format!(
+                "select count(*) from inbox_events where event_id = '{e1}' and consumer = 'alpha'"
+            )
+        )
+        .await,
+        0
+    );
+    let short = outboxctl(url, &["inbox", "prune", "--older-than", "10m"]).await;
+    let line = short.failure("config");
+    assert!(line.contains("--force"), "{line}");
+    assert_eq!(scalar(&db, inbox_rows).await, before - 1);
+    let forced = outboxctl(
+        url,
+        &[
+            "inbox",
+            "prune",
+            "--older-than",
+            "10m",
+            "--force",
+            "--dry-run",
+            "--consumer",
+            "beta",
+        ],
+    )
+    .await
+    .json();
+    assert_eq!(forced["consumers"][0]["consumer"], "beta", "{forced}");
+    assert_eq!(forced["consumers"][0]["would_delete"], 0);
+    let _ = e3;
+
+    // dead-letters purge: the dead letter set back 40 days.
+    execute(
+        &db,
+        "update inbox_dead_letters set created_at = now() - interval '40 days'",
+    )
+    .await;
+    let keep = outboxctl(url, &["dead-letters", "purge", "--older-than", "60d"])
+        .await
+        .json();
+    assert_eq!(keep["total"], 0, "{keep}");
+    let dry = outboxctl(
+        url,
+        &["dead-letters", "purge", "--older-than", "30d", "--dry-run"],
+    )
+    .await
+    .json();
+    assert_eq!(dry["total"], 1, "{dry}");
+    assert_eq!(dry["consumers"][0]["consumer"], "alpha");
+    assert_eq!(dry["consumers"][0]["would_delete"], 1);
+    assert_eq!(
+        scalar(&db, "select count(*) from inbox_dead_letters").await,
+        1
+    );
+    let purged = outboxctl(url, &["dead-letters", "purge", "--older-than", "30d"])
+        .await
+        .json();
+    assert_eq!(purged["total"], 1, "{purged}");
+    assert_eq!(purged["consumers"][0]["deleted"], 1);
+    assert_eq!(
+        scalar(&db, "select count(*) from inbox_dead_letters").await,
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_are_one_line_and_publish_nothing() {
+    let db = TestDb::new().await.unwrap();
+    let nats = outbox_testkit::nats().unwrap();
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let stream_name = "OCTL_INBOX_ERRORS";
+    js.create_stream(stream::Config {
+        name: stream_name.into(),
+        subjects: vec!["octlinboxerr.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    // A dead letter of this stream, and one recorded as another stream's
+    // although this stream stores its subject now.
+    let insert = |stream: &str| {
+        format!(
+            "insert into inbox_dead_letters
+               (consumer, stream, stream_sequence, subject, event_id, delivery_count, reason, error, headers, payload)
+             values ('x', '{stream}', 1, 'octlinboxerr.a', null, 1, 'not_json', 'not JSON',
+                     '{{\"Nats-Msg-Id\": [\"m1\"]}}', '\\xfffe00'::bytea)
+             returning id"
+        )
+    };
+    let id = scalar(&db, &insert(stream_name)).await;
+    let moved = scalar(&db, &insert("ELSEWHERE")).await;
+    let url = db.url();
+    let nats_url = format!("--nats-url={}", nats.url());
+
+    // show: binary payload in base64.
+    let show = outboxctl(url, &["dead-letters", "show", &id.to_string()])
+        .await
+        .json();
+    assert_eq!(show["payload"]["encoding"], "base64", "{show}");
+    assert_eq!(show["payload"]["value"], "//4A");
+
+    // An unknown id among known ones: named, nothing published.
+    let run = outboxctl(
+        url,
+        &[
+            "dead-letters",
+            "replay",
+            &id.to_string(),
+            "987654",
+            &nats_url,
+        ],
+    )
+    .await;
+    let line = run.failure("not_found");
+    assert!(line.contains("987654"), "{line}");
+    assert!(!line.contains(&format!("{id},")), "{line}");
+    assert_eq!(messages(&js, stream_name).await, 0, "nothing published");
+    assert_eq!(
+        scalar(
+            &db,
+            "select coalesce(sum(replay_count), 0)::bigint from inbox_dead_letters"
+        )
+        .await,
+        0
+    );
+    let line = outboxctl(url, &["dead-letters", "show", "987654"])
+        .await
+        .failure("not_found");
+    assert!(line.contains("987654"), "{line}");
+
+    // The subject is stored by another stream than the dead letter's.
+    let line = outboxctl(
+        url,
+        &["dead-letters", "replay", &moved.to_string(), &nats_url],
+    )
+    .await
+    .failure("invalid_state");
+    assert!(
+        line.contains(stream_name) && line.contains("ELSEWHERE"),
+        "{line}"
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            &format!("select replay_count::bigint from inbox_dead_letters where id = {moved}")
+        )
+        .await,
+        0
+    );
+
+    // NATS not reachable.
+    let line = outboxctl(
+        url,
+        &[
+            "dead-letters",
+            "replay",
+            &id.to_string(),
+            "--nats-url=nats://127.0.0.1:1",
+            "--timeout=3s",
+        ],
+    )
+    .await
+    .failure("nats");
+    assert!(line.contains("127.0.0.1:1"), "{line}");
+
+    // A database that cannot be reached.
+    let line = outboxctl(
+        "postgres://nobody:secret@127.0.0.1:1/none",
+        &["inbox", "status"],
+    )
+    .await
+    .failure("connect");
+    assert!(!line.contains("secret"), "{line}");
+    let line = outboxctl(
+        "postgres://nobody@127.0.0.1:1/none",
+        &["dead-letters", "list"],
+    )
+    .await
+    .failure("connect");
+    assert!(!line.is_empty());
+
+    // A database without the tables.
+    let bare_name = format!("{}_bare", db.name());
+    let bare = outbox_testkit::create_database(url, &bare_name)
+        .await
+        .unwrap();
+    let line = outboxctl(&bare, &["inbox", "status"])
+        .await
+        .failure("missing_table");
+    assert!(line.contains("inbox_events"), "{line}");
+    let line = outboxctl(&bare, &["dead-letters", "list"])
+        .await
+        .failure("missing_table");
+    assert!(line.contains("inbox_dead_letters"), "{line}");
+    let line = outboxctl(&bare, &["dead-letters", "purge", "--older-than", "30d"])
+        .await
+        .failure("missing_table");
+    assert!(line.contains("inbox_dead_letters"), "{line}");
+}
