@@ -1,0 +1,683 @@
+//! The operations endpoint of the shipped binaries, run as processes with
+//! their default flags (plus `--metrics-addr`) against a real PostgreSQL and
+//! nats-server:
+//!
+//! - `outbox-relay` publishes events written to its table; `billing` consumes
+//!   them, and also a duplicate (an event republished under another message
+//!   id), a message that is not JSON (dead-lettered) and an event whose
+//!   payload billing cannot read (failed, dead-lettered); the relay fails an
+//!   event of a type its stream does not capture.
+//! - Both `/metrics` are scraped: every metric name the Grafana dashboard
+//!   (`ops/grafana/outbox-dashboard.json`) and the alert rules
+//!   (`ops/prometheus/outbox-alerts.yml`) use is exported (Prometheus' own `up`
+//!   aside), and every exported name follows the Prometheus conventions.
+//! - `/healthz` answers 200; `/readyz` 200 when ready, 503 naming the broker
+//!   once the nats-server is killed, 200 again after it restarts.
+//!
+//! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
+//! before the tests run.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
+
+#[allow(dead_code)] // this file runs the relay and billing binaries only
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use async_nats::HeaderMap;
+use outbox_pg::{Envelope, Outbox};
+use outbox_testkit::{NatsServer, TestDb};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, Command};
+
+/// Bound on every wait.
+const WAIT: Duration = Duration::from_secs(60);
+
+const STREAM: &str = "OUTBOX";
+
+/// A child process with a clean environment, its output in a log file.
+struct Proc {
+    name: &'static str,
+    child: Child,
+    log: PathBuf,
+    metrics: SocketAddr,
+}
+
+impl Proc {
+    fn spawn(
+        bin: &str,
+        name: &'static str,
+        dir: &Path,
+        env: &[(&str, &str)],
+        args: &[&str],
+    ) -> Self {
+        let metrics = free_addr();
+        let log = dir.join(format!("{name}.log"));
+        let file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(support::bin_dir().join(bin))
+            .env_clear()
+            .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
+            .args(args)
+            .args(["--metrics-addr", &metrics.to_string()])
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        Self {
+            name,
+            child,
+            log,
+            metrics,
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn assert_running(&mut self) {
+        if let Some(status) = self.child.try_wait().unwrap() {
+            panic!("{} exited ({status}):\n{}", self.name, self.log());
+        }
+    }
+
+    /// `GET path` on the metrics address: status and body.
+    async fn get(&self, path: &str) -> Option<(u16, String)> {
+        http_get(self.metrics, path).await
+    }
+
+    /// Waits (bounded) until `GET path` satisfies `done`, failing early if
+    /// the process exits; returns the last answer.
+    async fn wait_for(
+        &mut self,
+        what: &str,
+        path: &str,
+        done: impl Fn(u16, &str) -> bool,
+    ) -> (u16, String) {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let answer = self.get(path).await;
+            if let Some((status, body)) = &answer
+                && done(*status, body)
+            {
+                return answer.unwrap();
+            }
+            self.assert_running();
+            assert!(
+                Instant::now() < deadline,
+                "{}: no {what} on {path} within {WAIT:?}; last answer {answer:?}\n{}",
+                self.name,
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+fn free_addr() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// A plain HTTP/1.0 GET, as a scraper or a probe sends it.
+async fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    let exchange = async {
+        let mut conn = tokio::net::TcpStream::connect(addr).await.ok()?;
+        conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+            .await
+            .ok()?;
+        let mut response = Vec::new();
+        conn.read_to_end(&mut response).await.ok()?;
+        let response = String::from_utf8_lossy(&response).into_owned();
+        let (head, body) = response.split_once("\r\n\r\n")?;
+        let status = head.split_whitespace().nth(1)?.parse().ok()?;
+        Some((status, body.to_owned()))
+    };
+    tokio::time::timeout(Duration::from_secs(10), exchange)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// Exported metric names (without `_bucket`/`_sum`/`_count` of histograms)
+/// and their `# TYPE`.
+fn exported(text: &str) -> BTreeMap<String, String> {
+    let mut types = BTreeMap::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let mut parts = rest.split_whitespace();
+            let (name, kind) = (parts.next().unwrap(), parts.next().unwrap());
+            types.insert(name.to_owned(), kind.to_owned());
+        }
+    }
+    for line in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+    {
+        let name = line.split(['{', ' ']).next().unwrap();
+        let base = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s).filter(|b| types.contains_key(*b)))
+            .unwrap_or(name);
+        assert!(
+            types.contains_key(base),
+            "sample `{line}` has no # TYPE line"
+        );
+    }
+    types
+}
+
+/// Metric names a PromQL expression reads: identifiers that are not
+/// functions, keywords, label names (inside `{}` or `by (…)`), durations or
+/// strings.
+fn metric_names(expr: &str) -> BTreeSet<String> {
+    const KEYWORDS: &[&str] = &[
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "and",
+        "or",
+        "unless",
+        "offset",
+        "bool",
+    ];
+    // Drop strings, label matchers, ranges and grouping clauses.
+    let mut cleaned = String::new();
+    let mut chars = expr.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => {
+                for d in chars.by_ref() {
+                    if d == '"' {
+                        break;
+                    }
+                }
+            }
+            '{' => for _ in chars.by_ref().take_while(|d| *d != '}') {},
+            '[' => for _ in chars.by_ref().take_while(|d| *d != ']') {},
+            c => cleaned.push(c),
+        }
+    }
+    for clause in ["by", "without", "on", "ignoring"] {
+        let mut out = String::new();
+        let mut rest = cleaned.as_str();
+        while let Some(i) = find_word(rest, clause) {
+            out.push_str(&rest[..i]);
+            let after = rest[i + clause.len()..].trim_start();
+            if let Some(inner) = after.strip_prefix('(') {
+                rest = inner.split_once(')').map_or("", |(_, r)| r);
+            } else {
+                rest = after;
+            }
+        }
+        out.push_str(rest);
+        cleaned = out;
+    }
+    let mut names = BTreeSet::new();
+    let bytes = cleaned.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let c = bytes[i] as char;
+        if c.is_ascii_alphabetic() || c == '_' {
+            let start = i;
+            while i < bytes.len()
+                && ((bytes[i] as char).is_ascii_alphanumeric()
+                    || bytes[i] == b'_'
+                    || bytes[i] == b':')
+            {
+                i += 1;
+            }
+            let word = &cleaned[start..i];
+            let is_call = cleaned[i..].trim_start().starts_with('(');
+            let after_digit = start > 0 && (bytes[start - 1] as char).is_ascii_digit();
+            if !is_call && !after_digit && !KEYWORDS.contains(&word) {
+                names.insert(word.to_owned());
+            }
+        } else {
+            i += 1;
+        }
+    }
+    names
+}
+
+/// Position of `word` as a whole word in `s`.
+fn find_word(s: &str, word: &str) -> Option<usize> {
+    let mut from = 0;
+    while let Some(i) = s[from..].find(word).map(|i| i + from) {
+        let before = s[..i].chars().next_back();
+        let after = s[i + word.len()..].chars().next();
+        let boundary = |c: Option<char>| c.is_none_or(|c| !(c.is_ascii_alphanumeric() || c == '_'));
+        if boundary(before) && boundary(after) {
+            return Some(i);
+        }
+        from = i + word.len();
+    }
+    None
+}
+
+fn workspace_file(path: &str) -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)).unwrap()
+}
+
+/// Every `expr` of the dashboard's panels.
+fn dashboard_exprs() -> Vec<String> {
+    let dashboard: Value =
+        serde_json::from_str(&workspace_file("ops/grafana/outbox-dashboard.json")).unwrap();
+    let mut exprs = Vec::new();
+    fn walk(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::Object(map) => {
+                for (k, v) in map {
+                    match (k.as_str(), v) {
+                        ("expr", Value::String(e)) => out.push(e.clone()),
+                        _ => walk(v, out),
+                    }
+                }
+            }
+            Value::Array(items) => items.iter().for_each(|v| walk(v, out)),
+            _ => {}
+        }
+    }
+    walk(&dashboard, &mut exprs);
+    // The datasource is a variable, so the dashboard imports anywhere.
+    let templating = dashboard["templating"]["list"].as_array().unwrap();
+    assert!(
+        templating
+            .iter()
+            .any(|v| v["type"] == "datasource" && v["query"] == "prometheus"),
+        "the dashboard has no Prometheus datasource variable"
+    );
+    exprs
+}
+
+/// Every `expr` of the alert rules (single-line or `|` blocks).
+fn alert_exprs() -> Vec<String> {
+    let rules = workspace_file("ops/prometheus/outbox-alerts.yml");
+    let mut exprs = Vec::new();
+    let mut lines = rules.lines().peekable();
+    while let Some(line) = lines.next() {
+        let Some(rest) = line.trim_start().strip_prefix("expr:") else {
+            continue;
+        };
+        let indent = line.len() - line.trim_start().len();
+        let rest = rest.trim();
+        if rest == "|" {
+            let mut block = String::new();
+            while let Some(next) = lines.peek() {
+                if !next.trim().is_empty() && next.len() - next.trim_start().len() <= indent {
+                    break;
+                }
+                let next = lines.next().unwrap();
+                if !next.trim_start().starts_with('#') {
+                    block.push_str(next);
+                    block.push('\n');
+                }
+            }
+            exprs.push(block);
+        } else {
+            exprs.push(rest.to_owned());
+        }
+    }
+    exprs
+}
+
+/// The Prometheus naming rules this project holds its metrics to.
+fn check_name(name: &str, kind: &str) -> Result<(), String> {
+    let snake = name
+        .chars()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        && !name.contains("__")
+        && !name.ends_with('_');
+    if !snake {
+        return Err(format!("`{name}` is not lowercase snake case"));
+    }
+    if !(name.starts_with("outbox_") || name.starts_with("inbox_")) {
+        return Err(format!(
+            "`{name}` has neither the outbox_ nor the inbox_ prefix"
+        ));
+    }
+    match kind {
+        "counter" if !name.ends_with("_total") => {
+            return Err(format!("counter `{name}` does not end `_total`"));
+        }
+        "gauge" | "histogram" | "summary" if name.ends_with("_total") => {
+            return Err(format!("{kind} `{name}` ends `_total`"));
+        }
+        _ => {}
+    }
+    for wrong in [
+        "_ms",
+        "_millis",
+        "_milliseconds",
+        "_micros",
+        "_us",
+        "_nanos",
+        "_minutes",
+        "_hours",
+        "_kb",
+        "_mb",
+        "_kilobytes",
+        "_megabytes",
+        "_duration",
+        "_latency",
+        "_size",
+        "_count",
+        "_second",
+        "_byte",
+        "_row",
+    ] {
+        let base = name.strip_suffix("_total").unwrap_or(name);
+        if base.ends_with(wrong) {
+            return Err(format!(
+                "`{name}` ends in `{wrong}`: units are suffixes in plural base units (`_seconds`, `_bytes`, `_rows`)"
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn the_name_rules_reject_what_they_should() {
+    assert!(check_name("outbox_published_total", "counter").is_ok());
+    assert!(check_name("outbox_backlog_rows", "gauge").is_ok());
+    assert!(check_name("outbox_publish_latency_seconds", "histogram").is_ok());
+    assert!(check_name("outbox_published", "counter").is_err());
+    assert!(check_name("outbox_backlog_total", "gauge").is_err());
+    assert!(check_name("outbox_batch_size", "histogram").is_err());
+    assert!(check_name("outbox_publish_latency_ms", "histogram").is_err());
+    assert!(check_name("Outbox_published_total", "counter").is_err());
+    assert!(check_name("relay_published_total", "counter").is_err());
+    assert_eq!(
+        metric_names(
+            r#"sum by (consumer, le) (rate(inbox_handler_duration_seconds_bucket{job="x"}[5m])) > 0.2"#
+        ),
+        BTreeSet::from(["inbox_handler_duration_seconds_bucket".to_owned()])
+    );
+    assert_eq!(
+        metric_names("absent(up{job=\"outbox-relay\"} == 1) or x offset 10m"),
+        BTreeSet::from(["up".to_owned(), "x".to_owned()])
+    );
+}
+
+/// The names the libraries declare follow the rules too, whether or not this
+/// run recorded them.
+#[test]
+fn every_declared_name_follows_the_rules() {
+    for name in outbox_publisher::metrics::NAMES
+        .iter()
+        .chain(inbox_consumer::metrics::names::ALL)
+    {
+        let kind = if name.ends_with("_total") {
+            "counter"
+        } else {
+            "gauge"
+        };
+        check_name(name, kind).unwrap();
+    }
+}
+
+async fn seed(db: &TestDb, event_type: &str, subjects: &[&str], data: impl Fn(&str) -> Value) {
+    let events: Vec<_> = subjects
+        .iter()
+        .map(|s| Envelope::new(event_type, "ops-tests", *s, data(s)).unwrap())
+        .collect();
+    let mut tx = db.pool.begin().await.unwrap();
+    Outbox::unvalidated()
+        .enqueue_all(&mut tx, &events)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+}
+
+async fn publish(js: &async_nats::jetstream::Context, subject: &str, payload: Vec<u8>, id: &str) {
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", id);
+    js.publish_with_headers(subject.to_owned(), headers, payload.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+}
+
+fn sample(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binaries_export_what_the_dashboard_and_alerts_use_and_answer_probes() {
+    let upstream = TestDb::new().await.unwrap();
+    let billing_db = TestDb::new().await.unwrap();
+    let mut broker = tokio::task::spawn_blocking(NatsServer::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("outbox-ops-")
+        .tempdir()
+        .unwrap();
+    let nats_url = broker.url();
+
+    let mut relay = Proc::spawn(
+        "outbox-relay",
+        "outbox-relay",
+        dir.path(),
+        &[("DATABASE_URL", upstream.url()), ("NATS_URL", &nats_url)],
+        &["--stream", STREAM, "--subjects", "subscription.>,invoice.>"],
+    );
+    let mut billing = Proc::spawn(
+        "billing",
+        "billing",
+        dir.path(),
+        &[("DATABASE_URL", billing_db.url()), ("NATS_URL", &nats_url)],
+        &[],
+    );
+
+    // Liveness at once; readiness once connected, the stream and the durable exist.
+    for p in [&mut relay, &mut billing] {
+        let (status, body) = p.wait_for("liveness", "/healthz", |s, _| s == 200).await;
+        assert_eq!((status, body.as_str()), (200, "ok\n"));
+        let (_, body) = p.wait_for("readiness", "/readyz", |s, _| s == 200).await;
+        let report: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(report["ready"], true, "{body}");
+        assert_eq!(report["checks"]["broker"]["ok"], true, "{body}");
+    }
+    let (_, body) = billing.get("/readyz").await.unwrap();
+    let report: Value = serde_json::from_str(&body).unwrap();
+    for check in ["database", "broker", "stream", "consumer"] {
+        assert_eq!(report["checks"][check]["ok"], true, "{check}: {body}");
+    }
+
+    // Events through the relay to billing; one the stream does not capture.
+    let subs: Vec<String> = (0..5).map(|i| format!("sub_{i}")).collect();
+    let subs: Vec<&str> = subs.iter().map(String::as_str).collect();
+    seed(
+        &upstream,
+        "subscription.created",
+        &subs,
+        |s| json!({"subscription_id": s, "customer_id": "cus_1", "amount_cents": 1200}),
+    )
+    .await;
+    seed(&upstream, "audit.recorded", &["audit_1"], |_| json!({})).await;
+
+    let client = async_nats::connect(&nats_url).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    relay
+        .wait_for("published events", "/metrics", |_, b| {
+            sample(b, "outbox_published_total") >= 5.0
+        })
+        .await;
+    // A duplicate: a published event again, under another message id.
+    let first = js
+        .get_stream(STREAM)
+        .await
+        .unwrap()
+        .get_last_raw_message_by_subject("subscription.created")
+        .await
+        .unwrap();
+    publish(
+        &js,
+        "subscription.created",
+        first.payload.to_vec(),
+        "ops-duplicate",
+    )
+    .await;
+    // Not JSON: dead-lettered before any handler.
+    publish(
+        &js,
+        "subscription.created",
+        b"not json".to_vec(),
+        "ops-garbage",
+    )
+    .await;
+    // A CloudEvent whose payload billing cannot read: the handler fails.
+    let unreadable = Envelope::new(
+        "subscription.created",
+        "ops-tests",
+        "sub_unreadable",
+        json!({"subscription_id": 7}),
+    )
+    .unwrap();
+    publish(
+        &js,
+        "subscription.created",
+        unreadable.to_json().unwrap(),
+        "ops-unreadable",
+    )
+    .await;
+
+    let (_, billing_text) = billing
+        .wait_for(
+            "handled, duplicate, failed and dead-lettered deliveries",
+            "/metrics",
+            |_, b| {
+                sample(b, "inbox_handled_total") >= 5.0
+                    && sample(b, "inbox_duplicates_total") >= 1.0
+                    && sample(b, "inbox_dead_lettered_total") >= 2.0
+                    && sample(b, "inbox_failed_total") >= 1.0
+                    && b.contains("inbox_consumer_pending_messages{")
+                    && b.contains("inbox_consumer_ack_pending_messages{")
+                    && b.contains("outbox_relay_broker_up 1")
+            },
+        )
+        .await;
+    let (_, relay_text) = relay
+        .wait_for("a publish failure and the gauges", "/metrics", |_, b| {
+            b.contains("outbox_publish_failures_total{reason=\"invalid\"}")
+                && b.contains("outbox_backlog_rows ")
+                && b.contains("outbox_past_cap_rows ")
+                && b.contains("outbox_oldest_unpublished_age_seconds ")
+                && b.contains("outbox_relay_database_up 1")
+                && b.contains("outbox_relay_broker_up 1")
+        })
+        .await;
+
+    // Histograms of seconds are Prometheus histograms, with buckets.
+    for (text, name) in [
+        (&relay_text, "outbox_publish_latency_seconds"),
+        (&relay_text, "outbox_commit_to_ack_seconds"),
+        (&relay_text, "outbox_batch_phase_seconds"),
+        (&billing_text, "inbox_handler_duration_seconds"),
+    ] {
+        assert!(
+            text.contains(&format!("# TYPE {name} histogram"))
+                && text.contains(&format!("{name}_bucket{{")),
+            "{name} is not a histogram with buckets:\n{text}"
+        );
+    }
+
+    // Every exported name follows the rules.
+    let mut exported_names = BTreeMap::new();
+    for (who, text) in [("outbox-relay", &relay_text), ("billing", &billing_text)] {
+        for (name, kind) in exported(text) {
+            check_name(&name, &kind).unwrap_or_else(|e| panic!("{who} exports {e}"));
+            exported_names.insert(name, kind);
+        }
+    }
+
+    // Every name the dashboard and the alerts read is exported.
+    let mut missing = Vec::new();
+    for (source, exprs) in [
+        ("dashboard", dashboard_exprs()),
+        ("alert rules", alert_exprs()),
+    ] {
+        assert!(exprs.len() >= 8, "{source}: {exprs:?}");
+        for expr in &exprs {
+            for name in metric_names(expr) {
+                let base = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|s| name.strip_suffix(s))
+                    .filter(|b| exported_names.get(*b).is_some_and(|k| k == "histogram"))
+                    .unwrap_or(&name);
+                if base != "up" && !exported_names.contains_key(base) {
+                    missing.push(format!("{source}: `{name}` in `{}`", expr.trim()));
+                }
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "used but not exported:\n{}\nexported: {:?}",
+        missing.join("\n"),
+        exported_names.keys().collect::<Vec<_>>()
+    );
+
+    // The broker goes away: both answer 503 naming it, and the relay's gauge drops.
+    tokio::task::block_in_place(|| broker.kill()).unwrap();
+    for p in [&mut relay, &mut billing] {
+        let (_, body) = p
+            .wait_for("503 naming the broker", "/readyz", |s, b| {
+                s == 503
+                    && serde_json::from_str::<Value>(b)
+                        .is_ok_and(|r| r["checks"]["broker"]["ok"] == false)
+            })
+            .await;
+        let report: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(report["ready"], false, "{body}");
+        assert_eq!(report["checks"]["broker"]["ok"], false, "{body}");
+        assert_eq!(report["checks"]["database"]["ok"], true, "{body}");
+        assert!(
+            report["checks"]["broker"]["error"]
+                .as_str()
+                .unwrap()
+                .contains("not connected to NATS"),
+            "{body}"
+        );
+        // Still alive.
+        assert_eq!(p.get("/healthz").await.map(|a| a.0), Some(200));
+    }
+    relay
+        .wait_for("outbox_relay_broker_up 0", "/metrics", |_, b| {
+            b.contains("outbox_relay_broker_up 0")
+        })
+        .await;
+
+    // Back: ready again, and the gauge follows.
+    tokio::task::block_in_place(|| broker.start_again()).unwrap();
+    for p in [&mut relay, &mut billing] {
+        p.wait_for("readiness after the broker restarted", "/readyz", |s, _| {
+            s == 200
+        })
+        .await;
+    }
+    relay
+        .wait_for("outbox_relay_broker_up 1", "/metrics", |_, b| {
+            b.contains("outbox_relay_broker_up 1")
+        })
+        .await;
+}
