@@ -681,3 +681,43 @@ async fn binaries_export_what_the_dashboard_and_alerts_use_and_answer_probes() {
         })
         .await;
 }
+
+/// `subscriptions` serves the same endpoint for its in-process relay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscriptions_serves_the_relays_metrics_and_readiness() {
+    let db = TestDb::new().await.unwrap();
+    let broker = tokio::task::spawn_blocking(NatsServer::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("outbox-ops-subs-")
+        .tempdir()
+        .unwrap();
+    let nats_url = broker.url();
+    let mut subscriptions = Proc::spawn(
+        "subscriptions",
+        "subscriptions",
+        dir.path(),
+        &[("DATABASE_URL", db.url()), ("NATS_URL", &nats_url)],
+        &["--listen", "127.0.0.1:0"],
+    );
+    subscriptions
+        .wait_for("liveness", "/healthz", |s, _| s == 200)
+        .await;
+    let (_, body) = subscriptions
+        .wait_for("readiness", "/readyz", |s, _| s == 200)
+        .await;
+    let report: Value = serde_json::from_str(&body).unwrap();
+    for check in ["database", "broker", "stream"] {
+        assert_eq!(report["checks"][check]["ok"], true, "{check}: {body}");
+    }
+    let (_, text) = subscriptions
+        .wait_for("the relay's gauges", "/metrics", |_, b| {
+            b.contains("outbox_relay_database_up 1") && b.contains("outbox_relay_broker_up 1")
+        })
+        .await;
+    for (name, kind) in exported(&text) {
+        check_name(&name, &kind).unwrap();
+    }
+}

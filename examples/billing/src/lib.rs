@@ -40,7 +40,7 @@
 //! | `--no-relay` | | leave billing's outbox to a separate `outbox-relay` |
 //! | `--max-deliver` | 50 | deliveries before a failing event is dead-lettered (billing counts them; the broker redelivers without limit, and a database that cannot be reached never spends them) |
 //! | `--ack-wait` | 30s | redelivery after a silent consumer |
-//! | `--metrics-addr` | | Prometheus text on `http://ADDR/metrics` |
+//! | `--metrics-addr` | | `/metrics` (Prometheus text), `/healthz`, `/readyz` (database, NATS, stream, durable consumer; 503 naming the failed check) |
 //! | `--schemas` | `schemas/events` | where `invoice.created.schema.json` is |
 //! | `--log-format` | `human` | or `json`; logs go to stderr |
 //!

@@ -36,6 +36,7 @@
 //! | `--subjects` | `subscription.>,invoice.>` | the stream's subjects, if the relay creates it |
 //! | `--schemas` | `schemas/events` | the event schemas (falls back to the workspace's) |
 //! | `--fault-injection` | off | honour `x-fault: rollback` (tests and demos only) |
+//! | `--metrics-addr` | | `/metrics` (the in-process relay's), `/healthz`, `/readyz` (database; with the relay, NATS and the stream) |
 //! | `--log-format` | `human` | or `json`; logs go to stderr |
 //!
 //! # API

@@ -10,13 +10,19 @@
 //! (`--listen 127.0.0.1:0` picks a free port and prints it); logs go to stderr.
 
 use std::error::Error;
+use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use clap::Parser;
 use example_subscriptions::{AppState, default_schemas_dir, router};
+use outbox_pg::health::{Check, Report};
 use outbox_pg::{Outbox, SchemaRegistry};
-use outbox_publisher::cli::{DatabaseArgs, LogFormat, NatsArgs, cancel_on_signal, init_logging};
+use outbox_publisher::cli::{
+    DatabaseArgs, LogFormat, NatsArgs, OpsServer, cancel_on_signal, init_logging,
+    install_prometheus,
+};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
@@ -64,6 +70,12 @@ struct Args {
     #[arg(long)]
     fault_injection: bool,
 
+    /// Serve Prometheus metrics on http://ADDR/metrics, liveness on /healthz
+    /// and readiness on /readyz (the database; with the in-process relay,
+    /// also NATS and the stream).
+    #[arg(long)]
+    metrics_addr: Option<SocketAddr>,
+
     /// Log format (logs go to stderr).
     #[arg(long, value_enum, default_value_t = LogFormat::Human)]
     log_format: LogFormat,
@@ -78,6 +90,35 @@ async fn main() -> Result<(), Box<dyn Error>> {
         shutdown.clone(),
         "finishing requests in flight and the relay's batch",
     ));
+
+    // Served from the start; ready once connected (and the stream exists).
+    let readiness = Arc::new(OnceLock::<Readiness>::new());
+    let _stop_ops = shutdown.clone().drop_guard();
+    if let Some(addr) = args.metrics_addr {
+        let metrics =
+            install_prometheus().map_err(|e| format!("installing the metrics recorder: {e}"))?;
+        let server = OpsServer::bind(addr).await?;
+        let readiness = Arc::clone(&readiness);
+        server.spawn(
+            metrics,
+            move || {
+                let readiness = readiness.get().cloned();
+                async move {
+                    match readiness {
+                        Some(Readiness::Relay(r)) => r.check().await,
+                        Some(Readiness::Database(pool)) => {
+                            Report::new().with(database(&pool).await)
+                        }
+                        None => Report::new().with(Check::failed(
+                            "database",
+                            "not checked: still connecting at start-up",
+                        )),
+                    }
+                }
+            },
+            shutdown.clone(),
+        );
+    }
 
     let schemas = args.schemas.clone().unwrap_or_else(default_schemas_dir);
     let registry = SchemaRegistry::from_dir(&schemas)
@@ -103,9 +144,13 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let addr = listener.local_addr()?;
 
     let relay = if args.no_relay {
+        let _ = readiness.set(Readiness::Database(pool.clone()));
         None
     } else {
         let nats = args.nats.connect("subscriptions").await?;
+        let _ = readiness.set(Readiness::Relay(Box::new(
+            outbox_publisher::Readiness::new(pool.clone(), nats.clone(), args.stream.clone()),
+        )));
         let stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());
         Some(tokio::spawn(Relay::run_jetstream(
             pool.clone(),
@@ -132,4 +177,23 @@ async fn main() -> Result<(), Box<dyn Error>> {
     pool.close().await;
     tracing::info!("subscriptions service stopped");
     Ok(())
+}
+
+/// What `/readyz` checks: the relay's dependencies, or (`--no-relay`) the
+/// database alone.
+#[derive(Clone)]
+enum Readiness {
+    Relay(Box<outbox_publisher::Readiness>),
+    Database(sqlx::PgPool),
+}
+
+/// `database`: a connection answers a ping within 2 s.
+async fn database(pool: &sqlx::PgPool) -> Check {
+    use sqlx::Connection;
+    let ping = async { pool.acquire().await?.ping().await };
+    match tokio::time::timeout(outbox_publisher::DEFAULT_CHECK_TIMEOUT, ping).await {
+        Ok(Ok(())) => Check::passed("database"),
+        Ok(Err(e)) => Check::failed("database", format!("database not answering: {e}")),
+        Err(_) => Check::failed("database", "database did not answer within 2s"),
+    }
 }
