@@ -525,9 +525,10 @@ async fn a_parked_head_is_reported_and_skipped_and_its_subject_moves_on() {
     );
 
     // The skipped row: kept, unpublished, who/when/why on it.
+    type Time = Option<chrono::DateTime<chrono::Utc>>;
     let (published_at, skipped_at, skipped_by, skip_reason): (
-        Option<chrono::DateTime<chrono::Utc>>,
-        Option<chrono::DateTime<chrono::Utc>>,
+        Time,
+        Time,
         Option<String>,
         Option<String>,
     ) = sqlx::query_as(
