@@ -216,8 +216,22 @@ pub fn required_privileges(config: &ConsumerConfig) -> Vec<Privilege> {
 /// The group role of `ops/sql/roles.sql` that holds a consumer's privileges.
 const CONSUMER_ROLE: &str = "outbox_consumer";
 
+/// How long the start-up privilege check may wait for the database before the
+/// consumer goes on without it (an unreachable database is the runtime's to
+/// wait for, per message).
+const PRIVILEGE_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
+
 async fn check_privileges(pool: &PgPool, config: &ConsumerConfig) -> Result<()> {
-    match outbox_pg::check_privileges(pool, &required_privileges(config), CONSUMER_ROLE).await {
+    let required = required_privileges(config);
+    let check = outbox_pg::check_privileges(pool, &required, CONSUMER_ROLE);
+    let Ok(checked) = tokio::time::timeout(PRIVILEGE_CHECK_TIMEOUT, check).await else {
+        tracing::warn!(
+            consumer = %config.durable, timeout = ?PRIVILEGE_CHECK_TIMEOUT,
+            "the database did not answer the privilege check; going on",
+        );
+        return Ok(());
+    };
+    match checked {
         Err(e) if e.kind() == outbox_pg::ErrorKind::Privilege => Err(Error::new(
             crate::ErrorKind::Privilege,
             format!("consumer `{}`: {e}", config.durable),

@@ -169,14 +169,28 @@ pub fn required_privileges(config: &RelayConfig) -> Vec<Privilege> {
 /// The group role of `ops/sql/roles.sql` that holds a relay's privileges.
 const RELAY_ROLE: &str = "outbox_relay";
 
+/// How long the start-up privilege check may wait for the database before
+/// the relay goes on without it (a database that is down is waited for by
+/// the relay's loops, not here).
+const PRIVILEGE_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
+
 async fn check_privileges(pool: &PgPool, config: &RelayConfig) -> Result<()> {
-    match outbox_pg::check_privileges(pool, &required_privileges(config), RELAY_ROLE).await {
-        Err(e) if e.kind() == outbox_pg::ErrorKind::Privilege => Err(e.into()),
-        Err(e) => {
+    let required = required_privileges(config);
+    let check = outbox_pg::check_privileges(pool, &required, RELAY_ROLE);
+    match tokio::time::timeout(PRIVILEGE_CHECK_TIMEOUT, check).await {
+        Ok(Err(e)) if e.kind() == outbox_pg::ErrorKind::Privilege => Err(e.into()),
+        Ok(Err(e)) => {
             warn!(error = %e, "could not check the relay's database privileges; going on");
             Ok(())
         }
-        Ok(()) => Ok(()),
+        Err(_) => {
+            warn!(
+                timeout = ?PRIVILEGE_CHECK_TIMEOUT,
+                "the database did not answer the privilege check; going on"
+            );
+            Ok(())
+        }
+        Ok(Ok(())) => Ok(()),
     }
 }
 

@@ -87,7 +87,7 @@ impl<S: Sink> Relay<S> {
     /// running replicas it drains its share of the shards.
     ///
     /// # Errors
-    /// [`ErrorKind::Database`](crate::ErrorKind::Database) if a claim or mark fails.
+    /// [`ErrorKind::Database`] if a claim or mark fails.
     pub async fn drain(&self) -> Result<BatchReport> {
         let stop = CancellationToken::new();
         self.shards.reset_changes();
