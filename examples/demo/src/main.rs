@@ -378,6 +378,10 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
         );
     }
     let findings = check::check(&subs_pool, &billing_pool, &js, STREAM, DURABLE, &outcomes).await?;
+    // What an operator sees now, with the relays still holding their shards.
+    for (name, url) in [("subscriptions", &subs_url), ("billing", &billing_url)] {
+        outboxctl_status(&bin_dir, name, url).await;
+    }
 
     // Graceful shutdown: every process must exit 0 on SIGTERM.
     let mut unclean = Vec::new();
@@ -403,6 +407,27 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
     drop(nats);
     drop(pg);
     Ok(passed)
+}
+
+/// Prints `outboxctl status` of one database (the demo goes on without it
+/// when the binary is missing or fails).
+async fn outboxctl_status(bin_dir: &std::path::Path, name: &str, url: &str) {
+    println!();
+    println!("== outboxctl status ({name}'s database) ==");
+    let out = tokio::process::Command::new(bin_dir.join("outboxctl"))
+        .arg("status")
+        .env("DATABASE_URL", url)
+        .output()
+        .await;
+    match out {
+        Ok(out) => {
+            print!("{}", String::from_utf8_lossy(&out.stdout));
+            if !out.status.success() {
+                print!("{}", String::from_utf8_lossy(&out.stderr));
+            }
+        }
+        Err(e) => println!("(outboxctl not run: {e})"),
+    }
 }
 
 async fn pool(url: &str) -> Result<PgPool, sqlx::Error> {
