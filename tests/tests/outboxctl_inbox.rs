@@ -7,7 +7,8 @@
 //!   show it; once the flag is cleared, `replay` has the first consumer apply
 //!   it exactly once under its original id, the other two ack it without
 //!   handling it (their inbox rows of it were deleted first, so only the
-//!   replay header keeps them from applying it again), and a second replay
+//!   replay header keeps them from applying it again; counted in
+//!   `inbox_replays_ignored_total`), and a second replay
 //!   is a duplicate in the inbox (`replay_count` 2);
 //! - `inbox status` counts, `inbox prune` and `dead-letters purge` on rows
 //!   set back in time (`--dry-run` first), a short prune window refused
@@ -20,12 +21,16 @@
 //! before the tests run.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, stream};
+use inbox_consumer::metrics::names::REPLAYS_IGNORED;
 use inbox_consumer::prelude::*;
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use outbox_testkit::{TestDb, wait_until};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -82,6 +87,35 @@ impl Handler for Apply {
             .await?;
         Ok(())
     }
+}
+
+fn snapshotter() -> &'static Snapshotter {
+    static SNAP: OnceLock<Snapshotter> = OnceLock::new();
+    SNAP.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::set_global_recorder(recorder).unwrap();
+        snapshotter
+    })
+}
+
+/// `inbox_replays_ignored_total` per consumer of this process, counted
+/// since the last call (a snapshot resets the debugging recorder's counters).
+fn replays_ignored() -> BTreeMap<String, u64> {
+    let mut counts = BTreeMap::new();
+    for (key, _, _, value) in snapshotter().snapshot().into_vec() {
+        if key.key().name() != REPLAYS_IGNORED {
+            continue;
+        }
+        let DebugValue::Counter(n) = value else {
+            continue;
+        };
+        for label in key.key().labels().filter(|l| l.key() == "consumer") {
+            *counts.entry(label.value().to_owned()).or_default() += n;
+        }
+    }
+    counts.retain(|_, n| *n > 0);
+    counts
 }
 
 /// What a finished `outboxctl` printed.
@@ -148,8 +182,14 @@ fn outboxctl_bin() -> PathBuf {
 
 /// Runs `outboxctl --json <args>` on `database_url` to completion.
 async fn outboxctl(database_url: &str, args: &[&str]) -> Run {
+    let mut json = vec!["--json"];
+    json.extend_from_slice(args);
+    outboxctl_text(database_url, &json).await
+}
+
+/// Runs `outboxctl <args>` (text for people, unless `args` say `--json`).
+async fn outboxctl_text(database_url: &str, args: &[&str]) -> Run {
     let out = tokio::process::Command::new(outboxctl_bin())
-        .arg("--json")
         .args(args)
         .env("DATABASE_URL", database_url)
         .env_remove("DATABASE_URL_FILE")
@@ -237,6 +277,7 @@ fn status_of<'a>(status: &'a Value, consumer: &str) -> &'a Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_dead_letter_is_replayed_to_its_consumer_only_and_applied_once() {
+    snapshotter();
     let db = TestDb::new().await.unwrap();
     execute(
         &db,
@@ -367,6 +408,19 @@ async fn a_dead_letter_is_replayed_to_its_consumer_only_and_applied_once() {
         "{line}"
     );
 
+    // The same for people: aligned tables.
+    for args in [
+        &["inbox", "status"][..],
+        &["dead-letters", "list"],
+        &["dead-letters", "show", &id.to_string()],
+    ] {
+        let text = outboxctl_text(url, args).await;
+        assert_eq!(text.code, Some(0), "{}", text.stderr);
+        println!("$ outboxctl {}\n{}", args.join(" "), text.stdout);
+        assert!(text.stdout.contains("alpha"), "{}", text.stdout);
+        assert!(serde_json::from_str::<Value>(&text.stdout).is_err());
+    }
+
     // Only the replay header keeps beta and gamma from applying e2 again:
     // their inbox rows of it go.
     execute(
@@ -447,6 +501,9 @@ async fn a_dead_letter_is_replayed_to_its_consumer_only_and_applied_once() {
         );
     }
 
+    let ignored = BTreeMap::from([("beta".to_owned(), 1), ("gamma".to_owned(), 1)]);
+    assert_eq!(replays_ignored(), ignored);
+
     // Again, on purpose: a new message id gets it into the stream; alpha's
     // inbox finds it a duplicate.
     let again = outboxctl(url, &["dead-letters", "replay", &id.to_string(), &nats_url])
@@ -477,6 +534,11 @@ async fn a_dead_letter_is_replayed_to_its_consumer_only_and_applied_once() {
     assert_eq!(
         scalar(&db, "select count(*) from inbox_dead_letters").await,
         1
+    );
+    assert_eq!(
+        replays_ignored(),
+        ignored,
+        "the second replay, ignored again"
     );
     let list = outboxctl(url, &["dead-letters", "list"]).await.json();
     assert_eq!(list["dead_letters"][0]["replay_count"], 2, "{list}");
