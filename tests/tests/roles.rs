@@ -16,6 +16,8 @@
 //!   database: invoices raised and voided, inbox rows, every outbox row
 //!   published. Each start-up `migrate` ran under a non-owner on an
 //!   up-to-date schema and only warned.
+//! - Only what the configuration uses is required: DELETE on `outbox_events`
+//!   only with retention on, `inbox_leases` only for an ordered consumer.
 //! - In a second database, one right taken from each group role: each binary
 //!   exits non-zero with an error naming the role, the privilege and the table.
 //! - A privilege revoked while billing runs is logged as an error on every
@@ -394,6 +396,66 @@ async fn the_binaries_run_under_least_privilege_roles_and_a_missing_right_is_nam
             log_of(&dir, &p.name)
         );
     }
+
+    // --- Only what the configuration uses is required: without DELETE on
+    // outbox_events a relay without retention runs, one with it is refused;
+    // without inbox_leases an unordered billing runs, an ordered one is refused.
+    sqlx::raw_sql(
+        "revoke delete on outbox_events from outbox_relay;
+         revoke all on inbox_leases from outbox_consumer;",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    let relay_url = as_user(db.url(), &logins.relay);
+    let (code, out) = run_to_exit(
+        "outbox-relay",
+        &relay_url,
+        &nats.url(),
+        &["--once", "--retention", "0", "--subjects", SUBJECTS],
+    )
+    .await;
+    assert_eq!(code, Some(0), "{out}");
+    let (code, out) = run_to_exit(
+        "outbox-relay",
+        &relay_url,
+        &nats.url(),
+        &["--once", "--subjects", SUBJECTS],
+    )
+    .await;
+    assert!(code.is_some_and(|c| c != 0), "{code:?}\n{out}");
+    assert!(out.contains("lacks DELETE on table outbox_events"), "{out}");
+    let mut unordered = Program::new(
+        "billing-unordered",
+        support::bin_dir().join("billing"),
+        &dir,
+    )
+    .env("DATABASE_URL", as_user(db.url(), &logins.billing))
+    .env("NATS_URL", nats.url())
+    .args(["--no-relay", "--unordered"])
+    .ready_when("billing ready");
+    unordered
+        .start()
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", log_of(&dir, "billing-unordered")));
+    assert_eq!(
+        unordered.terminate().await,
+        Some(0),
+        "{}",
+        log_of(&dir, "billing-unordered")
+    );
+    let (code, out) = run_to_exit(
+        "billing",
+        &as_user(db.url(), &logins.billing),
+        &nats.url(),
+        &["--no-relay"],
+    )
+    .await;
+    assert!(code.is_some_and(|c| c != 0), "{code:?}\n{out}");
+    assert!(
+        out.contains("lacks SELECT on table inbox_leases, INSERT on table inbox_leases, UPDATE on table inbox_leases"),
+        "{out}"
+    );
 
     // --- One right taken from each group role, in a database of its own.
     let other_name = format!("{}_revoked", db.name());
