@@ -23,6 +23,14 @@
 //!   The consumer goes on; nothing is dropped silently. A type no route
 //!   handles is acked and counted, or dead-lettered
 //!   ([`ConsumerConfig::unrouted`]).
+//! - **Replays** (`outboxctl dead-letters replay`): a message whose
+//!   [`REPLAY_CONSUMER_HEADER`](crate::dead_letter::REPLAY_CONSUMER_HEADER)
+//!   names another consumer (durable) is acked as it arrives, without being
+//!   decoded or handled, and counted (`inbox_replays_ignored_total`), in
+//!   every mode (one at a time, batched, ordered; a taking-over leader does
+//!   not wait for one). One naming this consumer goes the normal way, through
+//!   the inbox: the event keeps its id, so a replay of an event the consumer
+//!   already applied is a duplicate.
 //! - **Nothing is lost, whatever the outage.** A message leaves the broker in
 //!   two ways only: acked after its effect committed, or terminated after its
 //!   dead letter committed. The durable consumer is created with an unlimited
