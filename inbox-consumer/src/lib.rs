@@ -120,7 +120,8 @@
 //!   filter for order-dependent handlers that compares the events' insert
 //!   order (`sequence`), not their clocks ([`ordering`]).
 //! - **Retention** of inbox rows is checked against the redelivery window at
-//!   start-up ([`retention`]).
+//!   start-up ([`retention`]); dead letters are pruned too, on a longer window
+//!   (30 days).
 //!
 //! # Layers
 //!

@@ -193,16 +193,17 @@ impl ConsumerConfig {
         self
     }
 
-    /// Inbox retention: window, batch and interval. Default:
-    /// [`Retention::default`] (14 days, checked against redelivery at start-up).
+    /// Inbox and dead-letter retention: windows, batch and interval. Default:
+    /// [`Retention::default`] (14 days for the inbox, checked against
+    /// redelivery at start-up; 30 days for dead letters; hourly).
     #[must_use]
     pub fn retention(mut self, retention: Retention) -> Self {
         self.retention = retention;
         self
     }
 
-    /// Whether this process prunes the inbox on the retention interval
-    /// (disable when a separate job prunes). Default: true.
+    /// Whether this process prunes the inbox and the dead letters on the
+    /// retention interval (disable when a separate job prunes). Default: true.
     #[must_use]
     pub fn prune(mut self, prune: bool) -> Self {
         self.prune = prune;
