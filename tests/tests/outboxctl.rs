@@ -911,3 +911,224 @@ async fn errors_are_one_line_exit_1_and_json_and_change_nothing() {
     let none = ctl(db.url(), &["retry"]).await;
     assert_eq!(none.status.code(), Some(2), "{}", none.stderr);
 }
+
+// ---------------------------------------------------------------------------
+// 4. Every state counted, per event type, without a relay.
+
+/// Inserts a row of `event_type` and `subject`, then sets `set` on it by SQL
+/// (as the relay or an operator would have left it).
+async fn row_in_state(pool: &PgPool, event_type: &str, subject: &str, set: &str) -> Uuid {
+    let id = Uuid::now_v7();
+    sqlx::query(
+        "insert into outbox_events (id, event_type, source, subject, time, data)
+         values ($1, $2, 'ctl-test', $3, now(), '{}')",
+    )
+    .bind(id)
+    .bind(event_type)
+    .bind(subject)
+    .execute(pool)
+    .await
+    .unwrap();
+    if !set.is_empty() {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "update outbox_events set {set} where id = $1"
+        )))
+        .bind(id)
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+    id
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn status_and_stuck_count_each_state_per_event_type() {
+    let db = TestDb::new().await.unwrap();
+    let pool = &db.pool;
+    const BACKOFF: &str =
+        "attempts = 2, next_attempt_at = now() + interval '1 hour', last_error = 'refused'";
+    const DEFERRED: &str = "next_attempt_at = now() + interval '1 hour'";
+    const PARKED: &str = "attempts = 5, next_attempt_at = 'infinity', last_error = 'bad row'";
+    const SKIPPED: &str =
+        "next_attempt_at = 'infinity', skipped_at = now(), skipped_by = 'x', skip_reason = 'y'";
+    // a.one: two fresh rows, one in backoff, one parked with two rows behind it.
+    row_in_state(pool, "a.one", "s-1", "").await;
+    row_in_state(pool, "a.one", "s-2", "").await;
+    let backoff = row_in_state(pool, "a.one", "s-3", BACKOFF).await;
+    let parked = row_in_state(pool, "a.one", "s-4", PARKED).await;
+    let deferred = row_in_state(pool, "a.one", "s-4", DEFERRED).await;
+    row_in_state(pool, "a.one", "s-4", "").await;
+    // b.two: one at the cap of 3 but due (parked by a relay with --max-attempts 3),
+    // one skipped, one published a minute ago, one published two hours ago.
+    let capped = row_in_state(
+        pool,
+        "b.two",
+        "s-5",
+        "attempts = 3, next_attempt_at = now(), last_error = 'refused'",
+    )
+    .await;
+    row_in_state(pool, "b.two", "s-6", SKIPPED).await;
+    row_in_state(
+        pool,
+        "b.two",
+        "s-7",
+        "published_at = now() - interval '1 minute'",
+    )
+    .await;
+    row_in_state(
+        pool,
+        "b.two",
+        "s-8",
+        "published_at = now() - interval '2 hours'",
+    )
+    .await;
+    sqlx::query("update outbox_events set created_at = now() - interval '1 hour' where id = $1")
+        .bind(parked)
+        .execute(pool)
+        .await
+        .unwrap();
+
+    let s = status(&db).await;
+    let counts = |v: &Value| {
+        [
+            "unpublished",
+            "fresh",
+            "in_backoff",
+            "deferred",
+            "parked",
+            "skipped",
+            "published_last_hour",
+        ]
+        .map(|k| i(&v[k]))
+    };
+    assert_eq!(counts(&s["totals"]), [7, 3, 1, 1, 2, 1, 1], "{s:#}");
+    let types = s["event_types"].as_array().unwrap();
+    assert_eq!(types[0]["event_type"], "a.one");
+    assert_eq!(counts(&types[0]), [6, 3, 1, 1, 1, 0, 0], "{s:#}");
+    assert_eq!(types[1]["event_type"], "b.two");
+    assert_eq!(counts(&types[1]), [1, 0, 0, 0, 1, 1, 1], "{s:#}");
+    let oldest = s["totals"]["oldest_unpublished_age_secs"].as_f64().unwrap();
+    assert!(
+        (3500.0..4000.0).contains(&oldest),
+        "the parked row's hour: {oldest}"
+    );
+    let blocked: Vec<(String, i64)> = s["blocked_subjects"]["shown"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| (b["subject"].as_str().unwrap().to_owned(), i(&b["waiting"])))
+        .collect();
+    assert_eq!(
+        blocked,
+        vec![("s-4".to_owned(), 2), ("s-5".to_owned(), 0)],
+        "{s:#}"
+    );
+    assert_eq!(s["relays"], serde_json::json!([]));
+
+    // With the default cap of 20, the row at 3 attempts is in backoff, not parked.
+    let default_cap = ctl(db.url(), &["--json", "status"]).await.ok();
+    assert_eq!(i(&default_cap["totals"]["parked"]), 1, "{default_cap:#}");
+    assert_eq!(
+        i(&default_cap["totals"]["in_backoff"]),
+        2,
+        "{default_cap:#}"
+    );
+
+    // stuck: the three failing or parked rows, oldest first, with their states.
+    let stuck = ctl(
+        db.url(),
+        &["--json", "stuck", "--max-attempts", MAX_ATTEMPTS],
+    )
+    .await
+    .ok();
+    let rows: Vec<(Uuid, String)> = stuck["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["id"].as_str().unwrap().parse().unwrap(),
+                r["state"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        rows,
+        vec![
+            (parked, "parked".to_owned()),
+            (backoff, "backoff".to_owned()),
+            (capped, "parked".to_owned()),
+        ],
+        "{stuck:#}"
+    );
+    assert!(stuck["rows"][1]["next_attempt_at"].is_string(), "{stuck:#}");
+    assert_eq!(i(&stuck["total"]), 3);
+    let by_type = ctl(db.url(), &["--json", "stuck", "--type", "b.two"])
+        .await
+        .ok();
+    assert_eq!(
+        ids(&serde_json::json!([by_type["rows"][0]["id"]])),
+        vec![capped]
+    );
+    assert_eq!(i(&by_type["total"]), 1);
+    let text = ctl(db.url(), &["stuck", "--limit", "1"]).await;
+    assert!(
+        text.stdout.contains("1 of 3 stuck rows shown"),
+        "{}",
+        text.stdout
+    );
+    // The deferred row is not stuck itself; --entity retries it with its head.
+    let r = ctl(db.url(), &["--json", "retry", "--entity", "s-4"])
+        .await
+        .ok();
+    let mut retried = ids(&r["retried"]);
+    retried.sort();
+    let mut expected = vec![parked, deferred];
+    expected.sort();
+    assert_eq!(retried, expected, "{r:#}");
+    assert_eq!(i(&r["already_claimable"]), 1, "the fresh row behind them");
+    assert_eq!(
+        count(
+            pool,
+            &format!("id = '{parked}' and attempts = 0 and next_attempt_at <= now() and last_error = 'bad row'")
+        )
+        .await,
+        1,
+        "retried: no attempts, due now, its last error kept"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// 5. The progress bar, on a terminal only.
+
+#[tokio::test(flavor = "multi_thread")]
+async fn prune_draws_a_progress_bar_on_a_terminal() {
+    let db = TestDb::new().await.unwrap();
+    sqlx::query(
+        "insert into outbox_events (id, event_type, source, subject, time, data, published_at)
+         select gen_random_uuid(), 'p.old', 'ctl-test', 's-' || i, now(), '{}', now() - interval '30 days'
+           from generate_series(1, 3000) as i",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // util-linux `script` gives the command a pseudo-terminal and copies what
+    // it draws to our stdout.
+    let command = format!(
+        "{} prune --batch 100 --database-url '{}'",
+        ctl_path().display(),
+        db.url()
+    );
+    let out = tokio::process::Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .env_remove("DATABASE_URL")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .expect("util-linux `script` runs a command on a pseudo-terminal");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("pruning"), "no progress bar drawn: {text:?}");
+    assert!(text.contains("deleted 3000 published rows"), "{text:?}");
+    assert_eq!(count(&db.pool, "true").await, 0);
+}
