@@ -81,9 +81,9 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
     } else {
         let bar = terminal.then(|| {
             let bar = ProgressBar::new(deleted);
-            if let Ok(style) = ProgressStyle::with_template(
-                "pruning {bar:40} {pos}/{len} rows, {eta} left",
-            ) {
+            if let Ok(style) =
+                ProgressStyle::with_template("pruning {bar:40} {pos}/{len} rows, {eta} left")
+            {
                 bar.set_style(style);
             }
             bar
