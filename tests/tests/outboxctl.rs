@@ -116,7 +116,13 @@ fn ctl_path() -> PathBuf {
 
 /// `outboxctl <args>` against `url` (as DATABASE_URL), bounded.
 async fn ctl(url: &str, args: &[&str]) -> Ctl {
+    ctl_with(url, args, &[]).await
+}
+
+/// [`ctl`] with extra environment variables.
+async fn ctl_with(url: &str, args: &[&str], env: &[(&str, &str)]) -> Ctl {
     let run = tokio::process::Command::new(ctl_path())
+        .envs(env.iter().copied())
         .env("DATABASE_URL", url)
         .env_remove("DATABASE_URL_FILE")
         .env_remove("OUTBOX_MAX_ATTEMPTS")
@@ -1096,6 +1102,37 @@ async fn status_and_stuck_count_each_state_per_event_type() {
         1,
         "retried: no attempts, due now, its last error kept"
     );
+
+    // skip without --by: $USER at this host, with the database role.
+    let skipped = ctl_with(
+        db.url(),
+        &[
+            "--json",
+            "skip",
+            &backoff.to_string(),
+            "--reason",
+            "duplicate of another event",
+        ],
+        &[("USER", "carol"), ("LOGNAME", "not-this")],
+    )
+    .await
+    .ok();
+    let by = skipped["skipped_by"].as_str().unwrap();
+    let role: String = sqlx::query_scalar("select current_user::text")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert!(
+        by.starts_with("carol@") && by.ends_with(&format!(" (role {role})")) && by.len() > 7,
+        "{by}"
+    );
+    let recorded: Option<String> =
+        sqlx::query_scalar("select skipped_by from outbox_events where id = $1")
+            .bind(backoff)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(recorded.as_deref(), Some(by));
 }
 
 // ---------------------------------------------------------------------------
