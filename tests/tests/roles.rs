@@ -16,6 +16,8 @@
 //!   database: invoices raised and voided, inbox rows, every outbox row
 //!   published. Each start-up `migrate` ran under a non-owner on an
 //!   up-to-date schema and only warned.
+//! - A relay run in-process (billing's, subscriptions') under a role without
+//!   `outbox_relay` stops its service, naming what it lacks.
 //! - Only what the configuration uses is required: DELETE on `outbox_events`
 //!   only with retention on, `inbox_leases` only for an ordered consumer.
 //! - In a second database, one right taken from each group role: each binary
@@ -456,6 +458,26 @@ async fn the_binaries_run_under_least_privilege_roles_and_a_missing_right_is_nam
         out.contains("lacks SELECT on table inbox_leases, INSERT on table inbox_leases, UPDATE on table inbox_leases"),
         "{out}"
     );
+
+    // --- A relay run in-process under a role without outbox_relay stops its
+    // service with the missing rights named (hence --no-relay above).
+    for (bin, user, args) in [
+        ("billing", &logins.billing, vec!["--unordered"]),
+        (
+            "subscriptions",
+            &logins.writer,
+            vec!["--listen", "127.0.0.1:0"],
+        ),
+    ] {
+        let (code, out) = run_to_exit(bin, &as_user(db.url(), user), &nats.url(), &args).await;
+        assert!(code.is_some_and(|c| c != 0), "{bin}: {code:?}\n{out}");
+        assert!(
+            out.contains(&format!(
+                "role `{user}` lacks SELECT on table outbox_events"
+            )) && out.contains("grant it outbox_relay"),
+            "{bin}:\n{out}"
+        );
+    }
 
     // --- One right taken from each group role, in a database of its own.
     let other_name = format!("{}_revoked", db.name());

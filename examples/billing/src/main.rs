@@ -195,16 +195,23 @@ async fn main() -> Result<(), Box<dyn Error>> {
         args.consumer.clone(),
     ));
     let relay = (!args.no_relay).then(|| {
-        tokio::spawn(Relay::run_jetstream(
-            pool.clone(),
-            nats.clone(),
-            StreamSpec::new(args.stream.clone(), args.subjects.clone()),
+        let (pool, nats, stop) = (pool.clone(), nats.clone(), shutdown.clone());
+        let stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());
+        tokio::spawn(async move {
             // Rows a crashed replica had claimed are taken over after 10 s.
-            RelayConfig::default()
+            let config = RelayConfig::default()
                 .lease(Duration::from_secs(10))
-                .publish_timeout(Duration::from_secs(2)),
-            shutdown.clone(),
-        ))
+                .publish_timeout(Duration::from_secs(2));
+            let result = Relay::run_jetstream(pool, nats, stream, config, stop.clone()).await;
+            if let Err(e) = &result {
+                // A relay that cannot run (its role lacks a privilege, the
+                // stream differs) stops billing rather than leaving its
+                // events unpublished unnoticed.
+                tracing::error!(error = %e, "the in-process relay stopped; shutting down");
+                stop.cancel();
+            }
+            result
+        })
     });
 
     let batch = usize::from(args.batch);
@@ -226,6 +233,11 @@ async fn main() -> Result<(), Box<dyn Error>> {
             consumer.map_err(|e| format!("creating consumer `{}` on stream `{}`: {e}", args.consumer, args.stream))?,
         ),
     };
+
+    // Billing also enqueues (invoice.created, in its handlers' transactions).
+    outbox_pg::check_privileges(&pool, outbox_pg::privilege::WRITER, "outbox_writer")
+        .await
+        .map_err(|e| e.to_string())?;
 
     if let Some(consumer) = consumer {
         let mut options = StackOptions::default();

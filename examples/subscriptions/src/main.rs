@@ -152,13 +152,20 @@ async fn main() -> Result<(), Box<dyn Error>> {
             outbox_publisher::Readiness::new(pool.clone(), nats.clone(), args.stream.clone()),
         )));
         let stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());
-        Some(tokio::spawn(Relay::run_jetstream(
-            pool.clone(),
-            nats,
-            stream,
-            RelayConfig::default(),
-            shutdown.clone(),
-        )))
+        let (pool, stop) = (pool.clone(), shutdown.clone());
+        Some(tokio::spawn(async move {
+            let result =
+                Relay::run_jetstream(pool, nats, stream, RelayConfig::default(), stop.clone())
+                    .await;
+            if let Err(e) = &result {
+                // A relay that cannot run (its role lacks a privilege, the
+                // stream differs) stops the service rather than leaving its
+                // events unpublished unnoticed.
+                tracing::error!(error = %e, "the in-process relay stopped; shutting down");
+                stop.cancel();
+            }
+            result
+        }))
     };
 
     let app = router(
