@@ -539,6 +539,59 @@ async fn migrate_under_a_non_owner_warns_on_an_up_to_date_schema_and_refuses_a_p
     let tag = db.name().trim_start_matches("outbox_test_")[20..].to_owned();
     let logins = Logins::new(&format!("m{tag}"));
     prepare(&db.pool, &logins, true).await;
+    // Each group role holds exactly its grants: every table privilege of
+    // every role on the library's tables, and none may create in the schema.
+    let held: Vec<(String, String, String)> = sqlx::query_as(
+        "select r, t, p
+           from unnest(array['outbox_writer', 'outbox_relay', 'outbox_consumer']) r,
+                unnest(array['outbox_events', 'inbox_events', 'inbox_dead_letters',
+                             'inbox_leases', 'outbox_schema_migrations']) t,
+                unnest(array['SELECT', 'INSERT', 'UPDATE', 'DELETE', 'TRUNCATE',
+                             'REFERENCES', 'TRIGGER']) p
+          where has_table_privilege(r, t, p)
+          order by 1, 2, 3",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let held: Vec<String> = held
+        .into_iter()
+        .map(|(r, t, p)| format!("{r} {p} {t}"))
+        .collect();
+    let mut expected: Vec<String> = [
+        "outbox_consumer DELETE inbox_dead_letters",
+        "outbox_consumer INSERT inbox_dead_letters",
+        "outbox_consumer SELECT inbox_dead_letters",
+        "outbox_consumer DELETE inbox_events",
+        "outbox_consumer INSERT inbox_events",
+        "outbox_consumer SELECT inbox_events",
+        "outbox_consumer INSERT inbox_leases",
+        "outbox_consumer SELECT inbox_leases",
+        "outbox_consumer UPDATE inbox_leases",
+        "outbox_consumer SELECT outbox_schema_migrations",
+        "outbox_relay DELETE outbox_events",
+        "outbox_relay SELECT outbox_events",
+        "outbox_relay UPDATE outbox_events",
+        "outbox_relay SELECT outbox_schema_migrations",
+        "outbox_writer INSERT outbox_events",
+        "outbox_writer SELECT outbox_schema_migrations",
+    ]
+    .map(String::from)
+    .to_vec();
+    expected.sort();
+    let mut sorted = held.clone();
+    sorted.sort();
+    assert_eq!(sorted, expected);
+    let creators: Vec<String> = sqlx::query_scalar(
+        "select r from unnest(array['outbox_writer', 'outbox_relay', 'outbox_consumer']) r
+          where has_schema_privilege(r, current_schema(), 'CREATE')
+             or has_database_privilege(r, current_database(), 'CREATE')",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert!(creators.is_empty(), "{creators:?}");
+
     let as_relay = PgPool::connect(&as_user(db.url(), &logins.relay))
         .await
         .unwrap();
