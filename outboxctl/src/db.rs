@@ -4,10 +4,21 @@
 use std::time::Duration;
 
 use outbox_pg::connect::{DatabaseArgs, Secret};
-use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
+use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::error::{Error, ErrorKind, Result};
+
+/// How long reaching the server may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Columns of later migrations that commands read, by table: a database
+/// whose tables predate them is told to run the migrations, not shown a
+/// failing statement.
+const REQUIRED_COLUMNS: &[(&str, &str)] = &[
+    ("outbox_events", "skipped_at"),
+    ("inbox_dead_letters", "replay_count"),
+];
 
 /// `--database-url` / `--database-url-file`, accepted before or after the
 /// command (`outboxctl --database-url … status` and `outboxctl status
@@ -58,13 +69,33 @@ impl Database {
                 ));
             }
         };
-        let pool = args
-            .connect(
-                PgPoolOptions::new()
-                    .max_connections(2)
-                    .acquire_timeout(Duration::from_secs(10)),
+        // One connection first, on its own: a pool retries a refused
+        // connection until its timeout and then reports only that it timed
+        // out, where this names the cause (refused, unknown host, password).
+        let options = args.connect_options()?;
+        let shown = args.redacted();
+        let refused = |why: String| {
+            Error::new(
+                ErrorKind::Connect,
+                format!("connecting to the database at {shown}: {why}"),
             )
-            .await?;
+        };
+        match tokio::time::timeout(CONNECT_TIMEOUT, PgConnection::connect_with(&options)).await {
+            Err(_) => {
+                return Err(refused(format!(
+                    "no answer within {}s",
+                    CONNECT_TIMEOUT.as_secs()
+                )));
+            }
+            Ok(Err(e)) => return Err(refused(e.to_string())),
+            Ok(Ok(conn)) => {
+                let _ = conn.close().await;
+            }
+        }
+        let pool = PgPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(CONNECT_TIMEOUT)
+            .connect_lazy_with(options);
         require_tables(&pool, tables).await?;
         Ok(pool)
     }
@@ -85,7 +116,7 @@ pub(crate) async fn require_tables(pool: &PgPool, tables: &[&str]) -> Result<()>
         .await
         .map_err(|e| Error::database("checking the tables", e))?;
     if missing.is_empty() {
-        return Ok(());
+        return require_columns(pool, tables).await;
     }
     let database: String = sqlx::query_file_scalar!("queries/current_database.sql")
         .fetch_one(pool)
@@ -97,6 +128,34 @@ pub(crate) async fn require_tables(pool: &PgPool, tables: &[&str]) -> Result<()>
             "table{} {} not found in database `{database}` (on its search_path): run the outbox \
              migrations first (outbox_pg::migrate, or the files of migrations/)",
             if missing.len() == 1 { "" } else { "s" },
+            missing.join(", ")
+        ),
+    ))
+}
+
+/// Fails naming the columns of [`REQUIRED_COLUMNS`] that `tables` lack.
+async fn require_columns(pool: &PgPool, tables: &[&str]) -> Result<()> {
+    let (names, columns): (Vec<String>, Vec<String>) = REQUIRED_COLUMNS
+        .iter()
+        .filter(|(t, _)| tables.contains(t))
+        .map(|(t, c)| ((*t).to_owned(), (*c).to_owned()))
+        .unzip();
+    if names.is_empty() {
+        return Ok(());
+    }
+    let missing: Vec<String> =
+        sqlx::query_file_scalar!("queries/missing_columns.sql", &names, &columns)
+            .fetch_all(pool)
+            .await
+            .map_err(|e| Error::database("checking the tables' columns", e))?;
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::MissingTable,
+        format!(
+            "the schema predates this outboxctl ({} missing): run the outbox migrations first \
+             (outbox_pg::migrate, or the files of migrations/)",
             missing.join(", ")
         ),
     ))

@@ -15,8 +15,8 @@
 //! `{"error": {"kind": …, "message": …}}` on stdout); a wrong flag is exit
 //! status 2.
 
-mod dead_letters;
 mod db;
+mod dead_letters;
 mod error;
 mod inbox;
 mod outbox;

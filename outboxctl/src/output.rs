@@ -19,6 +19,14 @@ pub(crate) trait Report: Serialize {
 
 /// Prints `report` on stdout as JSON (one document and a newline) or as text.
 pub(crate) fn print(report: &impl Report, json: bool) -> Result<()> {
+    match write(report, json) {
+        // A reader that went away (`outboxctl status | head`) is not an error.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => Ok(other?),
+    }
+}
+
+fn write(report: &impl Report, json: bool) -> std::io::Result<()> {
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     if json {

@@ -845,8 +845,16 @@ async fn errors_are_one_line_exit_1_and_json_and_change_nothing() {
         .unwrap()
         .port();
     let closed = format!("postgres://postgres@127.0.0.1:{port}/nothing");
+    let started = std::time::Instant::now();
     let (kind, message) = ctl(&closed, &["--json", "status"]).await.error();
     assert_eq!(kind, "connect", "{message}");
+    // The cause, at once: not a pool's timeout after retrying.
+    assert!(message.contains("refused"), "{message}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
 
     // A database without the tables: the missing table named, every command.
     let db = TestDb::new().await.unwrap();
@@ -866,6 +874,30 @@ async fn errors_are_one_line_exit_1_and_json_and_change_nothing() {
         assert_eq!(kind, "missing_table", "{args:?}: {message}");
         assert!(message.contains("outbox_events"), "{args:?}: {message}");
     }
+
+    // Tables of a schema before the operations migration: told to migrate,
+    // naming the column, not shown a failing statement.
+    let old_name = format!("{}_old", db.name());
+    let old = outbox_testkit::create_database(db.url(), &old_name)
+        .await
+        .unwrap();
+    let old_pool = sqlx::PgPool::connect(&old).await.unwrap();
+    sqlx::raw_sql(
+        "create table outbox_events (id uuid primary key, event_type text not null, \
+         source text not null, subject text not null, time timestamptz not null, \
+         data jsonb not null, created_at timestamptz not null default now(), \
+         published_at timestamptz, attempts int not null default 0)",
+    )
+    .execute(&old_pool)
+    .await
+    .unwrap();
+    old_pool.close().await;
+    let (kind, message) = ctl(&old, &["--json", "status"]).await.error();
+    assert_eq!(kind, "missing_table", "{message}");
+    assert!(
+        message.contains("outbox_events.skipped_at") && message.contains("migrations"),
+        "{message}"
+    );
 
     // Unknown ids: named, nothing changed.
     let pool = &db.pool;
