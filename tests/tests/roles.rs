@@ -659,3 +659,73 @@ async fn migrate_under_a_non_owner_warns_on_an_up_to_date_schema_and_refuses_a_p
         .unwrap();
     drop_logins(&db.pool, &logins, &[&db.pool]).await;
 }
+
+/// `ops/sql/roles.sql` grants on the objects of the first schema of the
+/// search_path, and USAGE on that schema: a relay role reaching the tables
+/// through `search_path` in its URL has what it needs there, and nothing in
+/// `public`.
+#[tokio::test]
+async fn roles_sql_grants_in_the_schema_of_the_search_path() {
+    let db = TestDb::new().await.unwrap();
+    let tag = db.name().trim_start_matches("outbox_test_")[20..].to_owned();
+    let schema = format!("tenant_{tag}");
+    let sql = format!("create schema {schema}");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let in_schema = |url: &str| format!("{url}?options=-csearch_path%3D{schema}");
+    let owner = PgPool::connect(&in_schema(db.url())).await.unwrap();
+    outbox_pg::migrate(&owner).await.unwrap();
+    for _ in 0..2 {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(ROLES_SQL))
+            .execute(&owner)
+            .await
+            .unwrap();
+    }
+    let relay = format!("relay_s{tag}");
+    let sql = format!("create role {relay} login; grant outbox_relay to {relay}");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(&owner)
+        .await
+        .unwrap();
+
+    let as_relay = PgPool::connect(&in_schema(&as_user(db.url(), &relay)))
+        .await
+        .unwrap();
+    let required = outbox_publisher::required_privileges(&outbox_publisher::RelayConfig::default());
+    outbox_pg::check_privileges(&as_relay, &required, "outbox_relay")
+        .await
+        .unwrap();
+    outbox_pg::migrate(&as_relay).await.unwrap();
+    let granted: bool = sqlx::query_scalar(
+        "select has_table_privilege(to_regclass('outbox_events'), 'UPDATE')
+            and has_schema_privilege(current_schema(), 'USAGE')
+            and not has_table_privilege(to_regclass('public.outbox_events'), 'UPDATE')",
+    )
+    .fetch_one(&as_relay)
+    .await
+    .unwrap();
+    assert!(granted);
+    // Taken away in that schema: named.
+    sqlx::query("revoke update on outbox_events from outbox_relay")
+        .execute(&owner)
+        .await
+        .unwrap();
+    let err = outbox_pg::check_privileges(&as_relay, &required, "outbox_relay")
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), outbox_pg::ErrorKind::Privilege);
+    assert!(
+        err.to_string().contains(&format!(
+            "role `{relay}` lacks UPDATE on table outbox_events"
+        )),
+        "{err}"
+    );
+    as_relay.close().await;
+    let sql = format!("drop owned by {relay}; drop role {relay}");
+    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(&owner)
+        .await;
+    owner.close().await;
+}
