@@ -26,7 +26,8 @@
 //!   attempt and never dead-lettered; granted again, the event is handled.
 //! - `outbox_pg::migrate_with` under a non-owner: an up-to-date schema only
 //!   warns; a pending migration is a `Privilege` error saying to migrate as
-//!   the owner.
+//!   the owner. Each group role holds exactly its grants.
+//! - In a schema reached through `search_path`, roles.sql grants there.
 //!
 //! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
 //! before the tests run.
