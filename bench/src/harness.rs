@@ -768,8 +768,10 @@ mod tests {
 
     #[test]
     fn phases_from_prometheus_text() {
-        let text = "# TYPE outbox_batch_phase_seconds summary\n\
-            outbox_batch_phase_seconds{phase=\"claim\",quantile=\"0.5\"} 0.01\n\
+        // As outbox-relay serves it: a histogram with buckets.
+        let text = "# TYPE outbox_batch_phase_seconds histogram\n\
+            outbox_batch_phase_seconds_bucket{phase=\"claim\",le=\"0.25\"} 10\n\
+            outbox_batch_phase_seconds_bucket{phase=\"claim\",le=\"+Inf\"} 10\n\
             outbox_batch_phase_seconds_sum{phase=\"claim\"} 1.5\n\
             outbox_batch_phase_seconds_count{phase=\"claim\"} 10\n\
             outbox_batch_phase_seconds_sum{phase=\"publish\"} 4.5\n\

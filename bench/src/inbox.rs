@@ -1297,6 +1297,8 @@ mod tests {
     fn billing_counters_from_prometheus_text() {
         let text = "# TYPE inbox_handled_total counter\n\
             inbox_handled_total{consumer=\"billing\",event_type=\"subscription.created\"} 20000\n\
+            # TYPE inbox_handler_duration_seconds histogram\n\
+            inbox_handler_duration_seconds_bucket{consumer=\"billing\",event_type=\"subscription.created\",le=\"0.005\"} 19000\n\
             inbox_handler_duration_seconds_sum{consumer=\"billing\",event_type=\"subscription.created\"} 40\n\
             inbox_handler_duration_seconds_count{consumer=\"billing\",event_type=\"subscription.created\"} 20000\n\
             outbox_published_total{event_type=\"invoice.created\"} 19000\n";
