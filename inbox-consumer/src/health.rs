@@ -7,6 +7,7 @@
 //! `outbox_publisher::cli::OpsServer`):
 //!
 //! ```no_run
+//! # #[allow(dead_code)]
 //! # async fn f(pool: sqlx::PgPool, nats: async_nats::Client) {
 //! let readiness = inbox_consumer::Readiness::new(pool, nats, "OUTBOX", "billing");
 //! let report = readiness.check().await;

@@ -138,8 +138,10 @@
 //!   secrets from env or files, TLS, and shutdown on a signal, for a consumer
 //!   binary. Add a sqlx TLS backend to the binary for PostgreSQL TLS.
 //!
-//! Metrics (through the `metrics` facade, a no-op without a recorder) and
-//! tracing are always compiled in.
+//! Metrics (through the `metrics` facade, a no-op without a recorder;
+//! see [`metrics`], lag gauges included) and tracing are always compiled in,
+//! as is [`Readiness`], the checks for a readiness probe (database, NATS,
+//! stream, durable consumer).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(warnings))))]
 

@@ -8,6 +8,7 @@
 //! own HTTP server, or use the binaries' (`cli::OpsServer`, feature `cli`).
 //!
 //! ```no_run
+//! # #[allow(dead_code)]
 //! # async fn f(pool: sqlx::PgPool, nats: async_nats::Client) {
 //! let readiness = outbox_publisher::Readiness::new(pool, nats, "OUTBOX");
 //! let report = readiness.check().await;

@@ -56,9 +56,11 @@
 //! - `cli` (off by default): the `outbox-relay` binary and the helpers
 //!   binaries share (`cli`: database and NATS flags with secrets from env or
 //!   files, logging, signal shutdown; PostgreSQL TLS through sqlx's rustls
-//!   backend), with clap,
+//!   backend; `cli::OpsServer`, the `/metrics`, `/healthz` and `/readyz`
+//!   endpoint), with clap, axum,
 //!   the Prometheus exporter and tracing-subscriber. A library user's build
-//!   compiles none of them. `cargo install outbox-publisher --features cli`
+//!   compiles none of them; [`Readiness`] (the checks behind `/readyz`) is
+//!   in the default build, for a service's own server. `cargo install outbox-publisher --features cli`
 //!   installs the binary.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(warnings))))]
