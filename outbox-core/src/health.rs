@@ -9,7 +9,7 @@
 //! [`to_json`](Report::to_json) when [`Report::is_ready`], 503 otherwise:
 //!
 //! ```json
-//! {"ready":false,"checks":{"database":{"ok":true},"broker":{"ok":false,"error":"not connected to NATS (state: disconnected)"}}}
+//! {"checks":{"broker":{"error":"not connected to NATS (state: disconnected)","ok":false},"database":{"ok":true}},"ready":false}
 //! ```
 
 use std::fmt;
