@@ -26,7 +26,8 @@ use crate::error::{Error, ErrorKind, Result};
 /// `Debug` redacts every secret, and a password or token in the URL.
 #[derive(Clone, clap::Args)]
 pub struct NatsArgs {
-    /// NATS server URL(s), comma-separated.
+    /// NATS server URL(s), comma-separated: every node of a cluster
+    /// (`nats://a:4222,nats://b:4222,nats://c:4222`).
     #[arg(
         long,
         env = "NATS_URL",
@@ -125,6 +126,17 @@ impl NatsArgs {
     /// The URL(s) with any password or token masked, for logs.
     pub fn redacted_url(&self) -> String {
         redact_nats_url(&self.nats_url)
+    }
+
+    /// The server URLs of `--nats-url`: split on commas, whitespace trimmed,
+    /// empty entries dropped (`"nats://a:4222, nats://b:4222"` is two
+    /// servers), as the `nats` CLI and the other NATS clients read it.
+    ///
+    /// The client is given all of them: it connects to one, and after a
+    /// disconnect tries the others and the servers the cluster announced
+    /// since, so a node that dies does not take the connection with it.
+    pub fn server_urls(&self) -> Vec<String> {
+        split_urls(&self.nats_url)
     }
 
     /// The password, from `--nats-password` or its file.
@@ -248,16 +260,27 @@ impl NatsArgs {
     /// (the client keeps retrying, publishes fail fast meanwhile), so a
     /// broker that is down does not stop the process.
     ///
+    /// Every URL of `--nats-url` is given to the client
+    /// ([`server_urls`](Self::server_urls)); the first attempt tries each.
+    ///
     /// # Errors
-    /// As [`NatsArgs::connect_options`]; [`ErrorKind::Broker`] if the server
+    /// As [`NatsArgs::connect_options`]; [`ErrorKind::Config`] if
+    /// `--nats-url` names no server; [`ErrorKind::Broker`] if the server
     /// refuses the credentials (authorization violation) or the TLS handshake
     /// fails, or the URL is invalid.
     pub async fn connect(&self, name: &str) -> Result<async_nats::Client> {
         let shown = self.redacted_url();
+        let urls = self.server_urls();
+        if urls.is_empty() {
+            return Err(Error::new(
+                ErrorKind::Config,
+                "--nats-url (NATS_URL) names no server",
+            ));
+        }
         let first = self
             .connect_options(name)
             .await?
-            .connect(self.nats_url.as_str())
+            .connect(urls.as_slice())
             .await;
         let error = match first {
             Ok(client) => {
@@ -293,7 +316,7 @@ impl NatsArgs {
         self.connect_options(name)
             .await?
             .retry_on_initial_connect()
-            .connect(self.nats_url.as_str())
+            .connect(urls.as_slice())
             .await
             .map_err(|e| {
                 Error::new(
@@ -303,6 +326,15 @@ impl NatsArgs {
                 .with_source(e)
             })
     }
+}
+
+/// A comma-separated list of URLs, each trimmed, empty entries dropped.
+fn split_urls(urls: &str) -> Vec<String> {
+    urls.split(',')
+        .map(str::trim)
+        .filter(|url| !url.is_empty())
+        .map(str::to_owned)
+        .collect()
 }
 
 /// Whether the connection failed in the TLS handshake: a certificate not
@@ -401,6 +433,49 @@ mod tests {
                 "{inline}"
             );
         }
+    }
+
+    #[test]
+    fn a_comma_separated_url_is_every_node_of_a_cluster() {
+        let args = parse(&[
+            "--nats-url",
+            " nats://a:4222, nats://b:4222 ,,nats://c:4222 ",
+        ])
+        .unwrap();
+        assert_eq!(
+            args.server_urls(),
+            ["nats://a:4222", "nats://b:4222", "nats://c:4222"]
+        );
+        assert_eq!(
+            NatsArgs::new("nats://127.0.0.1:4222").server_urls(),
+            ["nats://127.0.0.1:4222"]
+        );
+        assert!(NatsArgs::new(" , ").server_urls().is_empty());
+        // Each is a server address async-nats accepts.
+        for url in args.server_urls() {
+            url.parse::<async_nats::ServerAddr>().unwrap();
+        }
+    }
+
+    #[test]
+    fn every_url_of_the_list_is_redacted() {
+        let args = NatsArgs::new(
+            "nats://u:pw-a@a:4222, nats://tok-b@b:4222,tls://u:pw-c@c:4222,nats://d:4222",
+        );
+        let shown = format!("{} {args:?}", args.redacted_url());
+        for secret in ["pw-a", "tok-b", "pw-c"] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        for host in ["@a:4222", "@b:4222", "@c:4222", "nats://d:4222"] {
+            assert!(shown.contains(host), "{host} missing from {shown}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_url_list_naming_no_server_is_a_config_error() {
+        let err = NatsArgs::new(", ,").connect("t").await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config);
+        assert!(err.to_string().contains("--nats-url"), "{err}");
     }
 
     #[tokio::test]
