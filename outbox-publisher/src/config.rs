@@ -26,6 +26,10 @@ pub struct RelayConfig {
     pub(crate) prune_interval: Duration,
     pub(crate) prune_batch: i64,
     pub(crate) batch_bytes: usize,
+    pub(crate) audit_horizon: Option<Duration>,
+    pub(crate) audit_interval: Duration,
+    pub(crate) audit_rows: usize,
+    pub(crate) require_durable: bool,
 }
 
 impl Default for RelayConfig {
@@ -46,6 +50,10 @@ impl Default for RelayConfig {
             prune_interval: Duration::from_secs(60),
             prune_batch: 1_000,
             batch_bytes: 8 * 1024 * 1024,
+            audit_horizon: Some(crate::audit::DEFAULT_HORIZON),
+            audit_interval: Duration::from_secs(30),
+            audit_rows: 2_000,
+            require_durable: false,
         }
     }
 }
@@ -161,6 +169,50 @@ impl RelayConfig {
         self
     }
 
+    /// How far back the audit reads published rows' messages from the stream
+    /// (see [`audit`](crate::audit)): rows published within this horizon and
+    /// longer ago than the stream's duplicate window plus
+    /// [`SETTLE_MARGIN`](crate::audit::SETTLE_MARGIN). `None` turns the audit
+    /// off (warned at start, refused with [`require_durable`](Self::require_durable)).
+    /// Default 15 min. Only a relay on JetStream ([`Relay::jetstream`](crate::Relay::jetstream))
+    /// audits.
+    #[must_use]
+    pub fn audit_horizon(mut self, horizon: Option<Duration>) -> Self {
+        self.audit_horizon = horizon;
+        self
+    }
+
+    /// Pause between audit passes. Default 30 s.
+    #[must_use]
+    pub fn audit_interval(mut self, d: Duration) -> Self {
+        self.audit_interval = d;
+        self
+    }
+
+    /// Bound on the rows one audit pass checks (the rest wait for the next
+    /// pass). Default 2,000.
+    #[must_use]
+    pub fn audit_rows(mut self, n: usize) -> Self {
+        self.audit_rows = n;
+        self
+    }
+
+    /// Refuse to start on a durability that can lose acknowledged events:
+    /// a stream with one replica or memory storage, or the audit off.
+    /// Default off (each is a warning at start).
+    #[must_use]
+    pub fn require_durable(mut self, on: bool) -> Self {
+        self.require_durable = on;
+        self
+    }
+
+    /// The longest a republish of a row can come after its first publish
+    /// (lease plus publish timeout): the stream's duplicate window must be
+    /// longer, so that the republish is dropped as a duplicate.
+    pub fn republish_horizon(&self) -> Duration {
+        self.lease + self.publish_timeout
+    }
+
     /// Checks ranges and relations between settings.
     ///
     /// # Errors
@@ -207,6 +259,15 @@ impl RelayConfig {
         }
         if self.batch_bytes == 0 {
             return bad("batch bytes must be positive".into());
+        }
+        if self.audit_horizon.is_some_and(|h| h.is_zero()) {
+            return bad("audit horizon must be positive (or disabled)".into());
+        }
+        if self.audit_interval.is_zero() {
+            return bad("audit interval must be positive".into());
+        }
+        if self.audit_rows == 0 {
+            return bad("audit rows per pass must be at least 1".into());
         }
         if self.retention.is_some_and(|r| r.is_zero()) {
             return bad("retention window must be positive (or disabled)".into());

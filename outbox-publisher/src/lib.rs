@@ -65,6 +65,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(warnings))))]
 
+pub mod audit;
 mod backoff;
 #[cfg(feature = "cli")]
 pub mod cli;

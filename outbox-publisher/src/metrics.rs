@@ -22,6 +22,9 @@
 //! | `outbox_oldest_unpublished_age_seconds` | gauge | |
 //! | `outbox_relay_database_up` | gauge | 1 while the relay's last database round trip succeeded, else 0 |
 //! | `outbox_relay_broker_up` | gauge | 1 while NATS is connected and publishes are acked, else 0 |
+//! | `outbox_audit_checked_total` | counter | (published rows whose message the audit read back) |
+//! | `outbox_audit_republished_total` | counter | (rows whose message the stream lost, made unpublished again; once per row) |
+//! | `outbox_audit_lag_seconds` | gauge | (age of the oldest audit mark: rows published after it wait for their check; at least the duplicate window plus 30 s) |
 //!
 //! The table-wide gauges (backlog, past cap, oldest age) are reported by one
 //! relay, the owner of shard 0, every `stats_interval`; the `_up` gauges by
@@ -68,6 +71,9 @@ pub const NAMES: &[&str] = &[
     OLDEST_AGE,
     DATABASE_UP,
     BROKER_UP,
+    crate::audit::CHECKED,
+    crate::audit::REPUBLISHED,
+    crate::audit::LAG,
 ];
 
 /// Registers descriptions and units with the installed recorder. Call once
@@ -113,6 +119,19 @@ pub fn describe() {
     describe_gauge!(
         DATABASE_UP,
         "1 while the relay's last database round trip succeeded, else 0"
+    );
+    describe_counter!(
+        crate::audit::CHECKED,
+        "Published rows whose message the audit read back from the stream"
+    );
+    describe_counter!(
+        crate::audit::REPUBLISHED,
+        "Rows whose acknowledged message the stream lost, made unpublished again to be republished"
+    );
+    describe_gauge!(
+        crate::audit::LAG,
+        Unit::Seconds,
+        "Age of the oldest audit mark (rows published since wait for their check)"
     );
     describe_gauge!(
         BROKER_UP,

@@ -25,15 +25,48 @@ pub struct OutgoingMessage {
 }
 
 /// The broker's acknowledgement of a stored message.
+///
+/// The relay keeps the position (`stream`, `sequence`) on the row
+/// (`published_stream`, `published_seq`), where the audit reads the message
+/// back. A sink whose broker has no such position leaves `stream` empty or
+/// `sequence` 0 ([`PublishAck::without_position`]): its rows are marked
+/// published without one and are not audited.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PublishAck {
-    /// The stream that stored it.
+    /// The stream that stored it; empty when the sink reports no position.
     pub stream: String,
-    /// Its sequence in the stream.
+    /// Its sequence in the stream (from 1); 0 when the sink reports no
+    /// position. For a duplicate, the sequence of the message already stored.
     pub sequence: u64,
     /// The stream already held a message with this id (a republish): it was
     /// not stored again, and the event counts as published.
     pub duplicate: bool,
+}
+
+impl PublishAck {
+    /// An ack that says where the message is stored.
+    pub fn new(stream: impl Into<String>, sequence: u64, duplicate: bool) -> Self {
+        Self {
+            stream: stream.into(),
+            sequence,
+            duplicate,
+        }
+    }
+
+    /// An ack from a broker without stream positions.
+    pub fn without_position(duplicate: bool) -> Self {
+        Self {
+            stream: String::new(),
+            sequence: 0,
+            duplicate,
+        }
+    }
+
+    /// The stream and sequence the message is stored at, if the sink said.
+    pub fn position(&self) -> Option<(&str, u64)> {
+        (!self.stream.is_empty() && self.sequence > 0)
+            .then_some((self.stream.as_str(), self.sequence))
+    }
 }
 
 /// Why a publish failed.

@@ -186,6 +186,13 @@ pub(crate) struct ClaimRequest<'a> {
     pub(crate) max_message: usize,
 }
 
+/// Where the broker stored a message: a PubAck's stream and sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Position {
+    pub(crate) stream: String,
+    pub(crate) sequence: u64,
+}
+
 /// A failed publish, to be recorded on its row.
 #[derive(Debug, Clone)]
 pub(crate) struct Failure {
@@ -284,15 +291,32 @@ impl Store {
         Ok(out)
     }
 
-    pub(crate) async fn mark_published(&self, ids: &[Uuid]) -> Result<u64> {
-        if ids.is_empty() {
+    /// Marks rows published, each with the stream position of its PubAck
+    /// (`None` when the sink reports none).
+    pub(crate) async fn mark_published(&self, rows: &[(Uuid, Option<Position>)]) -> Result<u64> {
+        if rows.is_empty() {
             return Ok(0);
         }
-        sqlx::query_file!("queries/mark_published.sql", ids)
-            .execute(&self.pool)
-            .await
-            .map(|r| r.rows_affected())
-            .map_err(|e| Error::database("marking rows published", e))
+        let ids: Vec<Uuid> = rows.iter().map(|r| r.0).collect();
+        let streams: Vec<Option<&str>> = rows
+            .iter()
+            .map(|r| r.1.as_ref().map(|p| p.stream.as_str()))
+            .collect();
+        let seqs: Vec<Option<i64>> = rows
+            .iter()
+            .map(|r| r.1.as_ref().and_then(|p| i64::try_from(p.sequence).ok()))
+            .collect();
+        sqlx::query_file!(
+            "queries/mark_published.sql",
+            &ids,
+            // Elements may be NULL (the macro expects `&[String]`, `&[i64]`).
+            &streams as &[Option<&str>],
+            &seqs as &[Option<i64>],
+        )
+        .execute(&self.pool)
+        .await
+        .map(|r| r.rows_affected())
+        .map_err(|e| Error::database("marking rows published", e))
     }
 
     /// Records failures; returns the rows that reached the cap.

@@ -15,6 +15,12 @@
 //! PostgreSQL TLS through the URL (`?sslmode=verify-full&sslrootcert=ca.pem`),
 //! NATS TLS through `--nats-tls-ca` (and `--nats-tls-cert`/`--nats-tls-key`).
 //!
+//! At start the relay logs the durability in force (stream replicas, storage,
+//! duplicate window against lease + publish timeout, the audit) and warns on
+//! each setting that can lose acknowledged events; `--require-durable` refuses
+//! to start on them instead. The audit (`--audit-horizon`, default 15m)
+//! republishes rows whose acknowledged message the stream lost.
+//!
 //! Run as many replicas as you like against one table. SIGTERM or ctrl-c
 //! finishes the current batch and exits 0. `--once` drains the table and exits
 //! (0 when every claimed row was published, 1 when some failed and wait in
@@ -108,6 +114,22 @@ struct Args {
     #[arg(long, env = "OUTBOX_RETENTION", default_value = "7d", value_parser = humantime::parse_duration)]
     retention: Duration,
 
+    /// Audit rows published within this horizon: read each one's message back
+    /// from the stream by its PubAck sequence and publish again a row whose
+    /// message the stream lost (rows younger than the duplicate window plus
+    /// 30 s wait). 0 disables the audit.
+    #[arg(long, env = "OUTBOX_AUDIT_HORIZON", default_value = "15m", value_parser = humantime::parse_duration)]
+    audit_horizon: Duration,
+
+    /// Pause between audit passes.
+    #[arg(long, env = "OUTBOX_AUDIT_INTERVAL", default_value = "30s", value_parser = humantime::parse_duration)]
+    audit_interval: Duration,
+
+    /// Refuse to start on a durability that can lose acknowledged events: a
+    /// stream with 1 replica or memory storage, or the audit disabled.
+    #[arg(long, env = "OUTBOX_REQUIRE_DURABLE")]
+    require_durable: bool,
+
     /// Drain the table, then exit.
     #[arg(long)]
     once: bool,
@@ -187,7 +209,10 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .backoff_max(args.max_backoff)
         .publish_timeout(args.publish_timeout)
         .lease(args.lease)
-        .retention((!args.retention.is_zero()).then_some(args.retention));
+        .retention((!args.retention.is_zero()).then_some(args.retention))
+        .audit_horizon((!args.audit_horizon.is_zero()).then_some(args.audit_horizon))
+        .audit_interval(args.audit_interval)
+        .require_durable(args.require_durable);
     config.validate()?;
 
     let pool = args

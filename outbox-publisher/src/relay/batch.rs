@@ -27,7 +27,7 @@ use super::{BatchReport, Relay, message};
 use crate::error::Result;
 use crate::metrics;
 use crate::sink::{PublishFailure, Sink};
-use crate::store::{Blocker, ClaimRequest, ClaimedRow, Failure};
+use crate::store::{Blocker, ClaimRequest, ClaimedRow, Failure, Position};
 
 /// Rows a claim may read from one shard, whatever the batch is split over.
 const MIN_PER_SHARD: usize = 16;
@@ -37,6 +37,8 @@ const MIN_PER_SHARD: usize = 16;
 enum Outcome {
     Published {
         duplicate: bool,
+        /// Where the broker stored it, if the sink said.
+        position: Option<Position>,
     },
     Failed(PublishFailure),
     /// A broker fault, or not tried.
@@ -142,15 +144,18 @@ impl<S: Sink> Relay<S> {
             .await;
         metrics::phase("publish", started.elapsed());
 
-        let mut published: Vec<Uuid> = Vec::new();
+        let mut published: Vec<(Uuid, Option<Position>)> = Vec::new();
         let mut woken: Vec<String> = Vec::new();
         let mut failures: Vec<Failure> = Vec::new();
         let mut broker_faults = 0;
         let mut first_fault: Option<String> = None;
         for (row, outcome) in results.into_iter().flatten() {
             match outcome {
-                Outcome::Published { duplicate } => {
-                    published.push(row.id);
+                Outcome::Published {
+                    duplicate,
+                    position,
+                } => {
+                    published.push((row.id, position));
                     report.duplicates += usize::from(duplicate);
                     if row.retry {
                         woken.push(row.subject);
@@ -259,17 +264,28 @@ impl<S: Sink> Relay<S> {
             }
             let started = Instant::now();
             let result = match message::to_message(&row, max_payload) {
-                Ok(m) => self.sink.publish(m).await.map(|ack| ack.duplicate),
+                Ok(m) => self.sink.publish(m).await,
                 Err(e) => Err(e),
             };
             match result {
-                Ok(duplicate) => {
+                Ok(ack) => {
+                    let duplicate = ack.duplicate;
+                    let position = ack.position().map(|(stream, sequence)| Position {
+                        stream: stream.to_owned(),
+                        sequence,
+                    });
                     let since_commit = row
                         .created_at
                         .and_then(|t| (chrono::Utc::now() - t).to_std().ok())
                         .unwrap_or_default();
                     metrics::published(&row.event_type, duplicate, started.elapsed(), since_commit);
-                    out.push((row, Outcome::Published { duplicate }));
+                    out.push((
+                        row,
+                        Outcome::Published {
+                            duplicate,
+                            position,
+                        },
+                    ));
                 }
                 Err(failure) => {
                     debug!(event_id = %row.id, subject = %row.subject, error = %failure, "publish failed");

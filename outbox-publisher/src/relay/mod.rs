@@ -85,7 +85,9 @@ use crate::sink::{JetStreamSink, Sink};
 use crate::store::Store;
 use crate::stream::StreamSpec;
 
+mod audit;
 mod batch;
+mod durability;
 mod horizon;
 mod listen;
 mod maintenance;
@@ -148,6 +150,7 @@ pub struct Relay<S = JetStreamSink> {
     shards: shards::Shards,
     broker_up: AtomicBool,
     db_up: AtomicBool,
+    audit: Option<crate::audit::Audit>,
 }
 
 /// The privileges a relay with `config` needs: SELECT and UPDATE on
@@ -203,7 +206,10 @@ impl Relay<JetStreamSink> {
     /// [`ErrorKind::Privilege`] if the role lacks a privilege the relay needs;
     /// [`ErrorKind::Config`] for an invalid config, or a stream whose
     /// duplicate window is not longer than the lease plus the publish timeout
-    /// (a republish after a takeover would be stored twice);
+    /// (a republish after a takeover would be stored twice), or, with
+    /// [`RelayConfig::require_durable`], a stream with one replica or memory
+    /// storage or the audit off (the durability in force is logged first,
+    /// with a warning per risk);
     /// [`ErrorKind::Stream`] / [`ErrorKind::Broker`] from [`StreamSpec::ensure`].
     pub async fn jetstream(
         pool: PgPool,
@@ -215,7 +221,14 @@ impl Relay<JetStreamSink> {
         check_privileges(&pool, &config).await?;
         let sink = JetStreamSink::new(client, config.publish_timeout).expect_stream(stream.name());
         let existing = stream.ensure(sink.context()).await?;
-        let needed = config.lease + config.publish_timeout;
+        // The audit reads on a connection of its own, never a worker's.
+        let audit_pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(pool.options().get_acquire_timeout())
+            .connect_lazy_with((*pool.connect_options()).clone());
+        let audit = crate::audit::Audit::from_config(audit_pool, sink.context().clone(), &existing);
+        let audit = durability::state(&existing, &config, audit)?;
+        let needed = config.republish_horizon();
         if existing.duplicate_window <= needed {
             return Err(Error::new(
                 ErrorKind::Config,
@@ -228,7 +241,9 @@ impl Relay<JetStreamSink> {
             ));
         }
         let sink = sink.captures(existing.subjects.clone());
-        Self::new(pool, sink, config)
+        let mut relay = Self::new(pool, sink, config)?;
+        relay.audit = audit;
+        Ok(relay)
     }
 
     /// Sets up a JetStream relay as [`Relay::jetstream`] does and runs it until
@@ -336,6 +351,7 @@ impl<S: Sink> Relay<S> {
             config,
             broker_up: AtomicBool::new(true),
             db_up: AtomicBool::new(true),
+            audit: None,
         })
     }
 
@@ -361,7 +377,8 @@ impl<S: Sink> Relay<S> {
     }
 
     /// Runs until `shutdown` is cancelled: shard ownership, the publisher
-    /// workers, the LISTEN wake-ups, the backlog gauges and the pruner. On
+    /// workers, the LISTEN wake-ups, the backlog gauges, the pruner and the
+    /// audit ([`crate::audit`], on a relay built by [`Relay::jetstream`]). On
     /// shutdown each worker finishes its batch (every publish in it is
     /// bounded) and marks it, the shards are given back, then `run` returns.
     ///
@@ -391,6 +408,7 @@ impl<S: Sink> Relay<S> {
             self.listen_loop(&wake, &shutdown),
             self.stats_loop(&shutdown),
             self.prune_loop(&shutdown),
+            self.audit_loop(&shutdown),
         );
         info!("outbox relay stopped");
         Ok(())

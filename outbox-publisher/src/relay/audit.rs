@@ -1,0 +1,119 @@
+//! The relay's audit task: every `audit_interval`, the rows of the shards
+//! this relay owns that were published within the audit horizon and longer
+//! ago than the stream's duplicate window (plus a margin) are read back from
+//! the stream by their PubAck's sequence and checked (see
+//! [`crate::audit`]). A lost one is made unpublished again, in the retry
+//! lane, and the relay's workers publish it again with the same id.
+//!
+//! Replicas split the work as they split the shards. Each shard is read from
+//! a keyset mark (`published_at`, `id`) past the last row checked, so a row is
+//! checked once per relay start; a shard taken over starts at the horizon. A
+//! pass checks at most `audit_rows` rows on a connection of its own, so it
+//! never holds up a batch. A pass that fails (the broker not reachable, a
+//! timeout, a database error) judges nothing and moves no mark: the same rows
+//! are checked at the next pass.
+
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::Relay;
+use crate::audit::{self, Audit, Marks};
+use crate::error::Result;
+use crate::sink::Sink;
+
+/// Rows read from the table per page of a pass.
+const PAGE: usize = 256;
+
+impl<S: Sink> Relay<S> {
+    pub(super) async fn audit_loop(&self, shutdown: &CancellationToken) {
+        let (Some(audit), Some(horizon)) = (&self.audit, self.config.audit_horizon) else {
+            return;
+        };
+        audit::register_metrics();
+        let mut marks = Marks::default();
+        let mut failing = false;
+        while !shutdown.is_cancelled() {
+            let pass = self.audit_pass(audit, horizon, &mut marks);
+            let result = tokio::select! {
+                () = shutdown.cancelled() => break,
+                result = pass => result,
+            };
+            match result {
+                Ok((checked, lost)) => {
+                    if failing {
+                        info!(stream = audit.stream(), "audit passes again");
+                        failing = false;
+                    }
+                    debug!(checked, lost, "audit pass done");
+                }
+                Err(e) => {
+                    if !failing {
+                        warn!(stream = audit.stream(), error = %e, "audit pass failed; nothing judged, retrying at the next interval");
+                        failing = true;
+                    } else {
+                        debug!(error = %e, "audit pass failed again");
+                    }
+                }
+            }
+            tokio::select! {
+                () = tokio::time::sleep(self.config.audit_interval) => {}
+                () = shutdown.cancelled() => {}
+            }
+        }
+    }
+
+    /// One pass over the owned shards; returns rows checked and found lost.
+    async fn audit_pass(
+        &self,
+        audit: &Audit,
+        horizon: Duration,
+        marks: &mut Marks,
+    ) -> Result<(u64, u64)> {
+        let now = Utc::now();
+        let until = audit.settled_before(now);
+        let from = chrono::Duration::from_std(horizon)
+            .ok()
+            .and_then(|h| now.checked_sub_signed(h))
+            .unwrap_or(until);
+        let owned = self.shards.owned();
+        let mut marks_now = marks.for_shards(&owned, from);
+        let (mut checked, mut lost) = (0_u64, 0_u64);
+        let started = Instant::now();
+        while from < until && checked < self.config.audit_rows as u64 && !marks_now.is_empty() {
+            let page = PAGE.min(self.config.audit_rows - checked as usize).max(1);
+            let rows = audit
+                .rows(&marks_now, until, i64::try_from(page).unwrap_or(i64::MAX))
+                .await?;
+            let full = rows.len() >= page;
+            let last = rows.last().map(|r| (r.published_at, r.id));
+            let shards: Vec<i16> = marks_now.iter().map(|m| m.0).collect();
+            for row in audit.check(rows).await? {
+                checked += 1;
+                audit::checked();
+                if audit.republish(&row).await? {
+                    lost += 1;
+                }
+            }
+            match last {
+                Some(to) if full => {
+                    marks.advance(&shards, to);
+                    marks_now = marks.for_shards(&owned, from);
+                }
+                _ => {
+                    // Every row up to `until` is checked.
+                    marks.advance(&shards, (until, uuid::Uuid::max()));
+                    break;
+                }
+            }
+        }
+        if let Some(oldest) = marks.oldest() {
+            let lag = (Utc::now() - oldest).to_std().unwrap_or_default();
+            audit::lag(lag.as_secs_f64());
+        }
+        debug!(checked, lost, took = ?started.elapsed(), "audit pass");
+        Ok((checked, lost))
+    }
+}
