@@ -721,3 +721,59 @@ async fn subscriptions_serves_the_relays_metrics_and_readiness() {
         check_name(&name, &kind).unwrap();
     }
 }
+
+/// `outbox_relay_database_up` and `/readyz` follow PostgreSQL going away and
+/// coming back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relays_database_gauge_and_readiness_follow_postgres() {
+    let mut pg = tokio::task::spawn_blocking(outbox_testkit::PgServer::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let db = TestDb::on(&pg).await.unwrap();
+    let broker = outbox_testkit::nats().unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("outbox-ops-pg-")
+        .tempdir()
+        .unwrap();
+    let mut relay = Proc::spawn(
+        "outbox-relay",
+        "outbox-relay",
+        dir.path(),
+        &[("DATABASE_URL", db.url()), ("NATS_URL", broker.url())],
+        &["--stream", "OPS_PG", "--subjects", "opspg.>"],
+    );
+    relay
+        .wait_for("outbox_relay_database_up 1", "/metrics", |_, b| {
+            b.contains("outbox_relay_database_up 1")
+        })
+        .await;
+    relay
+        .wait_for("readiness", "/readyz", |s, _| s == 200)
+        .await;
+
+    tokio::task::block_in_place(|| pg.stop()).unwrap();
+    relay
+        .wait_for("outbox_relay_database_up 0", "/metrics", |_, b| {
+            b.contains("outbox_relay_database_up 0")
+        })
+        .await;
+    let (_, body) = relay
+        .wait_for("503 naming the database", "/readyz", |s, _| s == 503)
+        .await;
+    let report: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(report["checks"]["database"]["ok"], false, "{body}");
+    assert_eq!(report["checks"]["broker"]["ok"], true, "{body}");
+
+    tokio::task::block_in_place(|| pg.start_again()).unwrap();
+    relay
+        .wait_for("outbox_relay_database_up 1 again", "/metrics", |_, b| {
+            b.contains("outbox_relay_database_up 1")
+        })
+        .await;
+    relay
+        .wait_for("readiness after PostgreSQL restarted", "/readyz", |s, _| {
+            s == 200
+        })
+        .await;
+}

@@ -12,6 +12,7 @@ impl<S: Sink> Relay<S> {
     pub(super) async fn stats_loop(&self, shutdown: &CancellationToken) {
         while !shutdown.is_cancelled() {
             // Every relay reports its own reachability.
+            self.probe_database().await;
             self.report_health();
             // One relay reports the table-wide figures: the owner of shard 0.
             if self.shards.owned().contains(&0) {

@@ -7,15 +7,23 @@
 //! up while NATS is connected and the last publishes were acked; a batch that
 //! finds nothing to publish while connected brings it back up, so an idle
 //! relay does not stay "down" after an outage it had nothing to publish in.
+//! A relay that runs no batches (it holds no shards, which is what a lost
+//! database session leads to, or the broker is down) pings its database
+//! every `stats_interval` instead, so the database gauge still follows.
 
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
-use tracing::info;
+use sqlx::Connection;
+use tracing::{info, warn};
 
 use super::{BatchReport, Relay};
 use crate::error::Result;
 use crate::metrics;
 use crate::sink::Sink;
+
+/// Bound on the database ping of an idle relay.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl<S: Sink> Relay<S> {
     /// After a batch: an empty one while connected means the broker is fine.
@@ -25,6 +33,28 @@ impl<S: Sink> Relay<S> {
             && !self.broker_up.swap(true, Ordering::Relaxed)
         {
             info!("broker connected again; nothing was waiting to publish");
+        }
+    }
+
+    /// Pings the database if no batch does it for us (no shards held, or
+    /// the broker down), bounded by [`PROBE_TIMEOUT`], and notes the result.
+    pub(super) async fn probe_database(&self) {
+        if !self.shards.owned().is_empty() && self.sink.is_available() {
+            return;
+        }
+        let ping = async { self.store.pool().acquire().await?.ping().await };
+        let result = tokio::time::timeout(PROBE_TIMEOUT, ping).await;
+        let up = matches!(result, Ok(Ok(())));
+        if self.db_up.swap(up, Ordering::Relaxed) != up {
+            match result {
+                Ok(Ok(())) => info!("outbox database available again"),
+                Ok(Err(e)) => {
+                    warn!(error = %e, "outbox database unavailable; retrying with backoff")
+                }
+                Err(_) => warn!(
+                    "outbox database unavailable: no answer within {PROBE_TIMEOUT:?}; retrying with backoff"
+                ),
+            }
         }
     }
 
