@@ -18,7 +18,7 @@
 //! counted (`outbox_audit_republished_total`) and logged at warn level once.
 //!
 //! **Which rows.** Only rows published longer ago than the stream's duplicate
-//! window plus [`SETTLE_MARGIN`]: a republish inside the window could be
+//! window plus a margin ([`settle_margin`]): a republish inside the window could be
 //! acked as a duplicate of the lost message (the server's dedupe map may still
 //! hold its id) and not stored, and the row would be marked with the lost
 //! position again. Past the window the id has left the dedupe map and the
@@ -57,10 +57,16 @@ use uuid::Uuid;
 
 use crate::error::{Error, ErrorKind, Result};
 
-/// Added to the stream's duplicate window before a row is audited, so the
-/// server has dropped its id from the dedupe map (and a slow mark has
-/// committed) by then.
+/// The most added to the stream's duplicate window before a row is audited,
+/// so the server has dropped its id from the dedupe map (and a slow mark has
+/// committed) by then: a quarter of the window, at least 1 s and at most
+/// this (30 s, so 2m30s for the default window of 2 minutes).
 pub const SETTLE_MARGIN: Duration = Duration::from_secs(30);
+
+/// The margin added to `duplicate_window` (see [`SETTLE_MARGIN`]).
+pub fn settle_margin(duplicate_window: Duration) -> Duration {
+    (duplicate_window / 4).clamp(Duration::from_secs(1), SETTLE_MARGIN)
+}
 
 /// The audit horizon of the relay by default: rows published within the last
 /// 15 minutes (and before the duplicate window) are audited.
@@ -267,9 +273,9 @@ impl Audit {
     }
 
     /// How long ago a row must have been published to be audited: the
-    /// duplicate window plus [`SETTLE_MARGIN`].
+    /// duplicate window plus [`settle_margin`].
     pub fn settle_age(&self) -> Duration {
-        self.duplicate_window + SETTLE_MARGIN
+        self.duplicate_window + settle_margin(self.duplicate_window)
     }
 
     /// Why this stream cannot be audited, if it cannot: it removes messages
@@ -295,7 +301,10 @@ impl Audit {
         if self.limits.max_age.is_zero() {
             return from;
         }
-        let keep = self.limits.max_age.saturating_sub(SETTLE_MARGIN);
+        let keep = self
+            .limits
+            .max_age
+            .saturating_sub(settle_margin(self.duplicate_window));
         let cut = chrono::Duration::from_std(keep)
             .ok()
             .and_then(|d| now.checked_sub_signed(d))

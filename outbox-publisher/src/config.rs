@@ -171,8 +171,8 @@ impl RelayConfig {
 
     /// How far back the audit reads published rows' messages from the stream
     /// (see [`audit`](crate::audit)): rows published within this horizon and
-    /// longer ago than the stream's duplicate window plus
-    /// [`SETTLE_MARGIN`](crate::audit::SETTLE_MARGIN). `None` turns the audit
+    /// longer ago than the stream's duplicate window plus a margin
+    /// ([`settle_margin`](crate::audit::settle_margin)). `None` turns the audit
     /// off (warned at start, refused with [`require_durable`](Self::require_durable)).
     /// Default 15 min. Only a relay on JetStream ([`Relay::jetstream`](crate::Relay::jetstream))
     /// audits.

@@ -24,7 +24,7 @@
 //! | `outbox_relay_broker_up` | gauge | 1 while NATS is connected and publishes are acked, else 0 |
 //! | `outbox_audit_checked_total` | counter | (published rows whose message the audit read back) |
 //! | `outbox_audit_republished_total` | counter | (rows whose message the stream lost, made unpublished again; once per row) |
-//! | `outbox_audit_lag_seconds` | gauge | (age of the oldest audit mark: rows published after it wait for their check; at least the duplicate window plus 30 s) |
+//! | `outbox_audit_lag_seconds` | gauge | (age of the oldest audit mark: rows published after it wait for their check; at least the duplicate window plus its margin) |
 //!
 //! The table-wide gauges (backlog, past cap, oldest age) are reported by one
 //! relay, the owner of shard 0, every `stats_interval`; the `_up` gauges by

@@ -17,6 +17,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// failing statement.
 const REQUIRED_COLUMNS: &[(&str, &str)] = &[
     ("outbox_events", "skipped_at"),
+    ("outbox_events", "published_seq"),
     ("inbox_dead_letters", "replay_count"),
 ];
 

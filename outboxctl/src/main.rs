@@ -8,6 +8,7 @@
 //! outboxctl prune [--dry-run]                         # outbox retention
 //! outboxctl inbox status | prune                      # per consumer
 //! outboxctl dead-letters list | show <id> | replay <id>… | purge --older-than 30d
+//! outboxctl audit [--since 1h] [--stream OUTBOX] [--republish]   # messages the stream lost after acking
 //! ```
 //!
 //! Every command prints JSON with `--json`. A wrong URL, a missing table or
@@ -15,6 +16,7 @@
 //! `{"error": {"kind": …, "message": …}}` on stdout); a wrong flag is exit
 //! status 2.
 
+mod audit;
 mod db;
 mod dead_letters;
 mod error;
@@ -68,6 +70,10 @@ enum Command {
     /// Messages consumers could not handle.
     #[command(subcommand, name = "dead-letters")]
     DeadLetters(dead_letters::Command),
+    /// Read published rows' messages back from the stream by sequence and
+    /// report those it lost after acking them; `--republish` has the relay
+    /// publish them again.
+    Audit(Box<audit::Args>),
 }
 
 async fn run(cli: Cli) -> Result<()> {
@@ -81,6 +87,7 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Prune(args) => outbox::prune::run(db, args, json).await,
         Command::Inbox(command) => inbox::run(db, command, json).await,
         Command::DeadLetters(command) => dead_letters::run(db, command, json).await,
+        Command::Audit(args) => audit::run(db, args, json).await,
     }
 }
 

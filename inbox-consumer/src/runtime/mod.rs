@@ -316,6 +316,7 @@ impl Consumer {
             &config.retry,
         );
         retention::check_window(config.retention.get_window(), redelivery)?;
+        state_durability(&config, stream.cached_info(), redelivery);
         if config.filter_subjects.is_empty() {
             tracing::info!(
                 consumer = %config.durable, stream = %config.stream,
@@ -500,5 +501,46 @@ struct AbortOnDrop(tokio::task::JoinHandle<()>);
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+/// The durability in force, stated once at start: the stream's replicas and
+/// storage, and the inbox retention window against the redelivery window (a
+/// redelivery later than the retention window would find its inbox row pruned
+/// and be handled twice; [`retention::check_window`] refuses that). A stream
+/// with one replica or memory storage is warned on: a crash or restart of its
+/// server can lose messages it acknowledged to their publisher (the relay's
+/// audit republishes them; the inbox drops the copies already handled).
+fn state_durability(
+    config: &ConsumerConfig,
+    info: &jetstream::stream::Info,
+    redelivery: Option<Duration>,
+) {
+    let stream = &info.config;
+    tracing::info!(
+        consumer = %config.durable,
+        stream = %config.stream,
+        replicas = stream.num_replicas,
+        storage = ?stream.storage,
+        inbox_retention = ?config.retention.get_window(),
+        redelivery_window = ?redelivery,
+        "durability: stream replicas and storage; inbox retention against the redelivery window \
+         (max_deliver × ack_wait/backoff and nak delays; none: unbounded)",
+    );
+    if stream.num_replicas <= 1 {
+        tracing::warn!(
+            consumer = %config.durable,
+            stream = %config.stream,
+            replicas = stream.num_replicas,
+            "durability: the stream has 1 replica: an unsynced crash of its server loses \
+             acknowledged messages; run 3 replicas in production",
+        );
+    }
+    if stream.storage == jetstream::stream::StorageType::Memory {
+        tracing::warn!(
+            consumer = %config.durable,
+            stream = %config.stream,
+            "durability: the stream keeps messages in memory: a restart of its servers loses them",
+        );
     }
 }

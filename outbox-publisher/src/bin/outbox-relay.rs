@@ -116,8 +116,8 @@ struct Args {
 
     /// Audit rows published within this horizon: read each one's message back
     /// from the stream by its PubAck sequence and publish again a row whose
-    /// message the stream lost (rows younger than the duplicate window plus
-    /// 30 s wait). 0 disables the audit.
+    /// message the stream lost (rows younger than the duplicate window plus a
+    /// quarter of it, 1–30 s, wait). 0 disables the audit.
     #[arg(long, env = "OUTBOX_AUDIT_HORIZON", default_value = "15m", value_parser = humantime::parse_duration)]
     audit_horizon: Duration,
 
