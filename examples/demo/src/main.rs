@@ -21,9 +21,19 @@
 //!
 //! It exits non-zero if any invariant fails.
 //!
+//! With `--cluster` the broker is a 3-node JetStream cluster on loopback and
+//! the stream is replicated on all three (R3, file storage, created before the
+//! services start; the relays verify it with `--stream-replicas 3`). Every
+//! process is given every node's URL. Instead of restarting the one
+//! nats-server, the schedule kills -9 a node that does not lead the stream
+//! (at 20 % of the load) and restarts it (40 %), then kills -9 the node that
+//! leads the stream by then (60 %) and restarts it (80 %), each restart
+//! waited on until the cluster is healthy again.
+//!
 //! ```text
 //! scripts/demo                                      # 2,000 requests, the standard faults
 //! scripts/demo --chaos --duration 300 --seed 7      # a long chaos run, Postgres restarts too
+//! scripts/demo --chaos --cluster --duration 60      # the same on a 3-node cluster, R3 stream
 //! ```
 
 mod check;
@@ -36,7 +46,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use outbox_testkit::{NatsHandle, PgHandle, Program, create_database};
+use outbox_testkit::{NatsCluster, NatsHandle, PgHandle, Program, create_database};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -106,11 +116,41 @@ struct Args {
     /// Seconds to wait for the system to settle after the load.
     #[arg(long, default_value_t = 180)]
     settle_timeout: u64,
+    /// Run a 3-node JetStream cluster with an R3 stream instead of one
+    /// nats-server; the broker faults kill -9 a node that does not lead the
+    /// stream, then the stream leader (each restarted later).
+    #[arg(long)]
+    cluster: bool,
+}
+
+/// The broker: one nats-server (or `NATS_URL`), or a 3-node cluster.
+enum Broker {
+    Single(NatsHandle),
+    Cluster(NatsCluster),
+}
+
+impl Broker {
+    fn url(&self) -> String {
+        match self {
+            Self::Single(nats) => nats.url().to_owned(),
+            Self::Cluster(cluster) => cluster.url(),
+        }
+    }
+}
+
+/// Where the cluster's fault schedule is: the node killed and not yet restarted.
+#[derive(Debug, Default)]
+struct NodeFaults {
+    fired: usize,
+    down: Option<usize>,
 }
 
 #[derive(Debug, Default)]
 struct Faults {
     nats_restarts: u32,
+    node_kills: u32,
+    leader_kills: u32,
+    node_restarts: u32,
     relay_kills: u32,
     billing_kills: u32,
     pg_restarts: u32,
@@ -146,12 +186,35 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
     let mut pg = outbox_testkit::postgres().await?;
     let admin_url = pg.url().to_owned();
     let owns_pg = pg.server().is_some();
-    let mut nats = outbox_testkit::nats()?;
-    let nats_url = nats.url().to_owned();
+    let mut broker = if args.cluster {
+        Broker::Cluster(NatsCluster::start().await?)
+    } else {
+        Broker::Single(outbox_testkit::nats()?)
+    };
+    let nats_url = broker.url();
     let suffix = format!("{}_{}", std::process::id(), seed % 100_000);
     let subs_url = create_database(&admin_url, &format!("demo_subscriptions_{suffix}")).await?;
     let billing_url = create_database(&admin_url, &format!("demo_billing_{suffix}")).await?;
     println!("postgres  {admin_url}\nnats      {nats_url}");
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .max_reconnects(None)
+        .connect(nats_url.split(',').map(str::trim).collect::<Vec<_>>())
+        .await?;
+    let js = async_nats::jetstream::new(client);
+    if args.cluster {
+        // Replicated on every node, as in production; the relays verify it.
+        js.get_or_create_stream(async_nats::jetstream::stream::Config {
+            name: STREAM.to_owned(),
+            subjects: SUBJECTS.split(',').map(str::to_owned).collect(),
+            storage: async_nats::jetstream::stream::StorageType::File,
+            num_replicas: 3,
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        })
+        .await?;
+        println!("stream    {STREAM}: 3 replicas, file storage");
+    }
 
     // --- Processes ---------------------------------------------------------
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
@@ -189,6 +252,15 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
                 "4s",
             ])
             .args(["--backoff-base", "200ms", "--max-backoff", "2s"])
+            .args(
+                if args.cluster {
+                    &["--stream-replicas", "3", "--stream-storage", "file"][..]
+                } else {
+                    &[][..]
+                }
+                .iter()
+                .copied(),
+            )
         })
         .collect();
     for relay in &mut relays {
@@ -225,12 +297,6 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
 
     let subs_pool = pool(&subs_url).await?;
     let billing_pool = pool(&billing_url).await?;
-    let client = async_nats::ConnectOptions::new()
-        .retry_on_initial_connect()
-        .max_reconnects(None)
-        .connect(nats_url.as_str())
-        .await?;
-    let js = async_nats::jetstream::new(client);
 
     // --- Load, faults, progress -------------------------------------------
     let progress = Arc::new(Progress::default());
@@ -260,6 +326,7 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
     let mut next_fault = Instant::now() + Duration::from_secs_f64(args.fault_interval.max(1.0));
     let mut fired = 0usize;
     let mut round: Vec<usize> = Vec::new();
+    let mut node_faults = NodeFaults::default();
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     let mut last_print = Instant::now();
     let outcomes = loop {
@@ -275,24 +342,17 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
                         Instant::now() + Duration::from_secs_f64(args.fault_interval.max(1.0));
                     // Rounds of every fault kind once, each round in a seeded order.
                     if round.is_empty() {
-                        round = if owns_pg {
-                            vec![0, 1, 2, 3]
-                        } else {
-                            vec![0, 1, 2]
-                        };
+                        // On a cluster the nodes have a schedule of their own.
+                        let first = usize::from(args.cluster);
+                        let last = if owns_pg { 3 } else { 2 };
+                        round = (first..=last).collect();
                         round.shuffle(&mut rng);
                     }
                     round.pop().unwrap_or(0)
                 })
             } else {
                 // The standard demo: one of each fault, at 25 %, 50 % and 75 % of the load.
-                let share = match (until, args.requests) {
-                    (Some(t), _) => {
-                        1.0 - (t.saturating_duration_since(Instant::now()).as_secs_f64()
-                            / args.duration.unwrap_or(1) as f64)
-                    }
-                    (None, n) => progress.issued.load(Ordering::Relaxed) as f64 / n.max(1) as f64,
-                };
+                let share = load_share(until, args.duration, args.requests, &progress);
                 let step = [0.25, 0.5, 0.75].iter().filter(|s| share >= **s).count();
                 (step > fired).then(|| {
                     fired += 1;
@@ -303,13 +363,20 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
                 inject(
                     kind,
                     &mut faults,
-                    &mut nats,
+                    &mut broker,
                     &mut pg,
                     &mut relays,
                     &mut billings,
                     &mut rng,
                 )
                 .await?;
+            }
+            if let Broker::Cluster(cluster) = &mut broker {
+                let share = load_share(until, args.duration, args.requests, &progress);
+                let step = [0.2, 0.4, 0.6, 0.8].iter().filter(|s| share >= **s).count();
+                if step > node_faults.fired {
+                    node_fault(cluster, &js, &mut node_faults, &mut faults).await?;
+                }
             }
         }
         if last_print.elapsed() >= Duration::from_secs(1) {
@@ -332,7 +399,7 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
             inject(
                 fired,
                 &mut faults,
-                &mut nats,
+                &mut broker,
                 &mut pg,
                 &mut relays,
                 &mut billings,
@@ -340,6 +407,13 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
             )
             .await?;
             fired += 1;
+        }
+    }
+
+    // The cluster's schedule finishes too: every node is back before the check.
+    if let Broker::Cluster(cluster) = &mut broker {
+        while node_faults.fired < 4 {
+            node_fault(cluster, &js, &mut node_faults, &mut faults).await?;
         }
     }
 
@@ -404,9 +478,68 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
     } else {
         println!("logs kept in {}", run_dir.display());
     }
-    drop(nats);
+    drop(broker);
     drop(pg);
     Ok(passed)
+}
+
+/// How far the load is, from 0 to 1.
+fn load_share(
+    until: Option<Instant>,
+    duration: Option<u64>,
+    requests: u64,
+    progress: &Progress,
+) -> f64 {
+    match until {
+        Some(t) => {
+            1.0 - (t.saturating_duration_since(Instant::now()).as_secs_f64()
+                / duration.unwrap_or(1).max(1) as f64)
+        }
+        None => progress.issued.load(Ordering::Relaxed) as f64 / requests.max(1) as f64,
+    }
+}
+
+/// The cluster's next broker fault: kill -9 a node that does not lead the
+/// stream, restart it, kill -9 the stream's leader, restart it. A restart is
+/// waited on until the cluster is healthy (the node caught up).
+async fn node_fault(
+    cluster: &mut NatsCluster,
+    js: &async_nats::jetstream::Context,
+    schedule: &mut NodeFaults,
+    faults: &mut Faults,
+) -> Result<(), Box<dyn Error>> {
+    const PATIENCE: Duration = Duration::from_secs(60);
+    let step = schedule.fired % 4;
+    schedule.fired += 1;
+    match (step, schedule.down.take()) {
+        (0 | 2, _) => {
+            let leader = cluster.stream_leader(js, STREAM, PATIENCE).await?;
+            let (victim, role) = if step == 0 {
+                ((leader + 1) % cluster.len(), "not the stream leader")
+            } else {
+                (leader, "the stream leader")
+            };
+            println!(
+                "fault: kill -9 nats node {} ({role})",
+                cluster.server_name(victim)?
+            );
+            tokio::task::block_in_place(|| cluster.kill(victim))?;
+            if step == 0 {
+                faults.node_kills += 1;
+            } else {
+                faults.leader_kills += 1;
+            }
+            schedule.down = Some(victim);
+        }
+        (_, Some(node)) => {
+            println!("fault: restarting nats node {}", cluster.server_name(node)?);
+            tokio::task::block_in_place(|| cluster.restart(node))?;
+            cluster.wait_healthy(PATIENCE).await?;
+            faults.node_restarts += 1;
+        }
+        (_, None) => {}
+    }
+    Ok(())
 }
 
 /// Prints `outboxctl status` of one database (the demo goes on without it
@@ -470,7 +603,7 @@ fn reseed(p: &mut Program) {
 async fn inject(
     kind: usize,
     faults: &mut Faults,
-    nats: &mut NatsHandle,
+    broker: &mut Broker,
     pg: &mut PgHandle,
     relays: &mut [Program],
     billings: &mut [Program],
@@ -478,7 +611,9 @@ async fn inject(
 ) -> Result<(), Box<dyn Error>> {
     match kind {
         0 => {
-            if let Some(server) = nats.server() {
+            if let Broker::Single(nats) = broker
+                && let Some(server) = nats.server()
+            {
                 println!("fault: restarting nats-server");
                 server.restart()?;
                 faults.nats_restarts += 1;
@@ -611,6 +746,12 @@ fn report(
         "faults                           nats restarts {}, relay kill -9 {}, billing kill -9 {}, billing deaths between commit and ack {}, postgres restarts {}",
         faults.nats_restarts, faults.relay_kills, faults.billing_kills, crashes, faults.pg_restarts
     );
+    if args.cluster {
+        println!(
+            "cluster faults                   node kill -9 {} (not leading the stream), stream-leader kill -9 {}, node restarts {}",
+            faults.node_kills, faults.leader_kills, faults.node_restarts
+        );
+    }
     let line = |name: &str, items: &[String]| {
         println!("{name:<24}{:>7}  {}", items.len(), mark(items.is_empty()));
         for item in items.iter().take(5) {
