@@ -74,7 +74,15 @@ begin
 end
 $$;
 
-grant select on outbox_schema_migrations to outbox_writer, outbox_relay, outbox_consumer;
+-- The history table exists where outbox_pg::migrate ran (not where only
+-- psql or a service's own tool applied the files).
+do $$
+begin
+  if to_regclass('outbox_schema_migrations') is not null then
+    grant select on outbox_schema_migrations to outbox_writer, outbox_relay, outbox_consumer;
+  end if;
+end
+$$;
 
 -- outbox_writer
 grant insert on outbox_events to outbox_writer;

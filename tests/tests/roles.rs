@@ -730,3 +730,42 @@ async fn roles_sql_grants_in_the_schema_of_the_search_path() {
         .await;
     owner.close().await;
 }
+
+/// A database whose schema came from the migration files alone (psql, a
+/// service's own tool): no `outbox_schema_migrations`. roles.sql still
+/// applies, twice, and grants the same rights on the tables.
+#[tokio::test]
+async fn roles_sql_applies_where_only_the_files_ran() {
+    let server = TestDb::new().await.unwrap();
+    let name = format!("{}_files", server.name());
+    let url = create_database(server.url(), &name).await.unwrap();
+    let owner = PgPool::connect(&url).await.unwrap();
+    for migration in outbox_pg::MIGRATOR.iter() {
+        sqlx::raw_sql(migration.sql.clone())
+            .execute(&owner)
+            .await
+            .unwrap();
+    }
+    let history: Option<String> =
+        sqlx::query_scalar("select to_regclass('outbox_schema_migrations')::text")
+            .fetch_one(&owner)
+            .await
+            .unwrap();
+    assert_eq!(history, None);
+    for _ in 0..2 {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(ROLES_SQL))
+            .execute(&owner)
+            .await
+            .unwrap();
+    }
+    let relay_may_update: bool = sqlx::query_scalar(
+        "select has_table_privilege('outbox_relay', 'outbox_events', 'UPDATE')
+            and has_table_privilege('outbox_writer', 'outbox_events', 'INSERT')
+            and not has_table_privilege('outbox_writer', 'outbox_events', 'UPDATE')",
+    )
+    .fetch_one(&owner)
+    .await
+    .unwrap();
+    assert!(relay_may_update);
+    owner.close().await;
+}
