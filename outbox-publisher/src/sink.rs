@@ -316,15 +316,67 @@ fn classify(e: jetstream::context::PublishError) -> PublishFailure {
         // The server answers "no responders" when no stream captures the subject.
         PublishErrorKind::StreamNotFound => FailureKind::NoStream,
         PublishErrorKind::MaxPayloadExceeded => FailureKind::TooLarge,
+        // A cluster between leaders answers for the stream with a 503 or a
+        // "not leader / not available" error: the broker's state, which heals.
+        PublishErrorKind::Other if is_cluster_unavailable(&e) => FailureKind::Unavailable,
         // Stream errors (wrong expected stream, limits) and anything new.
         _ => FailureKind::Rejected,
     };
     PublishFailure::new(kind, e.to_string())
 }
 
+/// Whether the PubAck was a JetStream API error saying the cluster cannot
+/// serve the stream right now (503, or no leader, peers or quorum), as during
+/// a leader election, rather than a refusal of the message.
+fn is_cluster_unavailable(e: &jetstream::context::PublishError) -> bool {
+    use async_nats::jetstream::ErrorCode;
+    std::error::Error::source(e)
+        .and_then(|source| source.downcast_ref::<async_nats::jetstream::Error>())
+        .is_some_and(|api| {
+            api.code() == 503
+                || [
+                    ErrorCode::CLUSTER_INCOMPLETE,
+                    ErrorCode::CLUSTER_NO_PEERS,
+                    ErrorCode::CLUSTER_NOT_ACTIVE,
+                    ErrorCode::CLUSTER_NOT_ASSIGNED,
+                    ErrorCode::CLUSTER_NOT_AVAILABLE,
+                    ErrorCode::CLUSTER_NOT_LEADER,
+                ]
+                .contains(&api.error_code())
+        })
+}
+
 #[cfg(test)]
 mod tests {
-    use super::subject_matches;
+    use async_nats::jetstream::context::{PublishError, PublishErrorKind};
+
+    use super::{FailureKind, classify, subject_matches};
+
+    fn api_error(json: &str) -> PublishError {
+        let api: async_nats::jetstream::Error = serde_json::from_str(json).unwrap();
+        PublishError::with_source(PublishErrorKind::Other, api)
+    }
+
+    #[test]
+    fn a_cluster_between_leaders_is_a_broker_fault_and_a_refusal_is_not() {
+        for json in [
+            r#"{"code":503,"err_code":10008,"description":"JetStream system temporarily unavailable"}"#,
+            r#"{"code":500,"err_code":10009,"description":"JetStream cluster can not handle request"}"#,
+        ] {
+            let failure = classify(api_error(json));
+            assert_eq!(failure.kind(), FailureKind::Unavailable, "{json}");
+            assert!(failure.kind().is_broker_fault());
+        }
+        let wrong_stream = classify(api_error(
+            r#"{"code":400,"err_code":10060,"description":"expected stream does not match"}"#,
+        ));
+        assert_eq!(wrong_stream.kind(), FailureKind::Rejected);
+        assert!(!wrong_stream.kind().is_broker_fault());
+        assert_eq!(
+            classify(PublishError::new(PublishErrorKind::StreamNotFound)).kind(),
+            FailureKind::NoStream
+        );
+    }
 
     #[test]
     fn filters_match_like_nats() {
