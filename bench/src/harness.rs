@@ -91,7 +91,9 @@ impl Env {
             .max_connections(4)
             .connect(admin_url)
             .await?;
-        let client = async_nats::connect(nats_url).await?;
+        // Every node of a cluster (`a,b,c`), as the relays are given them.
+        let urls: Vec<&str> = nats_url.split(',').map(str::trim).collect();
+        let client = async_nats::connect(urls).await?;
         Ok(Self {
             admin,
             admin_url: admin_url.to_owned(),
@@ -157,10 +159,22 @@ impl Env {
 
     /// Creates `name` as `outbox-relay` would with its defaults.
     pub(crate) async fn create_stream(&self, name: &str) -> Result<()> {
+        self.create_stream_with_replicas(name, 1).await
+    }
+
+    /// Creates `name` as `outbox-relay` would with its defaults (file
+    /// storage, its duplicate window) but with `replicas` replicas.
+    pub(crate) async fn create_stream_with_replicas(
+        &self,
+        name: &str,
+        replicas: usize,
+    ) -> Result<()> {
         self.js
             .create_stream(Config {
                 name: name.into(),
                 subjects: vec![SUBJECTS.into()],
+                storage: jetstream::stream::StorageType::File,
+                num_replicas: replicas,
                 duplicate_window: DEFAULT_DUPLICATE_WINDOW,
                 ..Default::default()
             })

@@ -33,6 +33,9 @@
 //!    consumer draining the same backlog; then commit → invoice latency
 //!    through `outbox-relay` and billing at a paced rate. Needs
 //!    `cargo build --release -p example-billing` too.
+//! 8. `replicas` ([`replicas`], not run by default): one `outbox-relay`
+//!    process draining the same backlog into an R1 stream on one
+//!    nats-server and into an R3 stream on a 3-node cluster it starts.
 
 mod consumer;
 mod drain;
@@ -40,6 +43,7 @@ mod harness;
 mod inbox;
 mod latency;
 mod raw_vs_relay;
+mod replicas;
 mod rss;
 mod stats;
 mod writers;
@@ -61,6 +65,7 @@ enum Part {
     Writers,
     Consumer,
     Inbox,
+    Replicas,
 }
 
 #[derive(Debug, Parser)]
@@ -138,6 +143,9 @@ pub(crate) struct Args {
     /// `billing --batch` values of the inbox part's latency runs.
     #[arg(long, value_delimiter = ',', default_value = "1,64", value_parser = clap::value_parser!(u16).range(1..=4096))]
     pub(crate) inbox_latency_batches: Vec<u16>,
+    /// Backlog of the stream-replicas part, drained into R1 and into R3.
+    #[arg(long, default_value_t = 50_000)]
+    pub(crate) replica_events: usize,
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
@@ -188,6 +196,9 @@ async fn main() -> Result<()> {
     }
     if runs(Part::Inbox) {
         inbox::run(&env, &args, &mut summary).await?;
+    }
+    if runs(Part::Replicas) && args.replica_events > 0 {
+        replicas::run(&env, &args, &mut summary).await?;
     }
 
     println!(
