@@ -634,3 +634,68 @@ pub(crate) fn checked() {
 pub(crate) fn lag(seconds: f64) {
     gauge!(LAG).set(seconds);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_margin_is_a_quarter_of_the_window_within_1_to_30_seconds() {
+        assert_eq!(
+            settle_margin(Duration::from_secs(120)),
+            Duration::from_secs(30)
+        );
+        assert_eq!(settle_margin(Duration::from_secs(600)), SETTLE_MARGIN);
+        assert_eq!(
+            settle_margin(Duration::from_secs(8)),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            settle_margin(Duration::from_secs(2)),
+            Duration::from_secs(1)
+        );
+    }
+
+    #[test]
+    fn marks_start_at_the_horizon_follow_the_shards_and_only_move_forward() {
+        let t0 = DateTime::<Utc>::from_timestamp(1_000, 0).unwrap();
+        let t1 = DateTime::<Utc>::from_timestamp(2_000, 0).unwrap();
+        let t2 = DateTime::<Utc>::from_timestamp(3_000, 0).unwrap();
+        let id = Uuid::now_v7();
+        let mut marks = Marks::default();
+        assert_eq!(
+            marks.for_shards(&[1, 2], t0),
+            vec![(1, t0, Uuid::nil()), (2, t0, Uuid::nil())]
+        );
+        marks.advance(&[1, 2], (t1, id));
+        // Never backwards.
+        marks.advance(&[1], (t0, Uuid::max()));
+        assert_eq!(marks.oldest(), Some(t1));
+        // A shard given up is forgotten; one taken starts at the horizon.
+        assert_eq!(
+            marks.for_shards(&[2, 3], t0),
+            vec![(2, t1, id), (3, t0, Uuid::nil())]
+        );
+        // The horizon moves past a mark: the mark follows it.
+        assert_eq!(
+            marks.for_shards(&[2, 3], t2),
+            vec![(2, t2, Uuid::nil()), (3, t2, Uuid::nil())]
+        );
+    }
+
+    #[test]
+    fn only_missing_and_mismatched_messages_are_lost() {
+        assert!(!Finding::Intact.is_lost());
+        assert!(!Finding::Discarded.is_lost());
+        assert!(Finding::Missing.is_lost());
+        let other = Finding::Mismatched {
+            message_id: Some("x".into()),
+            subject: "a.b".into(),
+        };
+        assert!(other.is_lost());
+        assert_eq!(
+            other.describe(),
+            "another message at the sequence (Nats-Msg-Id x, subject `a.b`)"
+        );
+    }
+}

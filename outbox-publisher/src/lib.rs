@@ -50,6 +50,13 @@
 //!   … capped at 5 min) and an attempt cap (20) past which a row is left alone,
 //!   logged at error level and counted.
 //! - **Retention** deletes only published rows older than the window.
+//! - **Acknowledged, then lost: published again.** Each row keeps its
+//!   PubAck's stream and sequence; the [`audit`] reads published rows'
+//!   messages back and republishes, once and with the same id, a row whose
+//!   message the stream lost after acking it. The durability in force
+//!   (replicas, storage, duplicate window against lease + publish timeout,
+//!   the audit) is logged at start, risky settings warned on or, with
+//!   [`RelayConfig::require_durable`], refused.
 //!
 //! # Features
 //!

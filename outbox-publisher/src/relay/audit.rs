@@ -9,7 +9,11 @@
 //! a keyset mark (`published_at`, `id`) past the last row checked, so a row is
 //! checked once per relay start; a shard taken over starts at the horizon. A
 //! pass checks at most `audit_rows` rows on a connection of its own, so it
-//! never holds up a batch. A pass that fails (the broker not reachable, a
+//! never holds up a batch; a pass that reached that budget is followed by the
+//! next one after 1 s instead of the interval, so the audit keeps up with a
+//! relay publishing more than `audit_rows` per interval (the lag gauge,
+//! `outbox_audit_lag_seconds`, shows it falling behind; rows that leave the
+//! horizon unchecked are not audited). A pass that fails (the broker not reachable, a
 //! timeout, a database error) judges nothing and moves no mark: the same rows
 //! are checked at the next pass.
 
@@ -27,6 +31,10 @@ use crate::sink::Sink;
 /// Rows read from the table per page of a pass.
 const PAGE: usize = 256;
 
+/// The pause after a pass that reached its row budget (or the interval, if
+/// shorter), so that an audit behind the rows published catches up.
+const BEHIND_PAUSE: Duration = Duration::from_secs(1);
+
 impl<S: Sink> Relay<S> {
     pub(super) async fn audit_loop(&self, shutdown: &CancellationToken) {
         let (Some(audit), Some(horizon)) = (&self.audit, self.config.audit_horizon) else {
@@ -41,6 +49,7 @@ impl<S: Sink> Relay<S> {
                 () = shutdown.cancelled() => break,
                 result = pass => result,
             };
+            let mut pause = self.config.audit_interval;
             match result {
                 Ok((checked, lost)) => {
                     if failing {
@@ -48,6 +57,11 @@ impl<S: Sink> Relay<S> {
                         failing = false;
                     }
                     debug!(checked, lost, "audit pass done");
+                    // At its budget: more rows wait, so the next pass comes
+                    // sooner (each still bounded).
+                    if checked >= self.config.audit_rows as u64 {
+                        pause = pause.min(BEHIND_PAUSE);
+                    }
                 }
                 Err(e) => {
                     if !failing {
@@ -59,7 +73,7 @@ impl<S: Sink> Relay<S> {
                 }
             }
             tokio::select! {
-                () = tokio::time::sleep(self.config.audit_interval) => {}
+                () = tokio::time::sleep(pause) => {}
                 () = shutdown.cancelled() => {}
             }
         }

@@ -2,7 +2,8 @@
 //! move the cursors.
 //!
 //! Every row read ends the batch in one of these states:
-//! - **published**: acked by JetStream (a duplicate ack counts) and marked;
+//! - **published**: acked by JetStream (a duplicate ack counts) and marked,
+//!   with the ack's stream and sequence when the sink reports them;
 //! - **failed**: refused for a reason of its own (recorded, backed off, or
 //!   parked at once when it can never be published as it is);
 //! - **deferred**: held back behind an earlier failed row of its subject and

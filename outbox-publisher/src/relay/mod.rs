@@ -51,6 +51,23 @@
 //! decode is parked with an error naming the fault, counted and logged once,
 //! and blocks only its own subject.
 //!
+//! **Stream positions and the audit** (`relay/audit.rs`, [`crate::audit`]).
+//! Each row is marked published with its PubAck's stream and sequence
+//! (`published_stream`, `published_seq`, in the statement that sets
+//! `published_at`). A PubAck does not mean the message is on disk, so the
+//! audit task reads back, for the shards this relay owns, the messages of
+//! rows published within the audit horizon and longer ago than the stream's
+//! duplicate window plus its margin (a republish inside the window could be
+//! acked as a duplicate of the lost message and not stored), by sequence,
+//! and compares the message id (after a lost store, sequences are handed out
+//! again). A row whose message is gone or another one is put back in the
+//! retry lane (not the main lane: the shard's cursor is past it), guarded by
+//! the position found lost, and published again with the same id by the
+//! workers; counted and logged once. An error reading the stream is never a
+//! finding. At start the relay logs the durability in force and warns on,
+//! or with `require_durable` refuses, a stream with one replica or memory
+//! storage and a disabled audit (`relay/durability.rs`).
+//!
 //! # What this replaced, and why
 //!
 //! The first design claimed with `for update skip locked` in `created_at`
