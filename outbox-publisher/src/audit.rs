@@ -21,8 +21,11 @@
 //! window plus a margin ([`settle_margin`]): a republish inside the window could be
 //! acked as a duplicate of the lost message (the server's dedupe map may still
 //! hold its id) and not stored, and the row would be marked with the lost
-//! position again. Past the window the id has left the dedupe map and the
-//! republish is stored. Rows older than the stream's `max_age` are not
+//! position again. nats-server keeps an id in its dedupe map for the window
+//! when the message is deleted or the stream purged (a republish then is
+//! acked as a duplicate, with the deleted message's sequence), and forgets it
+//! when a restart lost the store (`tests/tests/audit.rs` shows both). Past the
+//! window the id has left the dedupe map and the republish is stored. Rows older than the stream's `max_age` are not
 //! audited (the stream discards them); on a stream with `max_msgs` or
 //! `max_bytes` limits a sequence below the stream's first one counts as
 //! discarded by the limits, not lost (a purge of such a stream is not seen);

@@ -23,6 +23,10 @@
 //!   their positions; the pass succeeds once the broker is back.
 //! - **`outboxctl audit`** reports missing rows (JSON), and with
 //!   `--republish` hands them to the running relay.
+//! - **The dedupe map**, which the audit's wait past the duplicate window
+//!   rests on: after a delete or a purge, a publish of the same id within the
+//!   window is acked as a duplicate (the old sequence) and not stored; after a
+//!   restart that lost the store the id is forgotten.
 //!
 //! The test stream has a 5 s duplicate window (lease 2 s + publish timeout
 //! 1 s must fit in it), so a row is audited 6.25 s after it was published.
@@ -741,4 +745,102 @@ fn find_dir(root: &std::path::Path, name: &str) -> PathBuf {
         }
     }
     panic!("no directory {name} under {}", root.display());
+}
+
+/// What the server's dedupe map does, which the audit's wait past the
+/// duplicate window rests on: after a message is deleted, or its stream
+/// purged, a publish of the same `Nats-Msg-Id` within the window is acked as
+/// a duplicate (with the deleted message's sequence) and not stored; after a
+/// restart that lost the store, the id is forgotten and stored at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dedupe_map_outlives_a_delete_and_a_purge_not_a_lost_store() {
+    let store = tempfile::tempdir().unwrap();
+    let store_arg = store.path().display().to_string();
+    let mut server =
+        tokio::task::spawn_blocking(move || NatsServer::start_with_args(&["-sd", &store_arg]))
+            .await
+            .unwrap()
+            .unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = jetstream::new(client);
+    let name = "AUDIT_DEDUPE";
+    js.create_stream(jetstream::stream::Config {
+        name: name.into(),
+        subjects: vec!["dedupe.>".into()],
+        duplicate_window: Duration::from_secs(60),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let publish = |id: &'static str| {
+        let js = js.clone();
+        async move {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("Nats-Msg-Id", id);
+            js.publish_with_headers("dedupe.x", headers, "x".into())
+                .await
+                .unwrap()
+                .await
+                .unwrap()
+        }
+    };
+    let messages = |js: jetstream::Context| async move {
+        js.get_stream(name)
+            .await
+            .unwrap()
+            .info()
+            .await
+            .unwrap()
+            .state
+            .messages
+    };
+
+    // Deleted, then published again within the window: a duplicate.
+    let first = publish("a").await;
+    assert!(!first.duplicate);
+    let stream = js.get_stream(name).await.unwrap();
+    assert!(stream.delete_message(first.sequence).await.unwrap());
+    let again = publish("a").await;
+    assert!(again.duplicate, "{again:?}");
+    assert_eq!(again.sequence, first.sequence);
+    assert_eq!(messages(js.clone()).await, 0);
+
+    // Purged, then published again within the window: a duplicate too.
+    let b = publish("b").await;
+    stream.purge().await.unwrap();
+    let again = publish("b").await;
+    assert!(again.duplicate, "{again:?}");
+    assert_eq!(again.sequence, b.sequence);
+    assert_eq!(messages(js.clone()).await, 0);
+
+    // A store lost in a restart: the ids are forgotten.
+    let c = publish("c").await;
+    assert!(!c.duplicate);
+    let server = tokio::task::spawn_blocking(move || {
+        server.stop().unwrap();
+        server
+    })
+    .await
+    .unwrap();
+    std::fs::remove_dir_all(find_dir(store.path(), name).join("msgs")).unwrap();
+    let mut server = tokio::task::spawn_blocking(move || {
+        let mut server = server;
+        server.start_again().unwrap();
+        server
+    })
+    .await
+    .unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = jetstream::new(client);
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "c");
+    let again = js
+        .publish_with_headers("dedupe.x", headers, "x".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(!again.duplicate, "{again:?}");
+    assert_eq!(messages(js.clone()).await, 1);
+    drop(server.stop());
 }
