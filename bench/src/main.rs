@@ -36,7 +36,11 @@
 //! 8. `replicas` ([`replicas`], not run by default): one `outbox-relay`
 //!    process draining the same backlog into an R1 stream on one
 //!    nats-server and into an R3 stream on a 3-node cluster it starts.
+//! 9. `audit` ([`audit`], not run by default): one `outbox-relay` process
+//!    draining a backlog while its audit reads back the rows it published
+//!    before, against the same drain with the audit off.
 
+mod audit;
 mod consumer;
 mod drain;
 mod harness;
@@ -66,6 +70,7 @@ enum Part {
     Consumer,
     Inbox,
     Replicas,
+    Audit,
 }
 
 #[derive(Debug, Parser)]
@@ -146,6 +151,10 @@ pub(crate) struct Args {
     /// Backlog of the stream-replicas part, drained into R1 and into R3.
     #[arg(long, default_value_t = 50_000)]
     pub(crate) replica_events: usize,
+    /// Backlog of the audit part: published first, then audited while a
+    /// second backlog of as many events is drained.
+    #[arg(long, default_value_t = 50_000)]
+    pub(crate) audit_events: usize,
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
@@ -199,6 +208,9 @@ async fn main() -> Result<()> {
     }
     if runs(Part::Replicas) && args.replica_events > 0 {
         replicas::run(&env, &args, &mut summary).await?;
+    }
+    if runs(Part::Audit) && args.audit_events > 0 {
+        audit::run(&env, &args, &mut summary).await?;
     }
 
     println!(
