@@ -315,6 +315,17 @@ impl Audit {
         from.max(cut)
     }
 
+    /// The database's clock (which set `published_at`).
+    ///
+    /// # Errors
+    /// [`ErrorKind::Database`] if the database cannot be asked.
+    pub async fn now(&self) -> Result<DateTime<Utc>> {
+        sqlx::query_file_scalar!("queries/audit_now.sql")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| Error::database("reading the database's clock", e))
+    }
+
     /// Rows of `shards` published in `[from, until]` after each shard's
     /// keyset mark, oldest first, at most `limit`.
     pub(crate) async fn rows(
@@ -393,8 +404,7 @@ impl Audit {
                 )
             })?;
         let first = stream.cached_info().state.first_sequence;
-        let now = Utc::now();
-        let oldest = self.oldest(now, DateTime::<Utc>::MIN_UTC);
+        let oldest = self.oldest(self.now().await?, DateTime::<Utc>::MIN_UTC);
         let stream = &stream;
         let results: Vec<Result<Checked>> = futures::stream::iter(rows)
             .map(|row| async move {
@@ -500,8 +510,8 @@ impl Audit {
     /// Audits every row of this stream published in `[from, until]` (all
     /// shards), in pages of `page` rows; with `republish`, makes each lost
     /// row unpublished again ([`Audit::republish`]). `until` is clamped to
-    /// `settle_age` ago when `republish` is set: a republish inside the
-    /// duplicate window could be dropped as a duplicate.
+    /// `settle_age` before the database's clock when `republish` is set: a
+    /// republish inside the duplicate window could be dropped as a duplicate.
     ///
     /// # Errors
     /// As [`Audit::check`] and [`Audit::republish`]; rows already made
@@ -514,7 +524,7 @@ impl Audit {
         page: usize,
     ) -> Result<AuditReport> {
         let until = if republish {
-            until.min(self.settled_before(Utc::now()))
+            until.min(self.settled_before(self.now().await?))
         } else {
             until
         };

@@ -162,7 +162,8 @@ impl Report for Audited {
 }
 
 pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
-    let from = cutoff(args.since, "--since")?;
+    // Checked before connecting: a window out of the calendar is a flag error.
+    cutoff(args.since, "--since")?;
     let pool = db.connect(&["outbox_events"]).await?;
     let js = connect(&args.nats, args.timeout).await?;
     let audit = Audit::new(pool, js, &args.stream)
@@ -176,8 +177,19 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
             format!("cannot audit: {why}"),
         ));
     }
+    // By the database's clock, which set published_at.
+    let now = audit.now().await.map_err(publisher_error)?;
+    let from = chrono::Duration::from_std(args.since)
+        .ok()
+        .and_then(|d| now.checked_sub_signed(d))
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::Config,
+                "--since reaches out of the calendar".to_owned(),
+            )
+        })?;
     let report = audit
-        .run(from, Utc::now(), args.republish, 500)
+        .run(from, now, args.republish, 500)
         .await
         .map_err(publisher_error)?;
     let out = Audited {

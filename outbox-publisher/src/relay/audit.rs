@@ -19,7 +19,6 @@
 
 use std::time::{Duration, Instant};
 
-use chrono::Utc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -86,7 +85,8 @@ impl<S: Sink> Relay<S> {
         horizon: Duration,
         marks: &mut Marks,
     ) -> Result<(u64, u64)> {
-        let now = Utc::now();
+        // Ages by the database's clock, which set `published_at`.
+        let now = audit.now().await?;
         let until = audit.settled_before(now);
         let from = chrono::Duration::from_std(horizon)
             .ok()
@@ -124,7 +124,7 @@ impl<S: Sink> Relay<S> {
             }
         }
         if let Some(oldest) = marks.oldest() {
-            let lag = (Utc::now() - oldest).to_std().unwrap_or_default();
+            let lag = (now - oldest).to_std().unwrap_or_default();
             audit::lag(lag.as_secs_f64());
         }
         debug!(checked, lost, took = ?started.elapsed(), "audit pass");
