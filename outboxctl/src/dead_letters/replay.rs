@@ -202,7 +202,7 @@ fn dropped(name: &str) -> bool {
 async fn connect(nats: &NatsArgs, timeout: Duration) -> Result<jetstream::Context> {
     let shown = nats.redacted_url();
     let options = nats.connect_options("outboxctl").await?;
-    let client = tokio::time::timeout(timeout, options.connect(nats.nats_url.as_str()))
+    let client = tokio::time::timeout(timeout, options.connect(nats.server_urls()))
         .await
         .map_err(|_| {
             Error::new(
