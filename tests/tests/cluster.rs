@@ -239,6 +239,18 @@ async fn relay_and_billing_ride_through_a_stream_leader_kill_exactly_once() {
         ])
         .ready_when("billing ready");
     billing.start().await.unwrap();
+    // Billing's durable inherits the stream's three replicas.
+    let mut durable: jetstream::consumer::PullConsumer = js
+        .get_consumer_from_stream("billing", STREAM)
+        .await
+        .unwrap();
+    let durable = durable.info().await.unwrap();
+    assert_eq!(
+        durable.cluster.as_ref().map(|c| c.replicas.len()),
+        Some(2),
+        "the durable's leader and two followers: {:?}",
+        durable.cluster
+    );
 
     let schemas =
         outbox_pg::SchemaRegistry::from_dir(example_subscriptions::default_schemas_dir()).unwrap();
@@ -380,11 +392,11 @@ fn a_seeded_chaos_run_on_a_cluster_keeps_every_invariant() {
         "--chaos",
         "--cluster",
         "--duration",
-        "40",
+        "30",
         "--seed",
         "42",
         "--fault-interval",
-        "6",
+        "5",
         "--crash-rate",
         "0.005",
         "--settle-timeout",
