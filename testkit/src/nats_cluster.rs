@@ -215,14 +215,10 @@ impl NatsCluster {
 
     /// Node `i`'s client URL alone.
     ///
-    /// # Panics
-    /// If `i` is not a node index (0, 1 or 2): a mistake in the test.
-    #[allow(clippy::panic)] // documented: a wrong index is the caller's bug
-    pub fn node_url(&self, i: usize) -> String {
-        match self.node(i) {
-            Ok(node) => format!("nats://127.0.0.1:{}", node.client_port),
-            Err(e) => panic!("{e}"),
-        }
+    /// # Errors
+    /// If `i` is not a node index (0, 1 or 2).
+    pub fn node_url(&self, i: usize) -> Result<String> {
+        Ok(format!("nats://127.0.0.1:{}", self.node(i)?.client_port))
     }
 
     /// The number of nodes (3).

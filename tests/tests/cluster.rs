@@ -83,7 +83,7 @@ async fn a_cluster_keeps_an_r3_stream_writable_through_a_follower_kill_and_a_lea
     let mut cluster = NatsCluster::start().await.unwrap();
     assert_eq!(cluster.len(), 3);
     assert_eq!(cluster.url().split(',').count(), 3);
-    assert!(cluster.url().contains(&cluster.node_url(2)));
+    assert!(cluster.url().contains(&cluster.node_url(2).unwrap()));
     let js = js(&cluster).await;
     js.create_stream(r3("HARNESS", &["harness.>"]))
         .await
@@ -137,9 +137,9 @@ async fn a_cluster_keeps_an_r3_stream_writable_through_a_follower_kill_and_a_lea
     tokio::task::block_in_place(|| cluster.kill(0)).unwrap();
     let args = NatsArgs::new(format!(
         "{} , {},{}",
-        cluster.node_url(0),
-        cluster.node_url(1),
-        cluster.node_url(2)
+        cluster.node_url(0).unwrap(),
+        cluster.node_url(1).unwrap(),
+        cluster.node_url(2).unwrap()
     ));
     let client = tokio::time::timeout(WAIT, args.connect("list-test"))
         .await
