@@ -198,7 +198,7 @@ async fn once(
                     samples(&body)
                         .filter(|(name, _, _)| *name == "outbox_audit_checked_total")
                         .map(|(_, _, v)| v)
-                        .sum::<f64>()
+                        .fold(0.0, |a, v| a + v)
                 }),
             Err(e) => Err(e),
         };

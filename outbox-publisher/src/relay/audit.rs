@@ -10,8 +10,10 @@
 //! checked once per relay start; a shard taken over starts at the horizon. A
 //! pass checks at most `audit_rows` rows on a connection of its own, so it
 //! never holds up a batch; a pass that reached that budget is followed by the
-//! next one after 1 s instead of the interval, so the audit keeps up with a
-//! relay publishing more than `audit_rows` per interval (the lag gauge,
+//! next one after a pause as long as the pass took (at least 50 ms) instead
+//! of the interval, so the audit keeps up with a relay publishing more than
+//! `audit_rows` per interval while taking at most half the time of its
+//! connection and reads, and backs off with a slow broker (the lag gauge,
 //! `outbox_audit_lag_seconds`, shows it falling behind; rows that leave the
 //! horizon unchecked are not audited). A pass that fails (the broker not reachable, a
 //! timeout, a database error) judges nothing and moves no mark: the same rows
@@ -30,9 +32,11 @@ use crate::sink::Sink;
 /// Rows read from the table per page of a pass.
 const PAGE: usize = 256;
 
-/// The pause after a pass that reached its row budget (or the interval, if
-/// shorter), so that an audit behind the rows published catches up.
-const BEHIND_PAUSE: Duration = Duration::from_secs(1);
+/// The shortest pause after a pass that reached its row budget: the pause
+/// is as long as the pass took (at least this, at most the interval), so an
+/// audit behind the rows published catches up at no more than half the time
+/// of its connection and its reads, and backs off with a slow broker.
+const BEHIND_PAUSE: Duration = Duration::from_millis(50);
 
 impl<S: Sink> Relay<S> {
     pub(super) async fn audit_loop(&self, shutdown: &CancellationToken) {
@@ -43,6 +47,7 @@ impl<S: Sink> Relay<S> {
         let mut marks = Marks::default();
         let mut failing = false;
         while !shutdown.is_cancelled() {
+            let started = Instant::now();
             let pass = self.audit_pass(audit, horizon, &mut marks);
             let result = tokio::select! {
                 () = shutdown.cancelled() => break,
@@ -59,7 +64,7 @@ impl<S: Sink> Relay<S> {
                     // At its budget: more rows wait, so the next pass comes
                     // sooner (each still bounded).
                     if checked >= self.config.audit_rows as u64 {
-                        pause = pause.min(BEHIND_PAUSE);
+                        pause = pause.min(started.elapsed().max(BEHIND_PAUSE));
                     }
                 }
                 Err(e) => {
