@@ -368,6 +368,31 @@ impl NatsCluster {
         }
     }
 
+    /// The running node a client named `name` (its `CONNECT` name, as
+    /// `async_nats::ConnectOptions::name` sets it) is connected to, from each
+    /// node's `/connz`; `None` if no running node has such a client.
+    ///
+    /// # Errors
+    /// If a running node's monitoring endpoint does not answer.
+    pub async fn client_node(&self, name: &str) -> Result<Option<usize>> {
+        for (i, node) in self.nodes.iter().enumerate() {
+            if node.child.is_none() {
+                continue;
+            }
+            let (status, body) = http_get(node.http_port, "/connz").await?;
+            if status != 200 {
+                return Err(Error::new(format!(
+                    "{}: GET /connz answered {status}",
+                    node.name
+                )));
+            }
+            if connz_has_client(&body, name) {
+                return Ok(Some(i));
+            }
+        }
+        Ok(None)
+    }
+
     /// Node `i`'s log, for a failure report.
     ///
     /// # Errors
@@ -393,6 +418,18 @@ fn meta_leader_of(jsz: &str) -> Option<String> {
     let value: serde_json::Value = serde_json::from_str(jsz).ok()?;
     let leader = value.get("meta_cluster")?.get("leader")?.as_str()?;
     (!leader.is_empty()).then(|| leader.to_owned())
+}
+
+/// Whether a `/connz` answer lists a connection named `name`.
+fn connz_has_client(connz: &str, name: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(connz)
+        .ok()
+        .and_then(|v| v.get("connections")?.as_array().cloned())
+        .is_some_and(|connections| {
+            connections
+                .iter()
+                .any(|c| c.get("name").and_then(serde_json::Value::as_str) == Some(name))
+        })
 }
 
 /// `GET path` on 127.0.0.1:`port` over HTTP/1.0: the status and the body,
@@ -432,5 +469,14 @@ mod tests {
         );
         assert_eq!(meta_leader_of(r#"{"meta_cluster":{"leader":""}}"#), None);
         assert_eq!(meta_leader_of(r#"{"config":{}}"#), None);
+    }
+
+    #[test]
+    fn clients_are_found_by_name_in_connz() {
+        let connz =
+            r#"{"connections":[{"cid":4,"name":"billing"},{"cid":5,"name":"outbox-relay"}]}"#;
+        assert!(connz_has_client(connz, "outbox-relay"));
+        assert!(!connz_has_client(connz, "outboxctl"));
+        assert!(!connz_has_client(r#"{"connections":null}"#, "billing"));
     }
 }

@@ -7,6 +7,8 @@
 //!   restarted nodes rejoin and catch up; a client given every node's URL
 //!   connects while the first node is down;
 //! - `outbox-relay --stream-replicas 3` refuses an R1 stream, naming both;
+//! - `outbox-relay` whose node is killed -9 reconnects to another node (from
+//!   the URL list) and publishes what was written meanwhile, each event once;
 //! - `outbox-relay` and `billing` as processes, given every node's URL, ride
 //!   through a stream-leader kill: N events, N invoices, N inbox rows, no
 //!   dead letter, nothing unpublished;
@@ -195,6 +197,80 @@ async fn a_relay_demanding_three_replicas_refuses_an_r1_stream() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// `outbox-relay` given every node's URL: the node it is connected to is
+/// killed -9, and it reconnects to another and publishes what was written
+/// meanwhile, each event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_moves_to_another_node_when_its_own_dies() {
+    const STREAM: &str = "MOVES";
+    let mut cluster = NatsCluster::start().await.unwrap();
+    let js = js(&cluster).await;
+    js.create_stream(r3(STREAM, &["moves.>"])).await.unwrap();
+    let db = outbox_testkit::TestDb::new().await.unwrap();
+    let log_dir = tempfile::tempdir().unwrap();
+    let mut relay = outbox_testkit::Program::new(
+        "relay",
+        support::bin_dir().join("outbox-relay"),
+        log_dir.path(),
+    )
+    .env("DATABASE_URL", db.url())
+    .env("NATS_URL", cluster.url())
+    .args(["--stream", STREAM, "--stream-replicas", "3"])
+    .args(["--poll-interval", "100ms", "--publish-timeout", "2s"])
+    .args(["--backoff-base", "100ms", "--max-backoff", "1s"]);
+    relay.start().await.unwrap();
+    let deadline = Instant::now() + WAIT;
+    let first = loop {
+        if let Some(node) = cluster.client_node("outbox-relay").await.unwrap() {
+            break node;
+        }
+        assert!(Instant::now() < deadline, "the relay connected to no node");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    tokio::task::block_in_place(|| cluster.kill(first)).unwrap();
+
+    let outbox = outbox_pg::Outbox::unvalidated();
+    let envelopes: Vec<outbox_pg::Envelope> = (0..20)
+        .map(|i| {
+            outbox_pg::Envelope::new(
+                "moves.created",
+                "cluster-test",
+                format!("entity_{}", i % 3),
+                serde_json::json!({ "n": i }),
+            )
+            .unwrap()
+        })
+        .collect();
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox.enqueue_all(&mut tx, &envelopes).await.unwrap();
+    tx.commit().await.unwrap();
+    let published = wait_until("the events published after the kill", WAIT, || async {
+        sqlx::query_scalar::<_, i64>(
+            "select count(*) from outbox_events where published_at is null",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+            == 0
+    })
+    .await;
+    if let Err(e) = published {
+        panic!(
+            "{e}:\n{}",
+            std::fs::read_to_string(log_dir.path().join("relay.log")).unwrap_or_default()
+        );
+    }
+    let now = cluster.client_node("outbox-relay").await.unwrap();
+    assert!(
+        now.is_some_and(|n| n != first),
+        "connected to {now:?}, killed {first}"
+    );
+    assert_eq!(stored(&js, STREAM).await, 20, "each event once");
+    tokio::task::block_in_place(|| cluster.restart(first)).unwrap();
+    cluster.wait_healthy(WAIT).await.unwrap();
+    assert_eq!(relay.terminate().await, Some(0));
 }
 
 /// `outbox-relay` and `billing` as processes, given every node's URL, with an
