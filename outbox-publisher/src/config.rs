@@ -305,4 +305,28 @@ mod tests {
             .unwrap_err();
         assert!(err.to_string().contains("lease"));
     }
+
+    #[test]
+    fn the_audit_settings_are_checked_and_the_republish_horizon_is_lease_plus_timeout() {
+        let config = RelayConfig::default();
+        assert_eq!(config.audit_horizon, Some(Duration::from_secs(900)));
+        assert_eq!(config.republish_horizon(), Duration::from_secs(35));
+        assert!(!config.require_durable);
+        RelayConfig::default()
+            .audit_horizon(None)
+            .validate()
+            .unwrap();
+        let err = RelayConfig::default()
+            .audit_horizon(Some(Duration::ZERO))
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().contains("audit horizon"), "{err}");
+        let err = RelayConfig::default()
+            .audit_interval(Duration::ZERO)
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().contains("audit interval"), "{err}");
+        let err = RelayConfig::default().audit_rows(0).validate().unwrap_err();
+        assert!(err.to_string().contains("audit rows"), "{err}");
+    }
 }
