@@ -17,6 +17,11 @@
 //! and ahead of its subject's later unpublished rows. Each such row is
 //! counted (`outbox_audit_republished_total`) and logged at warn level once.
 //!
+//! **Order.** A republished event reaches consumers after the later events
+//! of its subject that the stream kept: a consumer's stale-event filter
+//! (`inbox_consumer::SkipStaleLayer`) skips it when a later event of its
+//! subject was applied; other handlers apply it late.
+//!
 //! **Which rows.** Only rows published longer ago than the stream's duplicate
 //! window plus a margin ([`settle_margin`]): a republish inside the window could be
 //! acked as a duplicate of the lost message (the server's dedupe map may still
