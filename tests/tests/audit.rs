@@ -23,6 +23,8 @@
 //!   their positions; the pass succeeds once the broker is back.
 //! - **`outboxctl audit`** reports missing rows (JSON), and with
 //!   `--republish` hands them to the running relay.
+//! - **A custom `Sink` without stream positions** still publishes: its rows
+//!   are marked without one and not audited.
 //! - **The dedupe map**, which the audit's wait past the duplicate window
 //!   rests on: after a delete or a purge, a publish of the same id within the
 //!   window is acked as a duplicate (the old sequence) and not stored; after a
@@ -858,4 +860,53 @@ async fn the_dedupe_map_outlives_a_delete_and_a_purge_not_a_lost_store() {
     assert!(!again.duplicate, "{again:?}");
     assert_eq!(messages(js.clone()).await, 1);
     drop(server.stop());
+}
+
+/// A custom sink whose broker has no stream positions: acks without one.
+struct NoPositions;
+
+impl outbox_publisher::Sink for NoPositions {
+    async fn publish(
+        &self,
+        _message: outbox_publisher::OutgoingMessage,
+    ) -> Result<outbox_publisher::PublishAck, outbox_publisher::PublishFailure> {
+        Ok(outbox_publisher::PublishAck::without_position(false))
+    }
+}
+
+/// A `Sink` of its own that reports no stream position still publishes:
+/// its rows are marked published without one, and the audit passes them
+/// over (outboxctl audit checks none).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_without_positions_marks_rows_published_without_one() {
+    let db = new_db().await;
+    let ids = write(&db, 0, 5).await;
+    let relay = outbox_publisher::Relay::new(
+        db.pool.clone(),
+        NoPositions,
+        outbox_publisher::RelayConfig::default(),
+    )
+    .unwrap();
+    let report = relay.drain().await.unwrap();
+    assert_eq!(report.published, ids.len());
+    let rows: Vec<(bool, Option<String>, Option<i64>)> = sqlx::query_as(
+        "select published_at is not null, published_stream, published_seq from outbox_events",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), ids.len());
+    assert!(rows.iter().all(|r| *r == (true, None, None)), "{rows:?}");
+
+    let nats = outbox_testkit::nats().unwrap();
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    js.create_stream(jetstream::stream::Config {
+        name: "AUDIT_NOPOS".into(),
+        subjects: vec!["audit.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let report = outboxctl(&db, nats.url(), &["audit", "--stream", "AUDIT_NOPOS"]).await;
+    assert_eq!(report["checked"], 0, "{report}");
 }
