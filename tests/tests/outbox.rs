@@ -470,6 +470,11 @@ async fn migrated_table_matches_the_contract() {
         ("tracestate", "text", "YES"),
         ("seq", "bigint", "NO"),
         ("shard", "smallint", "YES"),
+        ("skipped_at", "timestamp with time zone", "YES"),
+        ("skipped_by", "text", "YES"),
+        ("skip_reason", "text", "YES"),
+        ("published_stream", "text", "YES"),
+        ("published_seq", "bigint", "YES"),
     ];
     let expected: Vec<(&str, &str, &str)> = contract.iter().chain(&extensions).copied().collect();
     let actual: Vec<(&str, &str, &str)> = columns
