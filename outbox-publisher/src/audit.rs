@@ -90,6 +90,40 @@ pub(crate) const CHECKED: &str = "outbox_audit_checked_total";
 pub(crate) const REPUBLISHED: &str = "outbox_audit_republished_total";
 pub(crate) const LAG: &str = "outbox_audit_lag_seconds";
 
+/// A range of sequences is read by one consumer when it is at most this many
+/// times the rows to check (plus [`RANGE_SLACK`]); sparser, one read per row.
+const RANGE_DENSITY: u64 = 4;
+const RANGE_SLACK: u64 = 64;
+/// Messages per fetch of a range read.
+const RANGE_BATCH: u64 = 1_000;
+/// A range read's consumer, if its deletion failed, is removed by the server
+/// after this long idle.
+const RANGE_CONSUMER_IDLE: Duration = Duration::from_secs(10);
+
+/// What the stream holds at a sequence: the message's id and subject.
+#[derive(Debug, Clone)]
+struct Stored {
+    id: Option<String>,
+    subject: String,
+}
+
+/// What `stored` (the message at the row's sequence, if any) says of `row`.
+fn judge(row: &AuditedRow, stored: Option<&Stored>) -> Finding {
+    match stored {
+        None => Finding::Missing,
+        Some(m)
+            if m.id.as_deref() == Some(row.id.to_string().as_str())
+                && m.subject == row.event_type =>
+        {
+            Finding::Intact
+        }
+        Some(m) => Finding::Mismatched {
+            message_id: m.id.clone(),
+            subject: m.subject.clone(),
+        },
+    }
+}
+
 /// A published row as the audit reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AuditedRow {
@@ -384,13 +418,7 @@ impl Audit {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
-        let broker = |what: String, e: Option<crate::BoxError>| {
-            let err = Error::new(ErrorKind::Broker, what);
-            match e {
-                Some(e) => err.with_source(e),
-                None => err,
-            }
-        };
+        let broker = |what: String, e: Option<crate::BoxError>| self.broker(what, e);
         let stream = tokio::time::timeout(self.read_timeout, self.js.get_stream(&self.stream))
             .await
             .map_err(|_| {
@@ -411,59 +439,206 @@ impl Audit {
         let first = stream.cached_info().state.first_sequence;
         let oldest = self.oldest(self.now().await?, DateTime::<Utc>::MIN_UTC);
         let stream = &stream;
-        let results: Vec<Result<Checked>> = futures::stream::iter(rows)
-            .map(|row| async move {
+        // Discarded by the stream's limits, or read back.
+        let mut findings: Vec<Option<Finding>> = rows
+            .iter()
+            .map(|row| {
                 let seq = u64::try_from(row.seq).unwrap_or(0);
-                if row.published_at < oldest || (self.limits.count_limited && seq < first) {
-                    return Ok(Checked {
-                        row,
-                        finding: Finding::Discarded,
-                    });
+                (row.published_at < oldest || (self.limits.count_limited && seq < first))
+                    .then_some(Finding::Discarded)
+            })
+            .collect();
+        let wanted: Vec<u64> = rows
+            .iter()
+            .zip(&findings)
+            .filter(|(_, f)| f.is_none())
+            .map(|(row, _)| u64::try_from(row.seq).unwrap_or(0))
+            .collect();
+        if let (Some(&lo), Some(&hi)) = (wanted.iter().min(), wanted.iter().max()) {
+            let last = stream.cached_info().state.last_sequence;
+            let span = hi.min(last).saturating_sub(lo).saturating_add(1);
+            let found = if span <= RANGE_DENSITY * wanted.len() as u64 + RANGE_SLACK {
+                // Dense: the range's headers, in one consumer's fetches.
+                self.read_range(stream, lo, hi.min(last)).await?
+            } else {
+                self.read_each(stream, &wanted).await?
+            };
+            for (row, finding) in rows.iter().zip(findings.iter_mut()) {
+                if finding.is_none() {
+                    let seq = u64::try_from(row.seq).unwrap_or(0);
+                    *finding = Some(judge(row, found.get(&seq)));
                 }
-                let read = tokio::time::timeout(self.read_timeout, stream.get_raw_message(seq));
-                let finding = match read.await {
-                    Err(_) => {
-                        return Err(broker(
+            }
+        }
+        Ok(rows
+            .into_iter()
+            .zip(findings)
+            .map(|(row, finding)| Checked {
+                row,
+                finding: finding.unwrap_or(Finding::Missing),
+            })
+            .collect())
+    }
+
+    /// The messages at `seqs`, one direct read each, `concurrency` at a
+    /// time; a sequence without a message is absent from the map.
+    async fn read_each(
+        &self,
+        stream: &jetstream::stream::Stream,
+        seqs: &[u64],
+    ) -> Result<HashMap<u64, Stored>> {
+        let results: Vec<Result<Option<(u64, Stored)>>> =
+            futures::stream::iter(seqs.iter().copied())
+                .map(|seq| async move {
+                    let read = tokio::time::timeout(self.read_timeout, stream.get_raw_message(seq));
+                    match read.await {
+                        Err(_) => Err(self.broker(
                             format!(
                                 "reading sequence {seq} of stream `{}`: no answer within {:?}",
                                 self.stream, self.read_timeout
                             ),
                             None,
-                        ));
-                    }
-                    Ok(Err(e)) if e.kind() == LastRawMessageErrorKind::NoMessageFound => {
-                        Finding::Missing
-                    }
-                    Ok(Err(e)) => {
-                        return Err(broker(
+                        )),
+                        Ok(Err(e)) if e.kind() == LastRawMessageErrorKind::NoMessageFound => {
+                            Ok(None)
+                        }
+                        Ok(Err(e)) => Err(self.broker(
                             format!("reading sequence {seq} of stream `{}`: {e}", self.stream),
                             Some(e.into()),
-                        ));
-                    }
-                    Ok(Ok(message)) => {
-                        let id = message
-                            .headers
-                            .get("Nats-Msg-Id")
-                            .map(|v| v.as_str().to_owned());
-                        let expected = row.id.to_string();
-                        if id.as_deref() == Some(expected.as_str())
-                            && message.subject.as_str() == row.event_type
-                        {
-                            Finding::Intact
-                        } else {
-                            Finding::Mismatched {
-                                message_id: id,
+                        )),
+                        Ok(Ok(message)) => Ok(Some((
+                            seq,
+                            Stored {
+                                id: message
+                                    .headers
+                                    .get("Nats-Msg-Id")
+                                    .map(|v| v.as_str().to_owned()),
                                 subject: message.subject.to_string(),
-                            }
-                        }
+                            },
+                        ))),
                     }
-                };
-                Ok(Checked { row, finding })
-            })
-            .buffered(self.concurrency)
-            .collect()
-            .await;
-        results.into_iter().collect()
+                })
+                .buffered(self.concurrency)
+                .collect()
+                .await;
+        let mut out = HashMap::with_capacity(seqs.len());
+        for r in results {
+            if let Some((seq, stored)) = r? {
+                out.insert(seq, stored);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The headers and subjects of every message in `lo..=hi`, read by an
+    /// ephemeral consumer (headers only, no acks) from `lo`, deleted after;
+    /// deleted sequences are absent from the map. The consumer's pending
+    /// count says when the stream has no more, so a deleted tail is not
+    /// waited for.
+    async fn read_range(
+        &self,
+        stream: &jetstream::stream::Stream,
+        lo: u64,
+        hi: u64,
+    ) -> Result<HashMap<u64, Stored>> {
+        let mut out = HashMap::new();
+        if lo > hi {
+            return Ok(out);
+        }
+        let failed = |what: &str, e: Option<crate::BoxError>| {
+            self.broker(
+                format!(
+                    "reading sequences {lo}..={hi} of stream `{}`: {what}",
+                    self.stream
+                ),
+                e,
+            )
+        };
+        let config = jetstream::consumer::pull::Config {
+            deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: lo,
+            },
+            ack_policy: jetstream::consumer::AckPolicy::None,
+            headers_only: true,
+            memory_storage: true,
+            inactive_threshold: RANGE_CONSUMER_IDLE,
+            ..Default::default()
+        };
+        let consumer = tokio::time::timeout(self.read_timeout, stream.create_consumer(config))
+            .await
+            .map_err(|_| failed("no answer creating a consumer", None))?
+            .map_err(|e| failed(&format!("creating a consumer: {e}"), Some(e.into())))?;
+        let name = consumer.cached_info().name.clone();
+        let mut pending = consumer.cached_info().num_pending;
+        let read = async {
+            while pending > 0 {
+                let want = usize::try_from(pending.min(hi - lo + 1).min(RANGE_BATCH))
+                    .unwrap_or(1)
+                    .max(1);
+                let mut batch = consumer
+                    .batch()
+                    .max_messages(want)
+                    .expires(self.read_timeout)
+                    .messages()
+                    .await
+                    .map_err(|e| failed(&format!("fetching: {e}"), Some(e.into())))?;
+                let mut got = 0_usize;
+                loop {
+                    let next = tokio::time::timeout(self.read_timeout * 2, batch.next())
+                        .await
+                        .map_err(|_| failed("no answer fetching", None))?;
+                    let Some(message) = next else { break };
+                    let message =
+                        message.map_err(|e| failed(&format!("fetching: {e}"), Some(e)))?;
+                    let info = message.info().map_err(|e| {
+                        failed(&format!("reading a message's metadata: {e}"), Some(e))
+                    })?;
+                    let seq = info.stream_sequence;
+                    pending = info.pending;
+                    got += 1;
+                    if seq > hi {
+                        return Ok(());
+                    }
+                    out.insert(
+                        seq,
+                        Stored {
+                            id: message
+                                .headers
+                                .as_ref()
+                                .and_then(|h| h.get("Nats-Msg-Id"))
+                                .map(|v| v.as_str().to_owned()),
+                            subject: message.subject.to_string(),
+                        },
+                    );
+                    if seq == hi || pending == 0 {
+                        return Ok(());
+                    }
+                }
+                if got == 0 {
+                    return Err(failed(
+                        &format!(
+                            "no message within {:?} though {pending} are pending",
+                            self.read_timeout
+                        ),
+                        None,
+                    ));
+                }
+            }
+            Ok(())
+        }
+        .await;
+        // Best effort: an ephemeral consumer left behind goes by itself
+        // once idle.
+        let _ = tokio::time::timeout(self.read_timeout, stream.delete_consumer(&name)).await;
+        read.map(|()| out)
+    }
+
+    fn broker(&self, what: String, source: Option<crate::BoxError>) -> Error {
+        let err = Error::new(ErrorKind::Broker, what);
+        match source {
+            Some(e) => err.with_source(e),
+            None => err,
+        }
     }
 
     /// Makes `checked`'s row unpublished again, in the retry lane and due

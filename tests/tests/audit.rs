@@ -623,13 +623,31 @@ async fn outboxctl_audit_reports_lost_rows_and_hands_them_to_the_relay() {
     let stream = unique(&db, "AUDIT_CTL");
     // The relay without its own audit: outboxctl finds the loss.
     let mut relay = Relay::start(&db, nats.url(), &stream, "relay", false).await;
-    let ids = write(&db, 0, 6).await;
+    let mut ids = write(&db, 0, 6).await;
     wait_until("every row published", WAIT, || all_published(&db, &ids))
         .await
         .unwrap();
-    let before = positions(&db, &ids).await;
+    // 200 messages of another publisher, then 2 more rows: the rows'
+    // sequences are sparse, so the audit reads them one by one (the relay's
+    // own tests above read dense ranges through a consumer).
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = jetstream::new(client);
+    for _ in 0..200 {
+        js.publish("audit.foreign", "x".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let more = write(&db, 100, 2).await;
+    wait_until("the later rows published", WAIT, || {
+        all_published(&db, &more)
+    })
+    .await
+    .unwrap();
+    ids.extend(more);
+    let before = positions(&db, &ids).await;
+    assert!(before.values().any(|p| p.as_ref().unwrap().1 > 200));
     let js_stream = js.get_stream(&stream).await.unwrap();
     let lost = &ids[..2];
     for id in lost {
@@ -645,7 +663,7 @@ async fn outboxctl_audit_reports_lost_rows_and_hands_them_to_the_relay() {
         &["audit", "--stream", &stream, "--since", "10m"],
     )
     .await;
-    assert_eq!(report["checked"], 6, "{report}");
+    assert_eq!(report["checked"], 8, "{report}");
     assert_eq!(report["missing"], 2, "{report}");
     assert_eq!(report["republished"], 0, "{report}");
     let found: BTreeSet<Uuid> = report["lost"]
