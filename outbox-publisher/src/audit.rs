@@ -43,9 +43,13 @@
 //! a timeout or any other error fails the whole check; nothing is written and
 //! the rows are checked again later.
 //!
-//! **Cost.** One direct read of a message (headers and payload) per published
-//! row, `concurrency` at a time, in pages of rows read by age through
-//! `outbox_events_published_idx`. The relay's audit runs on a task, a
+//! **Cost.** Rows are read in pages by age through
+//! `outbox_events_published_idx`. A page whose sequences are dense (their
+//! range at most 4 times the rows, plus 64: one relay, or a few sharing the
+//! stream) is read back through one ephemeral consumer from its lowest
+//! sequence, headers only and without acks, in fetches of up to 1,000
+//! messages, and the consumer deleted after; a sparse page is read one
+//! message at a time (headers and payload), `concurrency` at a time. The relay's audit runs on a task, a
 //! database connection and a page budget of its own, so it never delays a
 //! batch; it reads each row once per relay start (a keyset mark per shard).
 
