@@ -155,3 +155,9 @@ impl Readiness {
         }
     }
 }
+
+impl outbox_pg::health::Probe for Readiness {
+    fn check(&self) -> impl std::future::Future<Output = Report> + Send {
+        Readiness::check(self)
+    }
+}

@@ -13,6 +13,15 @@
 //! ```
 
 use std::fmt;
+use std::future::Future;
+
+/// Something that checks whether a process is ready: the libraries'
+/// `Readiness` types, or a service's own. The binaries' `/readyz` runs it
+/// once per request.
+pub trait Probe: Send + Sync + 'static {
+    /// Runs the checks, each bounded in time by the implementation.
+    fn check(&self) -> impl Future<Output = Report> + Send;
+}
 
 /// The result of one check: passed, or failed with a message naming what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -5,7 +5,9 @@
 
 mod ops;
 
-pub use ops::{OpsServer, ROWS_BUCKETS, SECONDS_BUCKETS, install_prometheus};
+pub use ops::{
+    LateReadiness, OpsServer, ROWS_BUCKETS, SECONDS_BUCKETS, install_prometheus, serve_ops,
+};
 pub use outbox_pg::connect::{DatabaseArgs, NatsArgs, Secret, cancel_on_signal, redact_url};
 
 /// How logs are written (to stderr).

@@ -106,3 +106,9 @@ async fn check_stream(js: &jetstream::Context, stream: &str, timeout: Duration) 
         ),
     }
 }
+
+impl outbox_pg::health::Probe for Readiness {
+    fn check(&self) -> impl std::future::Future<Output = Report> + Send {
+        Readiness::check(self)
+    }
+}

@@ -10,7 +10,6 @@
 use std::error::Error;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use clap::Parser;
@@ -20,9 +19,8 @@ use example_billing::{
 };
 use inbox_consumer::Readiness;
 use inbox_consumer::connect::{DatabaseArgs, NatsArgs, cancel_on_signal};
-use outbox_pg::health::{Check, Report};
 use outbox_pg::{Outbox, SchemaRegistry};
-use outbox_publisher::cli::{LogFormat, OpsServer, init_logging, install_prometheus};
+use outbox_publisher::cli::{LogFormat, init_logging, serve_ops};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
@@ -142,31 +140,9 @@ async fn main() -> Result<(), Box<dyn Error>> {
     ));
 
     // Served from the start; ready once connected and the durable exists.
-    let readiness = Arc::new(OnceLock::<Readiness>::new());
     let _stop_ops = shutdown.clone().drop_guard();
-    if let Some(addr) = args.metrics_addr {
-        let metrics =
-            install_prometheus().map_err(|e| format!("installing the metrics recorder: {e}"))?;
-        inbox_consumer::metrics::describe();
-        let server = OpsServer::bind(addr).await?;
-        let readiness = Arc::clone(&readiness);
-        server.spawn(
-            metrics,
-            move || {
-                let readiness = readiness.get().cloned();
-                async move {
-                    match readiness {
-                        Some(r) => r.check().await,
-                        None => Report::new().with(Check::failed(
-                            "database",
-                            "not checked: still connecting at start-up",
-                        )),
-                    }
-                }
-            },
-            shutdown.clone(),
-        );
-    }
+    let readiness = serve_ops::<Readiness>(args.metrics_addr, shutdown.clone()).await?;
+    inbox_consumer::metrics::describe();
 
     let schemas = args.schemas.clone().unwrap_or_else(default_schemas_dir);
     let registry = SchemaRegistry::from_dir(&schemas)
@@ -188,7 +164,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
     example_billing::migrate(&pool).await?;
 
     let nats = args.nats.connect("billing").await?;
-    let _ = readiness.set(Readiness::new(
+    readiness.set(Readiness::new(
         pool.clone(),
         nats.clone(),
         args.stream.clone(),

@@ -12,16 +12,14 @@
 use std::error::Error;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use clap::Parser;
 use example_subscriptions::{AppState, default_schemas_dir, router};
-use outbox_pg::health::{Check, Report};
+use outbox_pg::health::{Check, Probe, Report};
 use outbox_pg::{Outbox, SchemaRegistry};
 use outbox_publisher::cli::{
-    DatabaseArgs, LogFormat, NatsArgs, OpsServer, cancel_on_signal, init_logging,
-    install_prometheus,
+    DatabaseArgs, LogFormat, NatsArgs, cancel_on_signal, init_logging, serve_ops,
 };
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
@@ -92,33 +90,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
     ));
 
     // Served from the start; ready once connected (and the stream exists).
-    let readiness = Arc::new(OnceLock::<Readiness>::new());
     let _stop_ops = shutdown.clone().drop_guard();
-    if let Some(addr) = args.metrics_addr {
-        let metrics =
-            install_prometheus().map_err(|e| format!("installing the metrics recorder: {e}"))?;
-        let server = OpsServer::bind(addr).await?;
-        let readiness = Arc::clone(&readiness);
-        server.spawn(
-            metrics,
-            move || {
-                let readiness = readiness.get().cloned();
-                async move {
-                    match readiness {
-                        Some(Readiness::Relay(r)) => r.check().await,
-                        Some(Readiness::Database(pool)) => {
-                            Report::new().with(database(&pool).await)
-                        }
-                        None => Report::new().with(Check::failed(
-                            "database",
-                            "not checked: still connecting at start-up",
-                        )),
-                    }
-                }
-            },
-            shutdown.clone(),
-        );
-    }
+    let readiness = serve_ops::<Readiness>(args.metrics_addr, shutdown.clone()).await?;
 
     let schemas = args.schemas.clone().unwrap_or_else(default_schemas_dir);
     let registry = SchemaRegistry::from_dir(&schemas)
@@ -144,11 +117,11 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let addr = listener.local_addr()?;
 
     let relay = if args.no_relay {
-        let _ = readiness.set(Readiness::Database(pool.clone()));
+        readiness.set(Readiness::Database(pool.clone()));
         None
     } else {
         let nats = args.nats.connect("subscriptions").await?;
-        let _ = readiness.set(Readiness::Relay(Box::new(
+        readiness.set(Readiness::Relay(Box::new(
             outbox_publisher::Readiness::new(pool.clone(), nats.clone(), args.stream.clone()),
         )));
         let stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());
@@ -188,10 +161,18 @@ async fn main() -> Result<(), Box<dyn Error>> {
 
 /// What `/readyz` checks: the relay's dependencies, or (`--no-relay`) the
 /// database alone.
-#[derive(Clone)]
 enum Readiness {
     Relay(Box<outbox_publisher::Readiness>),
     Database(sqlx::PgPool),
+}
+
+impl Probe for Readiness {
+    async fn check(&self) -> Report {
+        match self {
+            Readiness::Relay(relay) => relay.check().await,
+            Readiness::Database(pool) => Report::new().with(database(pool).await),
+        }
+    }
 }
 
 /// `database`: a connection answers a ping within 2 s.

@@ -28,14 +28,11 @@
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use outbox_pg::health::{Check, Report};
 use outbox_publisher::cli::{
-    DatabaseArgs, LogFormat, NatsArgs, OpsServer, cancel_on_signal, init_logging,
-    install_prometheus,
+    DatabaseArgs, LogFormat, NatsArgs, cancel_on_signal, init_logging, serve_ops,
 };
 use outbox_publisher::{Readiness, Relay, RelayConfig, StorageType, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
@@ -174,31 +171,9 @@ fn main() -> ExitCode {
 
 async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     // Served from the start; ready once connected and the stream exists.
-    let readiness = Arc::new(OnceLock::<Readiness>::new());
     let ops_shutdown = CancellationToken::new();
     let _stop_ops = ops_shutdown.clone().drop_guard();
-    if let Some(addr) = args.metrics_addr {
-        let metrics =
-            install_prometheus().map_err(|e| format!("installing the metrics recorder: {e}"))?;
-        let server = OpsServer::bind(addr).await?;
-        let readiness = Arc::clone(&readiness);
-        server.spawn(
-            metrics,
-            move || {
-                let readiness = readiness.get().cloned();
-                async move {
-                    match readiness {
-                        Some(r) => r.check().await,
-                        None => Report::new().with(Check::failed(
-                            "database",
-                            "not checked: still connecting at start-up",
-                        )),
-                    }
-                }
-            },
-            ops_shutdown.clone(),
-        );
-    }
+    let readiness = serve_ops::<Readiness>(args.metrics_addr, ops_shutdown.clone()).await?;
 
     let config = RelayConfig::default()
         .batch_size(args.batch_size)
@@ -224,7 +199,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         )
         .await?;
     let nats = args.nats.connect("outbox-relay").await?;
-    let _ = readiness.set(Readiness::new(
+    readiness.set(Readiness::new(
         pool.clone(),
         nats.clone(),
         args.stream.clone(),

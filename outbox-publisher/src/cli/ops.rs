@@ -16,6 +16,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use axum::Router;
@@ -24,7 +25,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
-use outbox_pg::health::Report;
+use outbox_pg::health::{Check, Probe, Report};
 use tokio_util::sync::CancellationToken;
 
 /// Bucket bounds, in seconds, of every histogram whose name ends `_seconds`.
@@ -133,6 +134,79 @@ impl OpsServer {
             }
         })
     }
+}
+
+/// The readiness of a binary that serves its endpoint before it has
+/// connected: `/readyz` answers 503, "still connecting at start-up", until
+/// [`set`](Self::set) hands it the probe. Cloning shares the slot.
+#[derive(Debug)]
+pub struct LateReadiness<P> {
+    probe: Arc<OnceLock<P>>,
+}
+
+impl<P> Clone for LateReadiness<P> {
+    fn clone(&self) -> Self {
+        Self {
+            probe: Arc::clone(&self.probe),
+        }
+    }
+}
+
+impl<P> Default for LateReadiness<P> {
+    fn default() -> Self {
+        Self {
+            probe: Arc::new(OnceLock::new()),
+        }
+    }
+}
+
+impl<P: Probe> LateReadiness<P> {
+    /// From now on, `/readyz` runs `probe`. Only the first call counts.
+    pub fn set(&self, probe: P) {
+        let _ = self.probe.set(probe);
+    }
+
+    /// The probe's report, or the start-up one while there is none.
+    pub async fn check(&self) -> Report {
+        match self.probe.get() {
+            Some(probe) => probe.check().await,
+            None => Report::new().with(Check::failed(
+                "database",
+                "not checked: still connecting at start-up",
+            )),
+        }
+    }
+}
+
+/// A binary's `--metrics-addr`: with an address, installs the Prometheus
+/// recorder ([`install_prometheus`]), binds it and serves `/metrics`,
+/// `/healthz` and `/readyz` until `shutdown`; without one, serves nothing.
+/// Either way the returned slot takes the probe once the binary has
+/// connected.
+///
+/// # Errors
+/// An I/O error naming the address if it cannot be bound, or the recorder
+/// if one is installed already.
+pub async fn serve_ops<P: Probe>(
+    addr: Option<SocketAddr>,
+    shutdown: CancellationToken,
+) -> std::io::Result<LateReadiness<P>> {
+    let readiness = LateReadiness::default();
+    if let Some(addr) = addr {
+        let metrics = install_prometheus()
+            .map_err(|e| std::io::Error::other(format!("installing the metrics recorder: {e}")))?;
+        let server = OpsServer::bind(addr).await?;
+        let slot = readiness.clone();
+        server.spawn(
+            metrics,
+            move || {
+                let slot = slot.clone();
+                async move { slot.check().await }
+            },
+            shutdown,
+        );
+    }
+    Ok(readiness)
 }
 
 async fn render_metrics(State(handle): State<PrometheusHandle>) -> Response {
