@@ -19,6 +19,7 @@
 mod audit;
 mod db;
 mod dead_letters;
+mod deleted;
 mod error;
 mod inbox;
 mod outbox;

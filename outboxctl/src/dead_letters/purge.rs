@@ -12,16 +12,13 @@
 //!  "total": 3}
 //! ```
 
-use std::io::Write;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
-use serde::Serialize;
-
 use crate::db::Database;
+use crate::deleted::Deleted;
 use crate::error::{Error, ErrorKind, Result};
-use crate::inbox::{cutoff, parse_duration, when};
-use crate::output::{self, Report};
+use crate::inbox::{cutoff, parse_duration};
+use crate::output;
 
 /// Flags of `outboxctl dead-letters purge`.
 #[derive(Debug, clap::Args)]
@@ -39,24 +36,6 @@ pub(crate) struct Args {
     dry_run: bool,
 }
 
-#[derive(Debug, Serialize)]
-struct Purged {
-    dry_run: bool,
-    older_than_seconds: f64,
-    cutoff: DateTime<Utc>,
-    consumers: Vec<ConsumerPurged>,
-    total: u64,
-}
-
-#[derive(Debug, Serialize)]
-struct ConsumerPurged {
-    consumer: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    deleted: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    would_delete: Option<u64>,
-}
-
 pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
     let pool = db.connect(&["inbox_dead_letters"]).await?;
     let cutoff = cutoff(args.older_than, "--older-than")?;
@@ -68,13 +47,14 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
     .fetch_all(&pool)
     .await
     .map_err(|e| Error::database("counting dead letters past the window", e))?;
-    let mut report = Purged {
-        dry_run: args.dry_run,
-        older_than_seconds: args.older_than.as_secs_f64(),
+    let mut report = Deleted::new(
+        args.dry_run,
+        args.older_than,
         cutoff,
-        consumers: Vec::with_capacity(due.len()),
-        total: 0,
-    };
+        "dead letter",
+        "recorded",
+    )
+    .without_empty_table();
     for row in due {
         let count = if args.dry_run {
             u64::try_from(row.rows).unwrap_or(0)
@@ -90,43 +70,13 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
                     ErrorKind::Database,
                     format!(
                         "purging the dead letters of `{}` (after {} of earlier consumers): {e}",
-                        row.consumer, report.total
+                        row.consumer,
+                        report.total()
                     ),
                 )
             })?
         };
-        report.total += count;
-        report.consumers.push(ConsumerPurged {
-            consumer: row.consumer,
-            deleted: (!args.dry_run).then_some(count),
-            would_delete: args.dry_run.then_some(count),
-        });
+        report.push(row.consumer, count);
     }
     output::print(&report, json)
-}
-
-impl Report for Purged {
-    fn human(&self, out: &mut dyn Write) -> std::io::Result<()> {
-        let verb = if self.dry_run {
-            "would delete"
-        } else {
-            "deleted"
-        };
-        if !self.consumers.is_empty() {
-            let mut rows = vec![vec!["consumer".to_owned(), verb.to_owned()]];
-            for c in &self.consumers {
-                let n = c.deleted.or(c.would_delete).unwrap_or(0);
-                rows.push(vec![c.consumer.clone(), n.to_string()]);
-            }
-            output::table(out, &rows)?;
-        }
-        writeln!(
-            out,
-            "{verb} {} dead letter{} recorded before {} (older than {})",
-            self.total,
-            if self.total == 1 { "" } else { "s" },
-            when(Some(self.cutoff)),
-            output::age(self.older_than_seconds)
-        )
-    }
 }

@@ -10,16 +10,13 @@
 //!  "total": 120}
 //! ```
 
-use std::io::Write;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
-use serde::Serialize;
-
-use super::{cutoff, parse_duration, select_consumers, when};
+use super::{cutoff, parse_duration, select_consumers};
 use crate::db::Database;
+use crate::deleted::Deleted;
 use crate::error::{Error, ErrorKind, Result};
-use crate::output::{self, Report};
+use crate::output;
 
 /// The shortest window pruned without `--force`.
 const SHORTEST_WINDOW: Duration = Duration::from_secs(60 * 60);
@@ -46,24 +43,6 @@ pub(crate) struct Args {
     force: bool,
 }
 
-#[derive(Debug, Serialize)]
-struct Pruned {
-    dry_run: bool,
-    older_than_seconds: f64,
-    cutoff: DateTime<Utc>,
-    consumers: Vec<ConsumerPruned>,
-    total: u64,
-}
-
-#[derive(Debug, Serialize)]
-struct ConsumerPruned {
-    consumer: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    deleted: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    would_delete: Option<u64>,
-}
-
 pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
     let window = args
         .older_than
@@ -84,13 +63,7 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
     let consumers = select_consumers(&pool, args.consumer.as_deref()).await?;
     let cutoff = cutoff(window, "--older-than")?;
     let retention = inbox_consumer::Retention::default().window(window);
-    let mut report = Pruned {
-        dry_run: args.dry_run,
-        older_than_seconds: window.as_secs_f64(),
-        cutoff,
-        consumers: Vec::with_capacity(consumers.len()),
-        total: 0,
-    };
+    let mut report = Deleted::new(args.dry_run, window, cutoff, "inbox row", "handled");
     for consumer in consumers {
         let count = if args.dry_run {
             let rows = sqlx::query_file_scalar!("queries/inbox_prune_count.sql", &consumer, cutoff)
@@ -104,41 +77,12 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
                     ErrorKind::Database,
                     format!(
                         "pruning the inbox of `{consumer}` (after {} rows of earlier consumers): {e}",
-                        report.total
+                        report.total()
                     ),
                 )
             })?
         };
-        report.total += count;
-        report.consumers.push(ConsumerPruned {
-            consumer,
-            deleted: (!args.dry_run).then_some(count),
-            would_delete: args.dry_run.then_some(count),
-        });
+        report.push(consumer, count);
     }
     output::print(&report, json)
-}
-
-impl Report for Pruned {
-    fn human(&self, out: &mut dyn Write) -> std::io::Result<()> {
-        let verb = if self.dry_run {
-            "would delete"
-        } else {
-            "deleted"
-        };
-        let mut rows = vec![vec!["consumer".to_owned(), verb.to_owned()]];
-        for c in &self.consumers {
-            let n = c.deleted.or(c.would_delete).unwrap_or(0);
-            rows.push(vec![c.consumer.clone(), n.to_string()]);
-        }
-        output::table(out, &rows)?;
-        writeln!(
-            out,
-            "{verb} {} inbox row{} handled before {} (older than {})",
-            self.total,
-            if self.total == 1 { "" } else { "s" },
-            when(Some(self.cutoff)),
-            output::age(self.older_than_seconds)
-        )
-    }
 }
