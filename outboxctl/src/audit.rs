@@ -30,7 +30,6 @@
 use std::io::Write;
 use std::time::Duration;
 
-use async_nats::jetstream;
 use chrono::{DateTime, Utc};
 use outbox_pg::connect::NatsArgs;
 use outbox_publisher::audit::{Audit, Finding};
@@ -165,7 +164,7 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
     // Checked before connecting: a window out of the calendar is a flag error.
     cutoff(args.since, "--since")?;
     let pool = db.connect(&["outbox_events"]).await?;
-    let js = connect(&args.nats, args.timeout).await?;
+    let js = crate::nats::jetstream(&args.nats, args.timeout).await?;
     let audit = Audit::new(pool, js, &args.stream)
         .await
         .map_err(publisher_error)?
@@ -240,29 +239,4 @@ fn publisher_error(e: outbox_publisher::Error) -> Error {
         _ => ErrorKind::Database,
     };
     Error::new(kind, e.to_string())
-}
-
-async fn connect(nats: &NatsArgs, timeout: Duration) -> Result<jetstream::Context> {
-    let shown = nats.redacted_url();
-    let options = nats.connect_options("outboxctl").await?;
-    let client = tokio::time::timeout(timeout, options.connect(nats.server_urls()))
-        .await
-        .map_err(|_| {
-            Error::new(
-                ErrorKind::Nats,
-                format!(
-                    "connecting to NATS at {shown}: no answer in {}",
-                    humantime::format_duration(timeout)
-                ),
-            )
-        })?
-        .map_err(|e| {
-            Error::new(
-                ErrorKind::Nats,
-                format!("connecting to NATS at {shown}: {e}"),
-            )
-        })?;
-    let mut js = jetstream::new(client);
-    js.set_timeout(timeout);
-    Ok(js)
 }

@@ -22,6 +22,7 @@ mod dead_letters;
 mod deleted;
 mod error;
 mod inbox;
+mod nats;
 mod outbox;
 mod output;
 

@@ -98,7 +98,7 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
         .into_iter()
         .map(prepare)
         .collect::<Result<_>>()?;
-    let js = connect(&args.nats, args.timeout).await?;
+    let js = crate::nats::jetstream(&args.nats, args.timeout).await?;
     let mut report = Replays {
         replayed: Vec::with_capacity(prepared.len()),
     };
@@ -197,31 +197,6 @@ fn dropped(name: &str) -> bool {
         || name
             .get(..14)
             .is_some_and(|p| p.eq_ignore_ascii_case("Nats-Expected-"))
-}
-
-async fn connect(nats: &NatsArgs, timeout: Duration) -> Result<jetstream::Context> {
-    let shown = nats.redacted_url();
-    let options = nats.connect_options("outboxctl").await?;
-    let client = tokio::time::timeout(timeout, options.connect(nats.server_urls()))
-        .await
-        .map_err(|_| {
-            Error::new(
-                ErrorKind::Nats,
-                format!(
-                    "connecting to NATS at {shown}: no answer in {}",
-                    humantime::format_duration(timeout)
-                ),
-            )
-        })?
-        .map_err(|e| {
-            Error::new(
-                ErrorKind::Nats,
-                format!("connecting to NATS at {shown}: {e}"),
-            )
-        })?;
-    let mut js = jetstream::new(client);
-    js.set_timeout(timeout);
-    Ok(js)
 }
 
 /// Publishes one prepared dead letter, awaits its PubAck, checks its stream,
