@@ -20,11 +20,11 @@ use std::time::Duration;
 
 use async_nats::connection::State;
 use async_nats::jetstream;
-use outbox_pg::health::{Check, Report};
-use sqlx::{Connection, PgPool};
+use outbox_pg::health::{self, Check, Report};
+use sqlx::PgPool;
 
-/// The default bound on each check.
-pub const DEFAULT_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+/// The default bound on each check: 2 s.
+pub const DEFAULT_CHECK_TIMEOUT: Duration = health::DEFAULT_CHECK_TIMEOUT;
 
 /// Checks a consumer's dependencies: `database`, `broker`, `stream` and
 /// `consumer` (the durable).
@@ -67,7 +67,9 @@ impl Readiness {
     /// on it. What depends on a failed check is not asked for; its check says
     /// so.
     pub async fn check(&self) -> Report {
-        let (database, broker) = tokio::join!(self.database(), async { self.broker() });
+        let (database, broker) = tokio::join!(health::database(&self.pool, self.timeout), async {
+            self.broker()
+        });
         let mut report = Report::new().with(database);
         if !broker.ok() {
             return report
@@ -131,21 +133,6 @@ impl Readiness {
                 ),
             };
         report.with(consumer)
-    }
-
-    async fn database(&self) -> Check {
-        let ping = async {
-            let mut conn = self.pool.acquire().await?;
-            conn.ping().await
-        };
-        match tokio::time::timeout(self.timeout, ping).await {
-            Ok(Ok(())) => Check::passed("database"),
-            Ok(Err(e)) => Check::failed("database", format!("database not answering: {e}")),
-            Err(_) => Check::failed(
-                "database",
-                format!("database did not answer within {:?}", self.timeout),
-            ),
-        }
     }
 
     fn broker(&self) -> Check {

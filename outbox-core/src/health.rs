@@ -14,6 +14,28 @@
 
 use std::fmt;
 use std::future::Future;
+use std::time::Duration;
+
+use sqlx::{Connection, PgPool};
+
+/// The default bound on each check: 2 s.
+pub const DEFAULT_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// `database`: a connection from `pool` answers a ping within `timeout`.
+pub async fn database(pool: &PgPool, timeout: Duration) -> Check {
+    let ping = async {
+        let mut conn = pool.acquire().await?;
+        conn.ping().await
+    };
+    match tokio::time::timeout(timeout, ping).await {
+        Ok(Ok(())) => Check::passed("database"),
+        Ok(Err(e)) => Check::failed("database", format!("database not answering: {e}")),
+        Err(_) => Check::failed(
+            "database",
+            format!("database did not answer within {timeout:?}"),
+        ),
+    }
+}
 
 /// Something that checks whether a process is ready: the libraries'
 /// `Readiness` types, or a service's own. The binaries' `/readyz` runs it

@@ -22,11 +22,11 @@ use std::time::Duration;
 
 use async_nats::connection::State;
 use async_nats::jetstream;
-use outbox_pg::health::{Check, Report};
-use sqlx::{Connection, PgPool};
+use outbox_pg::health::{self, Check, Report};
+use sqlx::PgPool;
 
-/// The default bound on each check.
-pub const DEFAULT_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+/// The default bound on each check: 2 s.
+pub const DEFAULT_CHECK_TIMEOUT: Duration = health::DEFAULT_CHECK_TIMEOUT;
 
 /// Checks a relay's dependencies: `database`, `broker` and `stream`.
 #[derive(Debug, Clone)]
@@ -59,7 +59,7 @@ impl Readiness {
     /// connection is `Connected`, and the stream exists. The stream is not
     /// asked for while the broker is down; its check then says so.
     pub async fn check(&self) -> Report {
-        let (database, broker) = tokio::join!(check_database(&self.pool, self.timeout), async {
+        let (database, broker) = tokio::join!(health::database(&self.pool, self.timeout), async {
             check_broker(&self.js.client())
         },);
         let stream = if broker.ok() {
@@ -68,22 +68,6 @@ impl Readiness {
             Check::failed("stream", "not checked: the broker is not connected")
         };
         Report::new().with(database).with(broker).with(stream)
-    }
-}
-
-/// `database`: a connection from `pool` answers a ping within `timeout`.
-pub(crate) async fn check_database(pool: &PgPool, timeout: Duration) -> Check {
-    let ping = async {
-        let mut conn = pool.acquire().await?;
-        conn.ping().await
-    };
-    match tokio::time::timeout(timeout, ping).await {
-        Ok(Ok(())) => Check::passed("database"),
-        Ok(Err(e)) => Check::failed("database", format!("database not answering: {e}")),
-        Err(_) => Check::failed(
-            "database",
-            format!("database did not answer within {timeout:?}"),
-        ),
     }
 }
 

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use example_subscriptions::{AppState, default_schemas_dir, router};
-use outbox_pg::health::{Check, Probe, Report};
+use outbox_pg::health::{self, Probe, Report};
 use outbox_pg::{Outbox, SchemaRegistry};
 use outbox_publisher::cli::{
     DatabaseArgs, LogFormat, NatsArgs, cancel_on_signal, init_logging, serve_ops,
@@ -170,18 +170,9 @@ impl Probe for Readiness {
     async fn check(&self) -> Report {
         match self {
             Readiness::Relay(relay) => relay.check().await,
-            Readiness::Database(pool) => Report::new().with(database(pool).await),
+            Readiness::Database(pool) => {
+                Report::new().with(health::database(pool, health::DEFAULT_CHECK_TIMEOUT).await)
+            }
         }
-    }
-}
-
-/// `database`: a connection answers a ping within 2 s.
-async fn database(pool: &sqlx::PgPool) -> Check {
-    use sqlx::Connection;
-    let ping = async { pool.acquire().await?.ping().await };
-    match tokio::time::timeout(outbox_publisher::DEFAULT_CHECK_TIMEOUT, ping).await {
-        Ok(Ok(())) => Check::passed("database"),
-        Ok(Err(e)) => Check::failed("database", format!("database not answering: {e}")),
-        Err(_) => Check::failed("database", "database did not answer within 2s"),
     }
 }
