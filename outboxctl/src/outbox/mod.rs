@@ -37,6 +37,26 @@ pub(crate) struct Cap {
     pub(crate) max_attempts: i32,
 }
 
+/// A transaction for an operator's change (`retry`, `skip`), with the lock
+/// and statement timeouts of `queries/session_timeouts.sql`, so it never
+/// waits long on a row a relay holds while relays run.
+///
+/// # Errors
+/// [`ErrorKind::Database`].
+pub(crate) async fn begin(
+    pool: &sqlx::PgPool,
+) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+    let mut tx = pool
+        .begin()
+        .await
+        .map_err(|e| Error::database("starting the transaction", e))?;
+    sqlx::query_file!("queries/session_timeouts.sql")
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| Error::database("setting the transaction's timeouts", e))?;
+    Ok(tx)
+}
+
 /// Parses event ids given on the command line, naming the first that is not
 /// a UUID.
 ///

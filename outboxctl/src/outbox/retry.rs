@@ -60,14 +60,7 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
         return Err(Error::new(ErrorKind::Config, "--entity needs a subject"));
     }
     let pool = db.connect(&[TABLE]).await?;
-    let mut tx = pool
-        .begin()
-        .await
-        .map_err(|e| Error::database("starting the transaction", e))?;
-    sqlx::query_file!("queries/session_timeouts.sql")
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(|e| Error::database("setting the transaction's timeouts", e))?;
+    let mut tx = super::begin(&pool).await?;
 
     let report = if let Some(entity) = &args.entity {
         let retried = sqlx::query_file_scalar!("queries/retry_entity.sql", entity)

@@ -98,14 +98,7 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
     };
 
     let pool = db.connect(&[TABLE]).await?;
-    let mut tx = pool
-        .begin()
-        .await
-        .map_err(|e| Error::database("starting the transaction", e))?;
-    sqlx::query_file!("queries/session_timeouts.sql")
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(|e| Error::database("setting the transaction's timeouts", e))?;
+    let mut tx = super::begin(&pool).await?;
     let row = sqlx::query_file!("queries/skip_lock.sql", id)
         .fetch_optional(&mut *tx)
         .await
