@@ -546,7 +546,7 @@ async fn node_fault(
 /// when the binary is missing or fails).
 async fn outboxctl_status(bin_dir: &std::path::Path, name: &str, url: &str) {
     println!();
-    println!("== outboxctl status ({name}'s database) ==");
+    println!("== outboxctl status: the {name} database ==");
     let out = tokio::process::Command::new(bin_dir.join("outboxctl"))
         .arg("status")
         .env("DATABASE_URL", url)
