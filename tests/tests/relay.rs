@@ -531,7 +531,7 @@ async fn poison_rows_block_only_their_own_subject() {
 async fn retention_deletes_only_published_rows_older_than_the_window() {
     let db = TestDb::new().await.unwrap();
     let broker = nats().unwrap();
-    let events: Vec<_> = (0..4)
+    let events: Vec<_> = (0..5)
         .map(|i| event("orders.created", &format!("o{i}"), json!({"n": i})))
         .collect();
     commit(&db, &events).await;
@@ -552,6 +552,15 @@ async fn retention_deletes_only_published_rows_older_than_the_window() {
     .await;
     set(id(2), "update outbox_events set created_at = now() - interval '30 days', attempts = 50 where id = $1").await;
     // events[3]: unpublished and fresh.
+    // events[4]: skipped by an operator while a relay published it (both
+    // set), long ago: kept, as every skipped row is.
+    set(
+        id(4),
+        "update outbox_events set published_at = now() - interval '8 days', \
+         skipped_at = now() - interval '8 days', skipped_by = 'op', skip_reason = 'poison' \
+         where id = $1",
+    )
+    .await;
 
     let relay = relay(
         &db,
@@ -565,7 +574,7 @@ async fn retention_deletes_only_published_rows_older_than_the_window() {
         .fetch_all(&db.pool)
         .await
         .unwrap();
-    assert_eq!(left, [id(1), id(2), id(3)]);
+    assert_eq!(left, [id(1), id(2), id(3), id(4)]);
 }
 
 #[tokio::test]
