@@ -277,7 +277,7 @@ impl ConsumerBuilder {
 }
 
 impl Consumer {
-    /// [`Consumer::new`], again while the stream is unavailable
+    /// [`Consumer::new`] (its privilege check once), again while the stream is unavailable
     /// ([`ErrorKind::StreamUnavailable`]: missing, or JetStream not
     /// answering), for up to `patience`, or without end if `None`. The pause
     /// between looks grows from 100 ms to 2 s; the first wait is logged at
@@ -292,11 +292,13 @@ impl Consumer {
         config: ConsumerConfig,
         patience: Option<Duration>,
     ) -> Result<Self> {
+        // Once: waiting for the stream changes nothing about the role.
+        crate::runtime::check_privileges(&pool, &config).await?;
         let deadline = patience.map(|p| tokio::time::Instant::now() + p);
         let mut pause = Duration::from_millis(100);
         let mut told = false;
         loop {
-            match Self::new(js.clone(), pool.clone(), config.clone()).await {
+            match Self::create(js.clone(), pool.clone(), config.clone()).await {
                 Ok(consumer) => {
                     if told {
                         tracing::info!(stream = config.stream(), "the stream is there; consuming");

@@ -105,7 +105,9 @@ pub use event::{Event, check_schema_file};
 #[cfg(feature = "migrate")]
 pub use migrate::{MIGRATION_LOCK, MIGRATION_TABLE, MIGRATOR, migrate, migrate_with};
 pub use outbox::{DEFAULT_MAX_MESSAGE_SIZE, Outbox};
-pub use privilege::{Privilege, check_privileges, is_insufficient_privilege};
+pub use privilege::{
+    Privilege, check_privileges, check_privileges_at_start, is_insufficient_privilege,
+};
 pub use schema::{SCHEMA_SUFFIX, SchemaRegistry};
 /// The crate [`Event`] derives schemas with, re-exported so a service uses
 /// the same version (`#[derive(outbox_pg::schemars::JsonSchema)]`).

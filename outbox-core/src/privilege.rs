@@ -143,6 +143,30 @@ pub async fn check_privileges(pool: &PgPool, required: &[Privilege], group: &str
     ))
 }
 
+/// [`check_privileges`] at a component's start-up, where the database may not
+/// answer yet: bounded by `timeout`, and only a missing privilege is an
+/// error. A check that cannot run (no answer in time, a failed statement)
+/// passes with the reason, for the caller to log: the component then waits
+/// for its database as it always does.
+///
+/// # Errors
+/// [`ErrorKind::Privilege`], as [`check_privileges`].
+pub async fn check_privileges_at_start(
+    pool: &PgPool,
+    required: &[Privilege],
+    group: &str,
+    timeout: std::time::Duration,
+) -> Result<Option<String>> {
+    match tokio::time::timeout(timeout, check_privileges(pool, required, group)).await {
+        Ok(Ok(())) => Ok(None),
+        Ok(Err(e)) if e.kind() == ErrorKind::Privilege => Err(e),
+        Ok(Err(e)) => Ok(Some(e.to_string())),
+        Err(_) => Ok(Some(format!(
+            "the database did not answer within {timeout:?}"
+        ))),
+    }
+}
+
 /// Whether `error`, or an error in its `source` chain, is a database error
 /// with SQLSTATE `42501` ([`INSUFFICIENT_PRIVILEGE`]).
 pub fn is_insufficient_privilege(error: &(dyn std::error::Error + 'static)) -> bool {

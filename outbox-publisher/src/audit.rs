@@ -256,9 +256,7 @@ impl Audit {
             .get_stream(stream)
             .await
             .map_err(|e| {
-                let kind = if matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(j)
-                    if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
-                {
+                let kind = if crate::stream::is_not_found(&e) {
                     ErrorKind::Stream
                 } else {
                     ErrorKind::Broker

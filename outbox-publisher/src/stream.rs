@@ -182,7 +182,7 @@ impl StreamSpec {
     }
 }
 
-fn is_not_found(e: &jetstream::context::GetStreamError) -> bool {
+pub(crate) fn is_not_found(e: &jetstream::context::GetStreamError) -> bool {
     matches!(e.kind(), GetStreamErrorKind::JetStream(js)
         if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
 }

@@ -229,28 +229,26 @@ const CONSUMER_ROLE: &str = "outbox_consumer";
 /// wait for, per message).
 const PRIVILEGE_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
-async fn check_privileges(pool: &PgPool, config: &ConsumerConfig) -> Result<()> {
+pub(crate) async fn check_privileges(pool: &PgPool, config: &ConsumerConfig) -> Result<()> {
     let required = required_privileges(config);
-    let check = outbox_pg::check_privileges(pool, &required, CONSUMER_ROLE);
-    let Ok(checked) = tokio::time::timeout(PRIVILEGE_CHECK_TIMEOUT, check).await else {
-        tracing::warn!(
-            consumer = %config.durable, timeout = ?PRIVILEGE_CHECK_TIMEOUT,
-            "the database did not answer the privilege check; going on",
-        );
-        return Ok(());
-    };
-    match checked {
-        Err(e) if e.kind() == outbox_pg::ErrorKind::Privilege => Err(Error::new(
+    let checked = outbox_pg::check_privileges_at_start(
+        pool,
+        &required,
+        CONSUMER_ROLE,
+        PRIVILEGE_CHECK_TIMEOUT,
+    )
+    .await
+    .map_err(|e| {
+        Error::new(
             crate::ErrorKind::Privilege,
             format!("consumer `{}`: {e}", config.durable),
         )
-        .with_source(e)),
-        Err(e) => {
-            tracing::warn!(consumer = %config.durable, error = %e, "could not check the consumer's database privileges; going on");
-            Ok(())
-        }
-        Ok(()) => Ok(()),
+        .with_source(e)
+    })?;
+    if let Some(why) = checked {
+        tracing::warn!(consumer = %config.durable, error = %why, "could not check the consumer's database privileges; going on");
     }
+    Ok(())
 }
 
 /// A message and its decoded delivery.
@@ -292,6 +290,16 @@ impl Consumer {
     /// [`check_window`](crate::retention::check_window)).
     pub async fn new(js: jetstream::Context, pool: PgPool, config: ConsumerConfig) -> Result<Self> {
         check_privileges(&pool, &config).await?;
+        Self::create(js, pool, config).await
+    }
+
+    /// [`Consumer::new`] after the privilege check: the stream, the durable,
+    /// the retention check and the durability statement.
+    pub(crate) async fn create(
+        js: jetstream::Context,
+        pool: PgPool,
+        config: ConsumerConfig,
+    ) -> Result<Self> {
         let stream = js
             .get_stream(&config.stream)
             .await

@@ -15,8 +15,9 @@ use crate::error::{Error, ErrorKind, Result};
 /// run, if any (`None`: off by config, or the stream cannot be audited).
 ///
 /// # Errors
-/// [`ErrorKind::Config`] with `require_durable`, naming every setting that
-/// can lose acknowledged events.
+/// [`ErrorKind::Config`] for a duplicate window not longer than the
+/// republish horizon (always), and with `require_durable`, naming every
+/// setting that can lose acknowledged events.
 pub(crate) fn state(stream: &Config, config: &RelayConfig, audit: Audit) -> Result<Option<Audit>> {
     let republish = config.republish_horizon();
     let unauditable = audit.unauditable();
@@ -64,13 +65,20 @@ pub(crate) fn state(stream: &Config, config: &RelayConfig, audit: Audit) -> Resu
         ));
     }
     if stream.duplicate_window <= republish {
-        // Refused in any case by the caller; named here with the rest.
+        // Refused whatever the configuration: a republish must be deduplicated.
         warn!(
             stream = %stream.name,
             duplicate_window = ?stream.duplicate_window,
             republish_horizon = ?republish,
             "durability: the duplicate window is not longer than the republish horizon: a republish after a lost mark would be stored twice"
         );
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!(
+                "stream `{}` has a duplicate window of {:?}, which must be longer than the lease plus the publish timeout ({:?}): a republish after a takeover would be stored twice",
+                stream.name, stream.duplicate_window, republish
+            ),
+        ));
     }
     if let Some(off) = &audit_off {
         warn!(

@@ -97,7 +97,7 @@ use tracing::{info, warn};
 
 use crate::backoff::{Backoff, LoopBackoff};
 use crate::config::RelayConfig;
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{ErrorKind, Result};
 use crate::sink::{JetStreamSink, Sink};
 use crate::store::Store;
 use crate::stream::StreamSpec;
@@ -196,22 +196,13 @@ const PRIVILEGE_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
 async fn check_privileges(pool: &PgPool, config: &RelayConfig) -> Result<()> {
     let required = required_privileges(config);
-    let check = outbox_pg::check_privileges(pool, &required, RELAY_ROLE);
-    match tokio::time::timeout(PRIVILEGE_CHECK_TIMEOUT, check).await {
-        Ok(Err(e)) if e.kind() == outbox_pg::ErrorKind::Privilege => Err(e.into()),
-        Ok(Err(e)) => {
-            warn!(error = %e, "could not check the relay's database privileges; going on");
-            Ok(())
-        }
-        Err(_) => {
-            warn!(
-                timeout = ?PRIVILEGE_CHECK_TIMEOUT,
-                "the database did not answer the privilege check; going on"
-            );
-            Ok(())
-        }
-        Ok(Ok(())) => Ok(()),
+    let unchecked =
+        outbox_pg::check_privileges_at_start(pool, &required, RELAY_ROLE, PRIVILEGE_CHECK_TIMEOUT)
+            .await?;
+    if let Some(why) = unchecked {
+        warn!(error = %why, "could not check the relay's database privileges; going on");
     }
+    Ok(())
 }
 
 impl Relay<JetStreamSink> {
@@ -236,27 +227,23 @@ impl Relay<JetStreamSink> {
     ) -> Result<Self> {
         config.validate()?;
         check_privileges(&pool, &config).await?;
+        Self::set_up(pool, client, stream, config).await
+    }
+
+    /// [`Relay::jetstream`] after the privilege check: the stream, the
+    /// durability statement, the audit.
+    async fn set_up(
+        pool: PgPool,
+        client: async_nats::Client,
+        stream: &StreamSpec,
+        config: RelayConfig,
+    ) -> Result<Self> {
         let sink = JetStreamSink::new(client, config.publish_timeout).expect_stream(stream.name());
         let existing = stream.ensure(sink.context()).await?;
         // The audit reads on a connection of its own, never a worker's.
-        let audit_pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(1)
-            .acquire_timeout(pool.options().get_acquire_timeout())
-            .connect_lazy_with((*pool.connect_options()).clone());
+        let audit_pool = Store::new(&pool, 1).pool().clone();
         let audit = crate::audit::Audit::from_config(audit_pool, sink.context().clone(), &existing);
         let audit = durability::state(&existing, &config, audit)?;
-        let needed = config.republish_horizon();
-        if existing.duplicate_window <= needed {
-            return Err(Error::new(
-                ErrorKind::Config,
-                format!(
-                    "stream `{}` has a duplicate window of {:?}, which must be longer than the lease plus the publish timeout ({:?}): a republish after a takeover would be stored twice",
-                    stream.name(),
-                    existing.duplicate_window,
-                    needed
-                ),
-            ));
-        }
         let sink = sink.captures(existing.subjects.clone());
         let mut relay = Self::new(pool, sink, config)?;
         relay.audit = audit;
@@ -289,9 +276,10 @@ impl Relay<JetStreamSink> {
         relay.run(shutdown).await
     }
 
-    /// [`Relay::jetstream`], retried while the broker cannot be reached (one
-    /// log line when it starts waiting, one when it is through). `None` if
-    /// `shutdown` came first.
+    /// [`Relay::jetstream`], its set-up retried while the broker cannot be
+    /// reached (one log line when it starts waiting, one when it is through;
+    /// the privileges are checked once, before). `None` if `shutdown` came
+    /// first.
     ///
     /// # Errors
     /// As [`Relay::run_jetstream`].
@@ -303,10 +291,15 @@ impl Relay<JetStreamSink> {
         shutdown: &CancellationToken,
     ) -> Result<Option<Self>> {
         config.validate()?;
+        // Once: waiting for the broker changes nothing about the role.
+        tokio::select! {
+            () = shutdown.cancelled() => return Ok(None),
+            checked = check_privileges(&pool, &config) => checked?,
+        }
         let mut retry = LoopBackoff::new(Duration::from_millis(500), Duration::from_secs(10));
         let mut waiting = false;
         loop {
-            let attempt = Self::jetstream(pool.clone(), client.clone(), &stream, config.clone());
+            let attempt = Self::set_up(pool.clone(), client.clone(), &stream, config.clone());
             let result = tokio::select! {
                 () = shutdown.cancelled() => return Ok(None),
                 result = attempt => result,
