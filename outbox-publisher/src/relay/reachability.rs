@@ -14,7 +14,6 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use sqlx::Connection;
 use tracing::{info, warn};
 
 use super::{BatchReport, Relay};
@@ -42,18 +41,12 @@ impl<S: Sink> Relay<S> {
         if !self.shards.owned().is_empty() && self.sink.is_available() {
             return;
         }
-        let ping = async { self.store.pool().acquire().await?.ping().await };
-        let result = tokio::time::timeout(PROBE_TIMEOUT, ping).await;
-        let up = matches!(result, Ok(Ok(())));
+        let check = outbox_pg::health::database(self.store.pool(), PROBE_TIMEOUT).await;
+        let up = check.ok();
         if self.db_up.swap(up, Ordering::Relaxed) != up {
-            match result {
-                Ok(Ok(())) => info!("outbox database available again"),
-                Ok(Err(e)) => {
-                    warn!(error = %e, "outbox database unavailable; retrying with backoff")
-                }
-                Err(_) => warn!(
-                    "outbox database unavailable: no answer within {PROBE_TIMEOUT:?}; retrying with backoff"
-                ),
+            match check.error() {
+                None => info!("outbox database available again"),
+                Some(e) => warn!(error = %e, "outbox database unavailable; retrying with backoff"),
             }
         }
     }
