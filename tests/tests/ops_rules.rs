@@ -2,7 +2,7 @@
 //! (`promtool check rules`) and pass their unit tests (`promtool test rules`
 //! on `outbox-alerts.test.yml`: every alert firing and not firing).
 //!
-//! promtool comes from the Debian package `prometheus`; `scripts/setup`
+//! promtool comes from the Debian package `prometheus`; `scripts/test`
 //! installs it (and exports `PROMTOOL_BIN`). Without it this test fails,
 //! saying how to install it.
 
@@ -32,7 +32,7 @@ fn promtool() -> PathBuf {
             String::from_utf8_lossy(&out.stderr)
         ),
         Err(e) => panic!(
-            "promtool not found ({}: {e}): install it with `. scripts/setup` (as root) or \
+            "promtool not found ({}: {e}): install it with `scripts/test` (as root, it installs what is missing) or \
              `apt-get install prometheus`, or point PROMTOOL_BIN at a promtool binary",
             bin.display()
         ),
