@@ -151,7 +151,13 @@ pub(crate) fn unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
                     code.starts_with("08")
                         || matches!(
                             &*code,
-                            "57P01" | "57P02" | "57P03" | "53300" | "55P03" | "25P03" | "42501"
+                            "57P01"
+                                | "57P02"
+                                | "57P03"
+                                | "53300"
+                                | "55P03"
+                                | "25P03"
+                                | outbox_pg::privilege::INSUFFICIENT_PRIVILEGE
                         )
                 }),
                 _ => false,

@@ -297,7 +297,6 @@ pub(crate) async fn with_progress_all<F: Future>(
     }
 }
 
-/// `error: cause: cause…`, for the dead-letter row.
 /// Whether the delivery failed on a privilege the role lacks (SQLSTATE 42501).
 fn refused(result: &Result<Outcome, BoxError>) -> bool {
     result
@@ -306,6 +305,7 @@ fn refused(result: &Result<Outcome, BoxError>) -> bool {
         .is_some_and(|e| outbox_pg::is_insufficient_privilege(e.as_ref()))
 }
 
+/// `error: cause: cause…`, for the dead-letter row.
 fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
