@@ -88,6 +88,7 @@ pub mod event;
 pub mod health;
 #[cfg(feature = "migrate")]
 mod migrate;
+mod namespace;
 mod outbox;
 pub mod privilege;
 mod schema;
@@ -104,6 +105,7 @@ pub use error::{BoxError, Error, ErrorKind, Result, Violation};
 pub use event::{Event, check_schema_file};
 #[cfg(feature = "migrate")]
 pub use migrate::{MIGRATION_LOCK, MIGRATION_TABLE, MIGRATOR, migrate, migrate_with};
+pub use namespace::Namespace;
 pub use outbox::{DEFAULT_MAX_MESSAGE_SIZE, Outbox};
 pub use privilege::{
     Privilege, check_privileges, check_privileges_at_start, is_insufficient_privilege,

@@ -9,13 +9,24 @@
 //! database at start-up. Two sessions running `create table if not exists t`
 //! at once can both find `t` missing, and the second fails with a unique
 //! violation on `pg_type_typname_nsp_index` (or `pg_class_relname_nsp_index`
-//! for an index). So [`migrate_with`] runs every step on one connection
-//! holding [`MIGRATION_LOCK`], a session-level advisory lock, and closes that
-//! connection at the end: the session, and every lock it holds, ends with it
-//! whatever happened. Each file takes the same lock again, transaction-scoped
-//! (`select pg_advisory_xact_lock(1868721409, 0)`, re-entrant on the session
-//! that holds it), so a service's tool applying the files and a replica
-//! starting up take turns as well.
+//! for an index). So [`migrate_with`] runs every step in one transaction
+//! holding [`MIGRATION_LOCK`] transaction-scoped: the second replica waits
+//! for the first to commit, then finds nothing pending. Each file takes the
+//! same lock for its own transaction (`select pg_advisory_xact_lock(1868721409,
+//! 0)`), so a service's tool applying the files and a replica starting up
+//! take turns as well.
+//!
+//! Nothing outlives the transaction on the server session: no session lock,
+//! no setting, and the statements prepared on it are deallocated before the
+//! commit. So a pool behind a transaction pooler (PgBouncer with
+//! `pool_mode = transaction`, which hands the server session to another
+//! client after each transaction) migrates as well as a direct one, from any
+//! number of processes at once.
+//!
+//! The lock is the schema's own ([`crate::Namespace`]): the second key is 0
+//! for `public` and `hashtext(schema)` for another schema, so outboxes of
+//! several schemas in one database do not wait on each other's start-up
+//! (beyond the length of one file, whose own lock is `(1868721409, 0)`).
 //!
 //! # Why sqlx's `Migrator`, on a table of our own
 //!
@@ -73,12 +84,15 @@ pub const MIGRATION_TABLE: &str = "outbox_schema_migrations";
 const SQLX_TABLE: &str = "_sqlx_migrations";
 
 /// The advisory lock every start-up schema step holds, in PostgreSQL's two-key
-/// space: `pg_advisory_lock(1868721409, 0)` (`0x6f62_6d01`, "obm" and 1).
+/// space: `pg_advisory_lock(1868721409, 0)` (`0x6f62_6d01`, "obm" and 1) for
+/// the schema `public`; [`migrate`] holds `(1868721409, hashtext(schema))` for
+/// the outbox of another schema.
 ///
 /// Two-key advisory locks never meet single-key ones (`pg_advisory_lock(bigint)`,
 /// as sqlx's migrator and many applications take), and this first key is
 /// used for nothing else; the relay's shard locks are `0x6f62_7201` and
-/// `0x6f62_7202`, the inbox's are `hashtext('inbox_consumer.…')`. Each
+/// `0x6f62_7202` in `public`, the inbox's are `hashtext('inbox_consumer.…')`
+/// (see [`crate::Namespace`]). Each
 /// migration file takes it for its transaction
 /// (`select pg_advisory_xact_lock(1868721409, 0)`). A script that changes the
 /// schema by hand while services may be starting takes it too:
@@ -226,24 +240,42 @@ pub async fn migrate_with(pool: &PgPool, app_sql: &str) -> Result<()> {
         .acquire()
         .await
         .map_err(|e| Error::database("connecting to migrate", e))?;
-    // Never returned to the pool: closing it ends the session, which releases
-    // the lock even if a step below fails or this future is dropped.
+    // Never returned to the pool: its statement cache does not outlive the
+    // DEALLOCATE below.
     conn.close_on_drop();
-    sqlx::query("select pg_advisory_lock($1, $2)")
-        .bind(MIGRATION_LOCK.0)
-        .bind(MIGRATION_LOCK.1)
-        .execute(&mut *conn)
+    // Everything in one transaction, under a transaction-scoped lock: nothing
+    // is left on the server session when it ends, however it ends, so this
+    // works the same through a transaction pooler (PgBouncer's
+    // `pool_mode = transaction` hands the session to another client after
+    // COMMIT). Each file and its history row commit together inside it (as
+    // savepoints), and a failure rolls back every step.
+    let mut tx = conn
+        .begin()
         .await
-        .map_err(|e| Error::database("taking the migration lock", e))?;
+        .map_err(|e| Error::database("beginning the migration", e))?;
+    // Statements prepared on this session by another client (a pooler's
+    // session is shared) would clash with ours; ours are dropped before the
+    // commit, so the session goes back as clean as it came.
+    deallocate(&mut tx).await?;
+    sqlx::query(
+        "select pg_advisory_xact_lock($1, case when current_schema() = 'public' then 0
+                                               else hashtext(current_schema()) end)",
+    )
+    .bind(MIGRATION_LOCK.0)
+    .persistent(false)
+    .execute(&mut *tx)
+    .await
+    .map_err(|e| Error::database("taking the migration lock", e))?;
     let role: String = sqlx::query_scalar("select current_user::text")
-        .fetch_one(&mut *conn)
+        .persistent(false)
+        .fetch_one(&mut *tx)
         .await
         .map_err(|e| Error::database("reading the current role", e))?;
-    let pending = pending(&mut conn, &role).await?;
+    let pending = pending(&mut tx, &role).await?;
     if pending.is_empty() {
         // Nothing to apply: no step that needs ownership or CREATE runs, so a
         // role that only uses the tables starts on an up-to-date schema.
-        if let Err(e) = adopt(&mut conn).await {
+        if let Err(e) = adopt(&mut tx).await {
             if !is_insufficient_privilege(&e) {
                 return Err(e);
             }
@@ -253,7 +285,7 @@ pub async fn migrate_with(pool: &PgPool, app_sql: &str) -> Result<()> {
             );
         }
     } else {
-        apply(&mut conn).await.map_err(|e| {
+        apply(&mut tx).await.map_err(|e| {
             if is_insufficient_privilege(&e) {
                 not_up_to_date(&role, &pending, e)
             } else {
@@ -262,12 +294,23 @@ pub async fn migrate_with(pool: &PgPool, app_sql: &str) -> Result<()> {
         })?;
     }
     if !app_sql.trim().is_empty() {
+        // A savepoint of its own: refused, it rolls back alone.
+        let mut app = (&mut *tx)
+            .begin()
+            .await
+            .map_err(|e| Error::database("beginning the service's schema SQL", e))?;
         match sqlx::raw_sql(sqlx::AssertSqlSafe(app_sql.to_owned()))
-            .execute(&mut *conn)
+            .execute(&mut *app)
             .await
         {
-            Ok(_) => {}
+            Ok(_) => app
+                .commit()
+                .await
+                .map_err(|e| Error::database("running the service's schema SQL", e))?,
             Err(e) if is_insufficient_privilege(&e) => {
+                app.rollback()
+                    .await
+                    .map_err(|e| Error::database("rolling back the service's schema SQL", e))?;
                 // The service's own DDL (`create table if not exists …`) needs
                 // CREATE on the schema or ownership of its tables even when
                 // they are there; a role that only uses them is refused.
@@ -281,10 +324,21 @@ pub async fn migrate_with(pool: &PgPool, app_sql: &str) -> Result<()> {
             Err(e) => return Err(Error::database("running the service's schema SQL", e)),
         }
     }
-    // The schema is in place. A failure to close cleanly changes nothing: the
-    // server ends the session, and releases the lock, when the socket closes.
+    deallocate(&mut tx).await?;
+    tx.commit()
+        .await
+        .map_err(|e| Error::database("committing the migration", e))?;
     let _closed = conn.close().await;
     Ok(())
+}
+
+/// Drops every prepared statement of the session.
+async fn deallocate(conn: &mut PgConnection) -> Result<()> {
+    sqlx::raw_sql("deallocate all")
+        .execute(&mut *conn)
+        .await
+        .map(drop)
+        .map_err(|e| Error::database("clearing the session's prepared statements", e))
 }
 
 /// The embedded migrations [`MIGRATION_TABLE`] does not record as applied
@@ -297,6 +351,7 @@ pub async fn migrate_with(pool: &PgPool, app_sql: &str) -> Result<()> {
 async fn pending(conn: &mut PgConnection, role: &str) -> Result<Vec<String>> {
     let found: bool = sqlx::query_scalar("select to_regclass($1) is not null")
         .bind(MIGRATION_TABLE)
+        .persistent(false)
         .fetch_one(&mut *conn)
         .await
         .map_err(|e| Error::database(&format!("looking for {MIGRATION_TABLE}"), e))?;
@@ -381,6 +436,7 @@ async fn apply(conn: &mut PgConnection) -> Result<()> {
 async fn adopt(conn: &mut PgConnection) -> Result<()> {
     let found: bool = sqlx::query_scalar("select to_regclass($1) is not null")
         .bind(SQLX_TABLE)
+        .persistent(false)
         .fetch_one(&mut *conn)
         .await
         .map_err(|e| Error::database("looking for _sqlx_migrations", e))?;

@@ -397,14 +397,14 @@ impl Store {
 
     pub(crate) async fn shards_state(
         conn: &mut PgConnection,
-        members_ns: i32,
-        shards_ns: i32,
+        members_key: i32,
+        shards_key: i32,
     ) -> Result<ShardsState> {
         sqlx::query_file_as!(
             ShardsState,
             "queries/shards_state.sql",
-            i64::from(members_ns),
-            i64::from(shards_ns),
+            i64::from(members_key),
+            i64::from(shards_key),
         )
         .fetch_one(conn)
         .await

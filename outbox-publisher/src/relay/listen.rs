@@ -1,5 +1,6 @@
-//! Wake-ups: `LISTEN outbox_events`, so a committed event is claimed at once
-//! instead of at the next poll. A lost connection is re-established with
+//! Wake-ups: `LISTEN` on the outbox's channel (`outbox_events` for the table
+//! in `public`; see [`outbox_pg::Namespace::notify_channel`] for the others),
+//! so a committed event is claimed at once instead of at the next poll. A lost connection is re-established with
 //! backoff; whatever was notified meanwhile is caught by a wake-up on
 //! reconnect and by polling.
 
@@ -10,7 +11,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use super::{NOTIFY_CHANNEL, Relay};
+use super::Relay;
 use crate::backoff::LoopBackoff;
 use crate::sink::Sink;
 
@@ -28,7 +29,7 @@ impl<S: Sink> Relay<S> {
         while !shutdown.is_cancelled() {
             let Some(active) = listener.as_mut() else {
                 match PgListener::connect_with(self.store.pool()).await {
-                    Ok(mut l) => match l.listen(NOTIFY_CHANNEL).await {
+                    Ok(mut l) => match listen(&mut l).await {
                         Ok(()) => {
                             retry.reset();
                             listener = Some(l);
@@ -61,4 +62,16 @@ impl<S: Sink> Relay<S> {
             }
         }
     }
+}
+
+/// Listens on the channel of the outbox `listener`'s search_path leads to.
+async fn listen(listener: &mut PgListener) -> Result<(), String> {
+    let namespace = outbox_pg::Namespace::of_table(&mut *listener, "outbox_events")
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| "table outbox_events not found through the search_path".to_owned())?;
+    listener
+        .listen(namespace.notify_channel())
+        .await
+        .map_err(|e| e.to_string())
 }

@@ -115,7 +115,9 @@ mod worker;
 
 pub use shards::SHARDS;
 
-/// The channel the migration's trigger notifies on every insert.
+/// The channel the migration's trigger notifies on every insert into the
+/// table in schema `public`; a table in another schema notifies a channel of
+/// its own ([`outbox_pg::Namespace::notify_channel`]).
 pub const NOTIFY_CHANNEL: &str = "outbox_events";
 
 /// What one batch (or a drain) did.

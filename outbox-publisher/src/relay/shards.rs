@@ -12,6 +12,10 @@
 //! claim has to look at rows other relays hold, and replicas never contend for
 //! the same rows.
 //!
+//! The locks' first keys are those of the outbox's schema
+//! ([`outbox_pg::Namespace`]): relays of outboxes in other schemas of the same
+//! database hold locks of their own and never see these.
+//!
 //! The lock session sets `idle_session_timeout` to the lease, and the relay
 //! confirms it every 500 ms; a relay frozen (or cut off) for
 //! longer than the lease loses its session and with it its shards, and its
@@ -22,8 +26,8 @@
 //! subject in order, and the stream's duplicate window (checked at start-up to
 //! exceed lease + publish timeout) drops the repeats.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use rand::seq::SliceRandom;
@@ -41,15 +45,6 @@ use crate::store::Store;
 pub const SHARDS: usize = 64;
 /// How often ownership is confirmed and rebalanced.
 pub(crate) const REBALANCE_INTERVAL: Duration = Duration::from_millis(500);
-/// Advisory lock namespace (first key) of the relays' member locks: every
-/// relay holds a shared lock `(MEMBERS_NS, its worker count)` on its shard
-/// ownership session, for as long as that session lives. Operator tools read
-/// the live relays from `pg_locks` with it.
-pub const MEMBERS_NS: i32 = 0x6f62_7201;
-/// Advisory lock namespace (first key) of shard ownership: the owner of shard
-/// `s` (0 to [`SHARDS`] - 1) holds an exclusive lock `(SHARDS_NS, s)` on the
-/// same session as its member lock.
-pub const SHARDS_NS: i32 = 0x6f62_7202;
 /// Every owned shard is read from its start again this often, to pick up
 /// rows an operator put back in the main lane below the cursor.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(60);
@@ -79,6 +74,15 @@ pub(crate) struct Shards {
     next: AtomicUsize,
     /// Bumped whenever the owned set changes (and once ownership is first settled).
     changed: watch::Sender<u64>,
+    /// The lock keys of the outbox's schema, found when the session first joins.
+    keys: OnceLock<Keys>,
+}
+
+/// First keys of the member and shard locks (see [`outbox_pg::Namespace`]).
+#[derive(Debug, Clone, Copy)]
+struct Keys {
+    members: i32,
+    shards: i32,
 }
 
 /// Shards checked out by one worker; handed back on drop.
@@ -170,6 +174,7 @@ impl Shards {
             confirmed: Mutex::new(None),
             next: AtomicUsize::new(0),
             changed: watch::channel(0).0,
+            keys: OnceLock::new(),
         }
     }
 
@@ -303,9 +308,9 @@ impl Shards {
             self.slot(id).owned.store(false, Ordering::Release);
         }
         self.wait_idle(&owned).await;
-        if let Some(mut c) = conn {
+        if let (Some(mut c), Some(keys)) = (conn, self.keys.get()) {
             let ids: Vec<i32> = owned.iter().map(|&i| i32::from(i)).collect();
-            if let Err(e) = Store::release_shards(&mut c, SHARDS_NS, &ids).await {
+            if let Err(e) = Store::release_shards(&mut c, keys.shards, &ids).await {
                 debug!(error = %e, "releasing shards at shutdown");
             }
         }
@@ -319,13 +324,46 @@ impl Shards {
             .connect()
             .await
             .map_err(|e| crate::Error::database("connecting the shard ownership session", e))?;
+        let keys = match self.keys.get() {
+            Some(keys) => *keys,
+            None => {
+                let namespace = outbox_pg::Namespace::of_table(&mut conn, "outbox_events")
+                    .await?
+                    .ok_or_else(|| {
+                        crate::Error::new(
+                            crate::ErrorKind::Config,
+                            "table outbox_events not found through the search_path; run the \
+                             outbox migrations first (outbox_pg::migrate)",
+                        )
+                    })?;
+                debug!(
+                    schema = namespace.schema(),
+                    "shard locks of the outbox's schema"
+                );
+                *self.keys.get_or_init(|| Keys {
+                    members: namespace.relay_members_key(),
+                    shards: namespace.relay_shards_key(),
+                })
+            }
+        };
         let workers = i32::try_from(self.workers).unwrap_or(i32::MAX);
-        Store::join_shards(&mut conn, MEMBERS_NS, workers, self.lease).await?;
+        Store::join_shards(&mut conn, keys.members, workers, self.lease).await?;
         Ok(conn)
     }
 
+    /// The lock keys, once a session has joined.
+    fn keys(&self) -> Result<Keys> {
+        self.keys.get().copied().ok_or_else(|| {
+            crate::Error::new(
+                crate::ErrorKind::Database,
+                "the shard session has not joined yet",
+            )
+        })
+    }
+
     async fn rebalance(&self, conn: &mut PgConnection) -> Result<()> {
-        let state = Store::shards_state(conn, MEMBERS_NS, SHARDS_NS).await?;
+        let keys = self.keys()?;
+        let state = Store::shards_state(conn, keys.members, keys.shards).await?;
         *self.confirmed.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
         let all_workers = usize::try_from(state.workers.max(1)).unwrap_or(1);
         let target = (SHARDS * self.workers).div_ceil(all_workers.max(self.workers));
@@ -340,7 +378,7 @@ impl Shards {
             free.shuffle(&mut rand::rng());
             free.truncate(target - owned.len());
             if !free.is_empty() {
-                let taken = Store::acquire_shards(conn, SHARDS_NS, &free).await?;
+                let taken = Store::acquire_shards(conn, keys.shards, &free).await?;
                 for &id in &taken {
                     self.set_owned(id, true);
                 }
@@ -354,7 +392,7 @@ impl Shards {
             }
             self.wait_idle(&excess).await;
             let ids: Vec<i32> = excess.iter().map(|&i| i32::from(i)).collect();
-            Store::release_shards(conn, SHARDS_NS, &ids).await?;
+            Store::release_shards(conn, keys.shards, &ids).await?;
             changed = true;
             debug!(released = excess.len(), target, "gave back shards");
         }

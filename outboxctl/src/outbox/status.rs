@@ -28,7 +28,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 
 use chrono::{DateTime, Utc};
-use outbox_publisher::relay::shards::{MEMBERS_NS, SHARDS, SHARDS_NS};
+use outbox_publisher::relay::shards::SHARDS;
 use serde::Serialize;
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -212,21 +212,36 @@ async fn read(pool: &PgPool, args: &Args) -> Result<Status> {
             .collect(),
     };
 
-    let relays: Vec<Relay> = sqlx::query_file!("queries/status_relays.sql", MEMBERS_NS, SHARDS_NS)
-        .fetch_all(pool)
-        .await
-        .map_err(|e| Error::database("reading the relays' locks", e))?
-        .into_iter()
-        .map(|r| Relay {
-            pid: r.pid,
-            application_name: r.application_name,
-            client_addr: r.client_addr,
-            backend_start: r.backend_start,
-            state: r.state,
-            workers: r.workers,
-            shards: r.shards,
-        })
-        .collect();
+    // The relays of this outbox only: those of other schemas' outboxes hold
+    // locks of their own.
+    let namespace = outbox_pg::Namespace::of_table(pool, "outbox_events")
+        .await?
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::MissingTable,
+                "table outbox_events not found through the search_path: run the outbox \
+                 migrations first",
+            )
+        })?;
+    let relays: Vec<Relay> = sqlx::query_file!(
+        "queries/status_relays.sql",
+        namespace.relay_members_key(),
+        namespace.relay_shards_key()
+    )
+    .fetch_all(pool)
+    .await
+    .map_err(|e| Error::database("reading the relays' locks", e))?
+    .into_iter()
+    .map(|r| Relay {
+        pid: r.pid,
+        application_name: r.application_name,
+        client_addr: r.client_addr,
+        backend_start: r.backend_start,
+        state: r.state,
+        workers: r.workers,
+        shards: r.shards,
+    })
+    .collect();
     let mut owned: Vec<i32> = relays
         .iter()
         .flat_map(|r| r.shards.iter().copied())
