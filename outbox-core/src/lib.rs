@@ -90,6 +90,7 @@ pub mod health;
 mod migrate;
 mod namespace;
 mod outbox;
+pub mod pooler;
 pub mod privilege;
 mod schema;
 mod sequence;
@@ -107,6 +108,7 @@ pub use event::{Event, check_schema_file};
 pub use migrate::{MIGRATION_LOCK, MIGRATION_TABLE, MIGRATOR, migrate, migrate_with};
 pub use namespace::Namespace;
 pub use outbox::{DEFAULT_MAX_MESSAGE_SIZE, Outbox};
+pub use pooler::require_sessions;
 pub use privilege::{
     Privilege, check_privileges, check_privileges_at_start, is_insufficient_privilege,
 };

@@ -9,9 +9,10 @@
 //! database at start-up. Two sessions running `create table if not exists t`
 //! at once can both find `t` missing, and the second fails with a unique
 //! violation on `pg_type_typname_nsp_index` (or `pg_class_relname_nsp_index`
-//! for an index). So [`migrate_with`] runs every step in one transaction
-//! holding [`MIGRATION_LOCK`] transaction-scoped: the second replica waits
-//! for the first to commit, then finds nothing pending. Each file takes the
+//! for an index). So [`migrate_with`] runs each step (the check, each file
+//! with its history row, the service's SQL) in a transaction holding
+//! [`MIGRATION_LOCK`] transaction-scoped: a second replica waits for the
+//! first's step to commit, then finds it done. Each file takes the
 //! same lock for its own transaction (`select pg_advisory_xact_lock(1868721409,
 //! 0)`), so a service's tool applying the files and a replica starting up
 //! take turns as well.
@@ -241,31 +242,14 @@ pub async fn migrate_with(pool: &PgPool, app_sql: &str) -> Result<()> {
         .await
         .map_err(|e| Error::database("connecting to migrate", e))?;
     // Never returned to the pool: its statement cache does not outlive the
-    // DEALLOCATE below.
+    // DEALLOCATEs below.
     conn.close_on_drop();
-    // Everything in one transaction, under a transaction-scoped lock: nothing
-    // is left on the server session when it ends, however it ends, so this
-    // works the same through a transaction pooler (PgBouncer's
+    // Each step is one transaction under a transaction-scoped lock, so
+    // nothing is left on the server session when it ends, however it ends:
+    // this works the same through a transaction pooler (PgBouncer's
     // `pool_mode = transaction` hands the session to another client after
-    // COMMIT). Each file and its history row commit together inside it (as
-    // savepoints), and a failure rolls back every step.
-    let mut tx = conn
-        .begin()
-        .await
-        .map_err(|e| Error::database("beginning the migration", e))?;
-    // Statements prepared on this session by another client (a pooler's
-    // session is shared) would clash with ours; ours are dropped before the
-    // commit, so the session goes back as clean as it came.
-    deallocate(&mut tx).await?;
-    sqlx::query(
-        "select pg_advisory_xact_lock($1, case when current_schema() = 'public' then 0
-                                               else hashtext(current_schema()) end)",
-    )
-    .bind(MIGRATION_LOCK.0)
-    .persistent(false)
-    .execute(&mut *tx)
-    .await
-    .map_err(|e| Error::database("taking the migration lock", e))?;
+    // COMMIT).
+    let mut tx = begin_locked(&mut conn).await?;
     let role: String = sqlx::query_scalar("select current_user::text")
         .persistent(false)
         .fetch_one(&mut *tx)
@@ -284,33 +268,36 @@ pub async fn migrate_with(pool: &PgPool, app_sql: &str) -> Result<()> {
                 "the schema is up to date; leaving the outbox's rows of _sqlx_migrations to the owner"
             );
         }
+        commit(tx).await?;
     } else {
-        apply(&mut tx).await.map_err(|e| {
-            if is_insufficient_privilege(&e) {
-                not_up_to_date(&role, &pending, e)
-            } else {
-                e
-            }
-        })?;
+        commit(tx).await?;
+        // One transaction per file, as sqlx applies them: a failing file is
+        // rolled back alone, the ones before it stay applied and recorded.
+        for version in MIGRATOR
+            .iter()
+            .filter(|m| !m.migration_type.is_down_migration())
+            .map(|m| m.version)
+        {
+            let mut tx = begin_locked(&mut conn).await?;
+            apply_up_to(&mut tx, version).await.map_err(|e| {
+                if is_insufficient_privilege(&e) {
+                    not_up_to_date(&role, &pending, e)
+                } else {
+                    e
+                }
+            })?;
+            commit(tx).await?;
+        }
     }
     if !app_sql.trim().is_empty() {
-        // A savepoint of its own: refused, it rolls back alone.
-        let mut app = (&mut *tx)
-            .begin()
-            .await
-            .map_err(|e| Error::database("beginning the service's schema SQL", e))?;
+        let mut tx = begin_locked(&mut conn).await?;
         match sqlx::raw_sql(sqlx::AssertSqlSafe(app_sql.to_owned()))
-            .execute(&mut *app)
+            .execute(&mut *tx)
             .await
         {
-            Ok(_) => app
-                .commit()
-                .await
-                .map_err(|e| Error::database("running the service's schema SQL", e))?,
+            Ok(_) => commit(tx).await?,
             Err(e) if is_insufficient_privilege(&e) => {
-                app.rollback()
-                    .await
-                    .map_err(|e| Error::database("rolling back the service's schema SQL", e))?;
+                drop(tx); // rolled back
                 // The service's own DDL (`create table if not exists …`) needs
                 // CREATE on the schema or ownership of its tables even when
                 // they are there; a role that only uses them is refused.
@@ -324,12 +311,45 @@ pub async fn migrate_with(pool: &PgPool, app_sql: &str) -> Result<()> {
             Err(e) => return Err(Error::database("running the service's schema SQL", e)),
         }
     }
+    let _closed = conn.close().await;
+    Ok(())
+}
+
+/// Begins a transaction holding the schema's migration lock, on a session
+/// cleared of prepared statements: another client's (a pooler's session is
+/// shared) would clash with ours, and this connection's cache is emptied
+/// first so it names none that is gone.
+async fn begin_locked(conn: &mut PgConnection) -> Result<sqlx::Transaction<'_, sqlx::Postgres>> {
+    let mut tx = conn
+        .begin()
+        .await
+        .map_err(|e| Error::database("beginning a migration step", e))?;
+    tx.clear_cached_statements()
+        .await
+        .map_err(|e| Error::database("clearing the session's prepared statements", e))?;
+    deallocate(&mut tx).await?;
+    sqlx::query(
+        "select pg_advisory_xact_lock($1, case when current_schema() = 'public' then 0
+                                               else hashtext(current_schema()) end)",
+    )
+    .bind(MIGRATION_LOCK.0)
+    .persistent(false)
+    .execute(&mut *tx)
+    .await
+    .map_err(|e| Error::database("taking the migration lock", e))?;
+    Ok(tx)
+}
+
+/// Commits a step, after dropping the statements it prepared, so the
+/// session goes back as clean as it came.
+async fn commit(mut tx: sqlx::Transaction<'_, sqlx::Postgres>) -> Result<()> {
+    tx.clear_cached_statements()
+        .await
+        .map_err(|e| Error::database("clearing the session's prepared statements", e))?;
     deallocate(&mut tx).await?;
     tx.commit()
         .await
-        .map_err(|e| Error::database("committing the migration", e))?;
-    let _closed = conn.close().await;
-    Ok(())
+        .map_err(|e| Error::database("committing a migration step", e))
 }
 
 /// Drops every prepared statement of the session.
@@ -413,12 +433,25 @@ fn not_up_to_date(role: &str, pending: &[String], cause: Error) -> Error {
 }
 
 /// Creates [`MIGRATION_TABLE`], adopts our rows of `_sqlx_migrations`, then
-/// applies what is still pending. The caller holds [`MIGRATION_LOCK`].
-async fn apply(conn: &mut PgConnection) -> Result<()> {
-    let mut migrator = Migrator::with_migrations(MIGRATOR.iter().cloned().collect());
+/// applies what is still pending up to `version` (the caller goes through the
+/// versions in order, so at most that one). The caller holds
+/// [`MIGRATION_LOCK`] in the transaction `conn` is in.
+async fn apply_up_to(conn: &mut PgConnection, version: i64) -> Result<()> {
+    let mut migrator = Migrator::with_migrations(
+        MIGRATOR
+            .iter()
+            .filter(|m| m.version <= version)
+            .cloned()
+            .collect(),
+    );
     migrator.dangerous_set_table_name(MIGRATION_TABLE);
     // MIGRATION_LOCK is held instead (see the module docs).
     migrator.set_locking(false);
+    // Versions after this one, recorded by another process, are checked by
+    // the steps that reach them; the last step (every file) refuses a version
+    // this build does not have.
+    let last = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(version);
+    migrator.set_ignore_missing(version < last);
     conn.ensure_migrations_table(MIGRATION_TABLE)
         .await
         .map_err(|e| migrate_error(&format!("creating {MIGRATION_TABLE}"), e))?;

@@ -23,6 +23,7 @@ pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 1_048_576;
 pub struct Outbox {
     schemas: Option<SchemaRegistry>,
     max_message_size: usize,
+    persistent: bool,
 }
 
 impl Outbox {
@@ -32,6 +33,7 @@ impl Outbox {
         Self {
             schemas: Some(schemas),
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
+            persistent: true,
         }
     }
 
@@ -42,6 +44,7 @@ impl Outbox {
         Self {
             schemas: None,
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
+            persistent: true,
         }
     }
 
@@ -54,6 +57,21 @@ impl Outbox {
     #[must_use]
     pub fn max_message_size(mut self, bytes: usize) -> Self {
         self.max_message_size = bytes;
+        self
+    }
+
+    /// Whether the insert is a named prepared statement, kept on the
+    /// connection and reused (sqlx's `persistent`, the default), or an unnamed
+    /// one, parsed each time.
+    ///
+    /// Set `false` behind a transaction pooler that does not track prepared
+    /// statements (PgBouncer before 1.21 in `pool_mode = transaction`): there a
+    /// named statement prepared in one transaction is missing, or another
+    /// client's, in the next. Every other query of the service's pool must be
+    /// unnamed there too (`.persistent(false)`). See [`crate::pooler`].
+    #[must_use]
+    pub fn persistent(mut self, persistent: bool) -> Self {
+        self.persistent = persistent;
         self
     }
 
@@ -118,6 +136,7 @@ impl Outbox {
             &rows.traceparents as &[Option<String>],
             &rows.tracestates as &[Option<String>],
         )
+        .persistent(self.persistent)
         .execute(&mut **tx)
         .await
         .map_err(|e| Error::database("inserting into outbox_events", e))?;

@@ -230,6 +230,7 @@ const CONSUMER_ROLE: &str = "outbox_consumer";
 const PRIVILEGE_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub(crate) async fn check_privileges(pool: &PgPool, config: &ConsumerConfig) -> Result<()> {
+    check_sessions(pool, config).await?;
     let required = required_privileges(config);
     let checked = outbox_pg::check_privileges_at_start(
         pool,
@@ -249,6 +250,32 @@ pub(crate) async fn check_privileges(pool: &PgPool, config: &ConsumerConfig) -> 
         tracing::warn!(consumer = %config.durable, error = %why, "could not check the consumer's database privileges; going on");
     }
     Ok(())
+}
+
+/// Refuses a database URL that leads to a transaction pooler
+/// ([`outbox_pg::require_sessions`]): the runtime's queries are named
+/// prepared statements, and an ordered consumer's leadership is a session
+/// lock. A check that cannot run (the database not reachable yet) is logged
+/// and passes.
+async fn check_sessions(pool: &PgPool, config: &ConsumerConfig) -> Result<()> {
+    let options = pool.connect_options();
+    let probe = outbox_pg::require_sessions(&options, "the consumer runtime");
+    match tokio::time::timeout(PRIVILEGE_CHECK_TIMEOUT, probe).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) if e.kind() == outbox_pg::ErrorKind::Config => Err(Error::new(
+            crate::ErrorKind::Config,
+            format!("consumer `{}`: {e}", config.durable),
+        )
+        .with_source(e)),
+        Ok(Err(e)) => {
+            tracing::warn!(consumer = %config.durable, error = %e, "could not check the database URL for a transaction pooler; going on");
+            Ok(())
+        }
+        Err(_) => {
+            tracing::warn!(consumer = %config.durable, "could not check the database URL for a transaction pooler in time; going on");
+            Ok(())
+        }
+    }
 }
 
 /// A message and its decoded delivery.

@@ -93,7 +93,7 @@ use outbox_pg::Privilege;
 use sqlx::PgPool;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::backoff::{Backoff, LoopBackoff};
 use crate::config::RelayConfig;
@@ -197,6 +197,7 @@ const RELAY_ROLE: &str = "outbox_relay";
 const PRIVILEGE_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
 async fn check_privileges(pool: &PgPool, config: &RelayConfig) -> Result<()> {
+    check_sessions(pool).await?;
     let required = required_privileges(config);
     let unchecked =
         outbox_pg::check_privileges_at_start(pool, &required, RELAY_ROLE, PRIVILEGE_CHECK_TIMEOUT)
@@ -205,6 +206,27 @@ async fn check_privileges(pool: &PgPool, config: &RelayConfig) -> Result<()> {
         warn!(error = %why, "could not check the relay's database privileges; going on");
     }
     Ok(())
+}
+
+/// Refuses a database URL that leads to a transaction pooler
+/// ([`outbox_pg::require_sessions`]). A check that cannot run (the database
+/// not reachable yet) is logged and passes: each new shard ownership session
+/// checks again before it takes a shard.
+async fn check_sessions(pool: &PgPool) -> Result<()> {
+    let options = pool.connect_options();
+    let probe = outbox_pg::require_sessions(&options, "the relay");
+    match tokio::time::timeout(PRIVILEGE_CHECK_TIMEOUT, probe).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) if e.kind() == outbox_pg::ErrorKind::Config => Err(e.into()),
+        Ok(Err(e)) => {
+            warn!(error = %e, "could not check the database URL for a transaction pooler; going on");
+            Ok(())
+        }
+        Err(_) => {
+            warn!("could not check the database URL for a transaction pooler in time; going on");
+            Ok(())
+        }
+    }
 }
 
 impl Relay<JetStreamSink> {
@@ -395,8 +417,10 @@ impl<S: Sink> Relay<S> {
     /// bounded) and marks it, the shards are given back, then `run` returns.
     ///
     /// # Errors
-    /// None today: database and broker failures are retried with backoff, not
-    /// returned. The `Result` is kept for fatal errors to come.
+    /// [`ErrorKind::Config`] when a shard ownership session finds the database
+    /// URL leads to a transaction pooler (a relay whose start-up check could
+    /// not run): the relay stops as on shutdown. Database and broker failures
+    /// are retried with backoff, not returned.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
         let (wake, wake_rx) = watch::channel(0_u64);
         info!(
@@ -407,21 +431,34 @@ impl<S: Sink> Relay<S> {
             "outbox relay started"
         );
         let workers_done = CancellationToken::new();
+        // Cancelled by `shutdown`, or when the relay finds it cannot run here
+        // (its shard session leads to a transaction pooler).
+        let stop = shutdown.child_token();
         tokio::join!(
             async {
+                tokio::select! {
+                    () = stop.cancelled() => {}
+                    () = self.shards.failed() => stop.cancel(),
+                }
+            },
+            async {
                 futures::future::join_all(
-                    (0..self.config.workers).map(|_| self.worker(wake_rx.clone(), &shutdown)),
+                    (0..self.config.workers).map(|_| self.worker(wake_rx.clone(), &stop)),
                 )
                 .await;
                 workers_done.cancel();
             },
             // Shards are given back only once no worker can claim any more.
             self.shards.maintain(&workers_done),
-            self.listen_loop(&wake, &shutdown),
-            self.stats_loop(&shutdown),
-            self.prune_loop(&shutdown),
-            self.audit_loop(&shutdown),
+            self.listen_loop(&wake, &stop),
+            self.stats_loop(&stop),
+            self.prune_loop(&stop),
+            self.audit_loop(&stop),
         );
+        if let Some(e) = self.shards.take_failure() {
+            error!(error = %e, "outbox relay stopped: it cannot run on this database connection");
+            return Err(e);
+        }
         info!("outbox relay stopped");
         Ok(())
     }

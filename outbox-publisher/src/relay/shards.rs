@@ -76,6 +76,10 @@ pub(crate) struct Shards {
     changed: watch::Sender<u64>,
     /// The lock keys of the outbox's schema, found when the session first joins.
     keys: OnceLock<Keys>,
+    /// Why this relay cannot own shards here at all (its sessions lead to a
+    /// transaction pooler); set once, and the relay stops.
+    failure: Mutex<Option<crate::Error>>,
+    failed: CancellationToken,
 }
 
 /// First keys of the member and shard locks (see [`outbox_pg::Namespace`]).
@@ -175,7 +179,22 @@ impl Shards {
             next: AtomicUsize::new(0),
             changed: watch::channel(0).0,
             keys: OnceLock::new(),
+            failure: Mutex::new(None),
+            failed: CancellationToken::new(),
         }
+    }
+
+    /// Completes when a session found this relay cannot own shards here.
+    pub(crate) async fn failed(&self) {
+        self.failed.cancelled().await;
+    }
+
+    /// Why this relay cannot own shards here, if it found so.
+    pub(crate) fn take_failure(&self) -> Option<crate::Error> {
+        self.failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 
     fn slot(&self, id: i16) -> &Slot {
@@ -286,6 +305,13 @@ impl Shards {
                     }
                     REBALANCE_INTERVAL
                 }
+                Err(e) if e.kind() == crate::ErrorKind::Config => {
+                    // Not an outage: this relay cannot hold shards here.
+                    *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                    self.lose_all();
+                    self.failed.cancel();
+                    break;
+                }
                 Err(e) => {
                     if healthy {
                         warn!(error = %e, "shard ownership session lost; this relay stops publishing until it is back");
@@ -317,6 +343,9 @@ impl Shards {
     }
 
     async fn join(&self) -> Result<PgConnection> {
+        // A session lock taken through a transaction pooler would stay on a
+        // server session other clients use: never take one there.
+        outbox_pg::require_sessions(&self.options, "the relay").await?;
         let mut conn = self
             .options
             .clone()
