@@ -255,12 +255,19 @@ impl Store {
     /// options and JIT off: the claim's plan is estimated expensive on a large
     /// table (a lateral per shard), which crosses `jit_above_cost`, and
     /// compiling it took far longer (~0.8 s on 300k rows) than running it (a
-    /// few ms). `connections` bounds the pool.
+    /// few ms). `connections` bounds the pool. JIT is turned off by a `SET`
+    /// on each new connection, not a startup parameter, which PgBouncer
+    /// refuses (`unsupported startup parameter: options`).
     pub(crate) fn new(pool: &PgPool, connections: u32) -> Self {
-        let options = (*pool.connect_options()).clone().options([("jit", "off")]);
+        let options = (*pool.connect_options()).clone();
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(connections)
             .acquire_timeout(pool.options().get_acquire_timeout())
+            .after_connect(|conn, _| {
+                Box::pin(
+                    async move { sqlx::raw_sql("set jit = off").execute(conn).await.map(drop) },
+                )
+            })
             .connect_lazy_with(options);
         Self { pool }
     }

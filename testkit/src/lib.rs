@@ -13,6 +13,8 @@
 //! - [`NatsCluster`] starts a 3-node JetStream cluster on loopback (routes,
 //!   one store directory per node) whose nodes can be killed with `kill -9`
 //!   and restarted, the stream leader among them.
+//! - [`PgBouncer`] puts a real PgBouncer (transaction or session pooling) in
+//!   front of a server.
 //! - [`Program`] runs one of the workspace's binaries as a child process.
 //! - Secure set-ups, made in the test: [`TestCerts`] (a CA, server and client
 //!   certificates), [`PgServer::start_tls`] (TLS only, plain TCP refused),
@@ -31,6 +33,7 @@ mod nats;
 mod nats_auth;
 mod nats_cluster;
 mod pg;
+mod pgbouncer;
 mod process;
 mod program;
 mod tls;
@@ -40,6 +43,7 @@ pub use nats::{NatsHandle, NatsServer, nats};
 pub use nats_auth::{JwtAuth, NkeyUser, token_config};
 pub use nats_cluster::NatsCluster;
 pub use pg::{PgHandle, PgServer, TestDb, create_database, postgres};
+pub use pgbouncer::{PgBouncer, PoolMode};
 pub use process::wait_until;
 pub use program::Program;
 pub use tls::{CLIENT_NAME, TestCerts};

@@ -371,7 +371,7 @@ fn pg_bin_dir() -> Result<PathBuf> {
     }
 }
 
-fn user_ids(user: &str) -> Result<(u32, u32)> {
+pub(crate) fn user_ids(user: &str) -> Result<(u32, u32)> {
     let id = |flag: &str| -> Result<u32> {
         let out = Command::new("id").args([flag, user]).output()?;
         if !out.status.success() {

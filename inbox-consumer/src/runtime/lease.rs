@@ -214,14 +214,19 @@ async fn try_lead(
         None => {
             // A session of its own, which the server ends when it goes silent
             // for the lease timeout (PostgreSQL 14+: idle_session_timeout).
-            let options = (*pool.connect_options())
-                .clone()
-                .options([("idle_session_timeout", format!("{}ms", timeout.as_millis()))]);
-            conn.insert(
-                PgConnection::connect_with(&options)
-                    .await
-                    .map_err(|e| Error::database("opening the leadership session", e))?,
-            )
+            // Set by a statement, not a startup parameter, which PgBouncer
+            // refuses (`unsupported startup parameter: options`).
+            let mut session = PgConnection::connect_with(&pool.connect_options())
+                .await
+                .map_err(|e| Error::database("opening the leadership session", e))?;
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "set idle_session_timeout = '{}ms'",
+                timeout.as_millis()
+            )))
+            .execute(&mut session)
+            .await
+            .map_err(|e| Error::database("setting the leadership session's timeout", e))?;
+            conn.insert(session)
         }
     };
     let locked: bool = sqlx::query_file_scalar!("queries/lease_try_lock.sql", consumer)

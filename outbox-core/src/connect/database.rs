@@ -119,23 +119,38 @@ impl DatabaseArgs {
 
     /// Opens a pool with `pool`'s settings; the first connection is made
     /// before this returns, so a refused TLS handshake or password fails here.
+    /// Then checks that the URL gives each connection a session of its own
+    /// ([`crate::require_sessions`]): the binaries' queries are named
+    /// prepared statements, and the relay and consumers hold session locks,
+    /// neither of which survives a transaction pooler.
+    ///
+    /// `extra_float_digits`, a startup parameter sqlx sends by default and
+    /// PgBouncer refuses unless configured to ignore it, is not sent: the
+    /// server's default (PostgreSQL 12+) prints floats exactly already.
     ///
     /// # Errors
     /// As [`DatabaseArgs::connect_options`]; [`ErrorKind::Database`] if the
     /// server cannot be reached or refuses the connection (the message names
     /// the URL with its password masked and sqlx's reason, e.g. an unknown
-    /// certificate issuer).
+    /// certificate issuer); [`ErrorKind::Config`] if the URL leads to a
+    /// transaction pooler.
     pub async fn connect(&self, pool: PgPoolOptions) -> Result<PgPool> {
-        let options = self.connect_options()?;
+        let options = self.connect_options()?.extra_float_digits(None);
         let shown = self.redacted();
         tracing::info!(database = %shown, "connecting to the database");
-        pool.connect_with(options).await.map_err(|e| {
+        let pool = pool.connect_with(options.clone()).await.map_err(|e| {
             Error::new(
                 ErrorKind::Database,
                 format!("connecting to the database at {shown}: {e}"),
             )
             .with_source(e)
-        })
+        })?;
+        let program = std::env::current_exe()
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "this program".to_owned());
+        crate::require_sessions(&options, &program).await?;
+        Ok(pool)
     }
 }
 
