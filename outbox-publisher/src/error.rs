@@ -26,6 +26,10 @@ pub enum ErrorKind {
     /// the refused statement's object, and the group role of
     /// `ops/sql/roles.sql` that grants it (`outbox_relay`).
     Privilege,
+    /// A drain ([`Relay::drain`](crate::Relay::drain), `outbox-relay --once`)
+    /// gave up on rows left in other relays' shards: none of them was
+    /// published for a minute. The message counts them and names the shards.
+    Stalled,
 }
 
 impl fmt::Display for ErrorKind {
@@ -36,6 +40,7 @@ impl fmt::Display for ErrorKind {
             Self::Broker => "broker error",
             Self::Stream => "stream error",
             Self::Privilege => "insufficient privilege",
+            Self::Stalled => "stalled",
         })
     }
 }

@@ -250,6 +250,13 @@ fn count(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
+/// What a drain still waits for.
+#[derive(Debug)]
+pub(crate) struct DrainLeft {
+    pub(crate) rows: i64,
+    pub(crate) shards: Vec<i16>,
+}
+
 impl Store {
     /// A store on connections of its own, opened with `pool`'s connect
     /// options and JIT off: the claim's plan is estimated expensive on a large
@@ -400,6 +407,15 @@ impl Store {
             .fetch_one(&self.pool)
             .await
             .map_err(|e| Error::database("reading the outbox sequence horizon", e))
+    }
+
+    /// Rows a drain that started at `start_seq` still waits for, and their
+    /// shards (see `queries/drain_left.sql`).
+    pub(crate) async fn drain_left(&self, start_seq: i64, max_attempts: i32) -> Result<DrainLeft> {
+        sqlx::query_file_as!(DrainLeft, "queries/drain_left.sql", start_seq, max_attempts)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| Error::database("counting the rows left to drain", e))
     }
 
     pub(crate) async fn shards_state(

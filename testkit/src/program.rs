@@ -173,6 +173,20 @@ impl Program {
         }
     }
 
+    /// Waits (bounded) for the process to exit on its own: its exit code, or
+    /// `None` if it was ended by a signal or did not exit in time (it is
+    /// killed then).
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
+        let mut child = self.child.take()?;
+        match tokio::time::timeout(timeout, child.wait()).await {
+            Ok(Ok(status)) => status.code(),
+            _ => {
+                let _ = child.kill().await;
+                None
+            }
+        }
+    }
+
     /// Sends `signal` (a `kill` name such as `STOP` or `CONT`) to the process.
     pub async fn signal(&self, signal: &str) {
         if let Some(pid) = self.child.as_ref().and_then(tokio::process::Child::id) {

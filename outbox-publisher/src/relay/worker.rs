@@ -2,7 +2,7 @@
 //! runs a batch, and goes straight on while there is work, or waits for a
 //! wake-up (a commit's NOTIFY, a change of owned shards) or the poll interval.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -16,6 +16,11 @@ use crate::sink::Sink;
 /// Consecutive batches without progress after which `drain` gives up on rows
 /// that are neither published nor failed (not counting broker faults).
 const DRAIN_STALLS: usize = 20;
+/// How long a drain waits, with rows left in shards other relays own, for one
+/// of them to get published before it gives up.
+pub(crate) const DRAIN_PATIENCE: Duration = Duration::from_secs(60);
+/// How often a drain looks again at the rows left in other relays' shards.
+const DRAIN_RECHECK: Duration = Duration::from_millis(200);
 
 impl<S: Sink> Relay<S> {
     pub(super) async fn worker(
@@ -79,20 +84,26 @@ impl<S: Sink> Relay<S> {
         }
     }
 
-    /// Publishes what this relay's shards hold until nothing is left to
-    /// claim, prunes once if retention is on, and returns the totals. Rows in
-    /// backoff are not waited for; a broker that is down is.
+    /// Publishes every row due when it starts, in every shard, and returns
+    /// the totals; prunes once if retention is on. Rows in backoff, parked
+    /// or skipped are not waited for; a broker that is down is.
     ///
-    /// Alone, a relay owns every shard and drains the whole table; beside
-    /// running replicas it drains its share of the shards.
+    /// Alone, a relay owns every shard and drains the whole table. Beside
+    /// other relays (a long-running one, or another drain started by an
+    /// overlapping cron job) it drains its share, then waits while the
+    /// others publish theirs, taking over the shards they let go of, until
+    /// no row that was due is left anywhere.
     ///
     /// # Errors
-    /// [`ErrorKind::Database`] if a claim or mark fails.
+    /// [`ErrorKind::Database`](crate::ErrorKind::Database) if a claim or mark
+    /// fails; [`ErrorKind::Stalled`](crate::ErrorKind::Stalled) when rows were
+    /// left for 60 s without one of them getting published (the message
+    /// counts them and names their shards).
     pub async fn drain(&self) -> Result<BatchReport> {
         let stop = CancellationToken::new();
         self.shards.reset_changes();
         let work = async {
-            let result = self.drain_owned().await;
+            let result = self.drain_table().await;
             stop.cancel();
             result
         };
@@ -102,6 +113,44 @@ impl<S: Sink> Relay<S> {
             self.prune().await?;
         }
         Ok(total)
+    }
+
+    /// Drains the owned shards until no row due at the start is left in any
+    /// shard, or none got published for `DRAIN_PATIENCE`.
+    async fn drain_table(&self) -> Result<BatchReport> {
+        let start_seq = self.store.tick(None).await?.last_seq;
+        let mut total = BatchReport::default();
+        let mut best = i64::MAX;
+        let mut progressed = Instant::now();
+        loop {
+            total.add(self.drain_owned().await?);
+            let left = self
+                .store
+                .drain_left(start_seq, self.config.max_attempts)
+                .await?;
+            if left.rows == 0 {
+                return Ok(total);
+            }
+            if left.rows < best {
+                best = left.rows;
+                progressed = Instant::now();
+            } else if progressed.elapsed() >= DRAIN_PATIENCE {
+                return Err(crate::Error::new(
+                    crate::ErrorKind::Stalled,
+                    format!(
+                        "the drain left {} due rows unpublished in shards {:?}: none of them was \
+                         published for {DRAIN_PATIENCE:?} (a relay owning those shards is stuck, \
+                         or they are refused); `outboxctl status` shows who holds what",
+                        left.rows, left.shards
+                    ),
+                ));
+            }
+            let owned = self.shards.owned();
+            if !left.shards.iter().any(|s| owned.contains(s)) {
+                // Theirs: wait for their owners, or for the shards to be free.
+                tokio::time::sleep(DRAIN_RECHECK).await;
+            }
+        }
     }
 
     async fn drain_owned(&self) -> Result<BatchReport> {

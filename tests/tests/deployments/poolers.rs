@@ -2,10 +2,6 @@
 //! and migrations work through a transaction pool; the relay, `billing` and
 //! `subscriptions` refuse one at start, naming it, and run through a session
 //! pool.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
-
-#[allow(dead_code)] // this file runs the relay, billing and subscriptions only
-mod support;
 
 use std::str::FromStr;
 use std::time::{Duration, Instant};
@@ -110,7 +106,7 @@ async fn the_binaries_refuse_a_transaction_pool_naming_it() {
     std::fs::create_dir_all(&log_dir).unwrap();
     let unique = &db.name()[db.name().len() - 8..];
     let stream = format!("POOL_{unique}");
-    let bin = support::bin_dir();
+    let bin = super::support::bin_dir();
     let programs = [
         Program::new("outbox-relay", bin.join("outbox-relay"), &log_dir).args([
             "--stream",
@@ -174,7 +170,7 @@ async fn the_relay_runs_through_a_session_pool() {
     let unique = &db.name()[db.name().len() - 8..];
     let mut relay = Program::new(
         "outbox-relay",
-        support::bin_dir().join("outbox-relay"),
+        super::support::bin_dir().join("outbox-relay"),
         &log_dir,
     )
     .env("DATABASE_URL", bouncer.url("postgres", db.name()))

@@ -1,10 +1,6 @@
 //! Several outboxes in one database, one per schema (a tenant each), as the
 //! README's "Another schema" sets them up: relays, wake-ups and ordered
 //! consumers of one schema never see another's (outbox_pg::Namespace).
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
-
-#[allow(dead_code)] // this file runs the relay binary only
-mod support;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -146,7 +142,7 @@ async fn two_schemas_a_relay_each_publish_every_row_once_in_order() {
     for (schema, prefix) in [("tenant_a", "ta"), ("tenant_b", "tb")] {
         let mut relay = Program::new(
             &format!("relay-{schema}"),
-            support::bin_dir().join("outbox-relay"),
+            super::support::bin_dir().join("outbox-relay"),
             &log_dir,
         )
         .env("DATABASE_URL", in_schema(db.url(), schema))
