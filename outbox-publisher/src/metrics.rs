@@ -22,6 +22,7 @@
 //! | `outbox_oldest_unpublished_age_seconds` | gauge | |
 //! | `outbox_relay_database_up` | gauge | 1 while the relay's last database round trip succeeded, else 0 |
 //! | `outbox_relay_broker_up` | gauge | 1 while NATS is connected and publishes are acked, else 0 |
+//! | `outbox_relay_horizon_held_seconds` | gauge | how long the settled horizon has waited for transactions still running (0 when it moves); a relay logs who holds it once this passes 30 s |
 //! | `outbox_audit_checked_total` | counter | (published rows whose message the audit read back) |
 //! | `outbox_audit_republished_total` | counter | (rows whose message the stream lost, made unpublished again; once per row) |
 //! | `outbox_audit_lag_seconds` | gauge | (age of the oldest audit mark: rows published after it wait for their check; at least the duplicate window plus its margin) |
@@ -54,6 +55,7 @@ pub(crate) const PAST_CAP: &str = "outbox_past_cap_rows";
 pub(crate) const OLDEST_AGE: &str = "outbox_oldest_unpublished_age_seconds";
 pub(crate) const DATABASE_UP: &str = "outbox_relay_database_up";
 pub(crate) const BROKER_UP: &str = "outbox_relay_broker_up";
+pub(crate) const HORIZON_HELD: &str = "outbox_relay_horizon_held_seconds";
 
 /// Every metric name the relay records.
 pub const NAMES: &[&str] = &[
@@ -71,6 +73,7 @@ pub const NAMES: &[&str] = &[
     OLDEST_AGE,
     DATABASE_UP,
     BROKER_UP,
+    HORIZON_HELD,
     crate::audit::CHECKED,
     crate::audit::REPUBLISHED,
     crate::audit::LAG,
@@ -134,6 +137,11 @@ pub fn describe() {
         "Age of the oldest audit mark (rows published since wait for their check)"
     );
     describe_gauge!(
+        HORIZON_HELD,
+        Unit::Seconds,
+        "How long the settled horizon has waited for transactions still running"
+    );
+    describe_gauge!(
         BROKER_UP,
         "1 while the relay is connected to NATS and its publishes are acked, else 0"
     );
@@ -181,6 +189,10 @@ pub(crate) fn stats(stats: &Stats) {
 }
 
 /// Sets `outbox_relay_database_up`.
+pub(crate) fn horizon_held(held: Duration) {
+    gauge!(HORIZON_HELD).set(held.as_secs_f64());
+}
+
 pub(crate) fn database_up(up: bool) {
     gauge!(DATABASE_UP).set(if up { 1.0 } else { 0.0 });
 }

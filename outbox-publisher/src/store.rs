@@ -224,7 +224,7 @@ pub(crate) struct Stats {
 #[derive(Debug, Clone)]
 pub(crate) struct Tick {
     pub(crate) last_seq: i64,
-    pub(crate) snapshot: String,
+    pub(crate) writers: Vec<i64>,
     pub(crate) settled: bool,
 }
 
@@ -248,6 +248,18 @@ fn millis(d: Duration) -> i64 {
 
 fn count(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// A transaction holding the settled horizon back.
+#[derive(Debug)]
+pub(crate) struct Holder {
+    pub(crate) xid: String,
+    pub(crate) pid: Option<i32>,
+    pub(crate) application: Option<String>,
+    pub(crate) client: Option<String>,
+    pub(crate) state: Option<String>,
+    pub(crate) age_secs: Option<f64>,
+    pub(crate) prepared_gid: Option<String>,
 }
 
 /// What a drain still waits for.
@@ -401,12 +413,21 @@ impl Store {
             .map_err(|e| Error::database("releasing rows deferred behind a published row", e))
     }
 
-    /// One horizon tick, settling `previous` (a snapshot an earlier tick returned).
-    pub(crate) async fn tick(&self, previous: Option<&str>) -> Result<Tick> {
+    /// One horizon tick, settling `previous` (the writers an earlier tick
+    /// found; see `queries/horizon.sql`).
+    pub(crate) async fn tick(&self, previous: Option<&[i64]>) -> Result<Tick> {
         sqlx::query_file_as!(Tick, "queries/horizon.sql", previous)
             .fetch_one(&self.pool)
             .await
             .map_err(|e| Error::database("reading the outbox sequence horizon", e))
+    }
+
+    /// The writers of `writers` still running, which hold the horizon.
+    pub(crate) async fn horizon_holders(&self, writers: &[i64]) -> Result<Vec<Holder>> {
+        sqlx::query_file_as!(Holder, "queries/horizon_holders.sql", writers)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| Error::database("reading who holds the outbox sequence horizon", e))
     }
 
     /// Rows a drain that started at `start_seq` still waits for, and their

@@ -32,6 +32,7 @@ use async_nats::HeaderMap;
 use outbox_pg::{Envelope, Outbox};
 use outbox_testkit::{NatsServer, TestDb};
 use serde_json::{Value, json};
+use sqlx::Connection;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 
@@ -776,4 +777,156 @@ async fn the_relays_database_gauge_and_readiness_follow_postgres() {
             s == 200
         })
         .await;
+}
+
+/// `outbox_relay_horizon_held_seconds` from a scrape.
+fn horizon_held(body: &str) -> Option<f64> {
+    body.lines()
+        .find_map(|l| l.strip_prefix("outbox_relay_horizon_held_seconds "))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Transactions left open that cannot hold an outbox seq (one in another
+/// database, one in this database that wrote another table) do not hold the
+/// settled horizon back: `outbox_relay_horizon_held_seconds` stays near the
+/// one second a candidate waits before they are passed over. A writer of
+/// the outbox left open does hold it, and the gauge says so.
+#[tokio::test]
+async fn only_open_transactions_that_wrote_to_the_outbox_hold_the_horizon() {
+    let db = TestDb::new().await.unwrap();
+    let broker = outbox_testkit::nats().unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("outbox-ops-horizon-")
+        .tempdir()
+        .unwrap();
+    let mut relay = Proc::spawn(
+        "outbox-relay",
+        "outbox-relay",
+        dir.path(),
+        &[("DATABASE_URL", db.url()), ("NATS_URL", broker.url())],
+        &["--stream", "OPS_HZ", "--subjects", "opshz.>"],
+    );
+    relay
+        .wait_for("the horizon gauge", "/metrics", |_, b| {
+            horizon_held(b).is_some()
+        })
+        .await;
+
+    // Open, with a transaction id each, and never ending during the check.
+    let other_name = format!("{}_other", db.name());
+    let other_url = outbox_testkit::create_database(db.url(), &other_name)
+        .await
+        .unwrap();
+    let mut elsewhere = sqlx::PgConnection::connect(&other_url).await.unwrap();
+    sqlx::raw_sql("begin; select pg_current_xact_id();")
+        .execute(&mut elsewhere)
+        .await
+        .unwrap();
+    sqlx::query("create table unrelated (n int)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut unrelated = db.pool.acquire().await.unwrap();
+    sqlx::raw_sql("begin; insert into unrelated values (1);")
+        .execute(&mut *unrelated)
+        .await
+        .unwrap();
+    let opened = Instant::now();
+    // Rows keep coming, so candidates keep forming.
+    let mut samples = Vec::new();
+    while opened.elapsed() < Duration::from_secs(5) {
+        seed(&db, "opshz.step", &["a"], |_| json!({})).await;
+        let (_, body) = relay.wait_for("metrics", "/metrics", |s, _| s == 200).await;
+        samples.push(horizon_held(&body).unwrap());
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let worst = samples.iter().copied().fold(0.0, f64::max);
+    assert!(
+        worst < 2.5,
+        "held {worst} s by transactions that cannot hold a seq: {samples:?}\n{}",
+        relay.log()
+    );
+
+    // A writer of the outbox left open holds it.
+    let mut writer = db.pool.acquire().await.unwrap();
+    sqlx::raw_sql(
+        "begin; insert into outbox_events (id, event_type, source, subject, time, data)
+                values (gen_random_uuid(), 'opshz.step', 'tests', 'held', now(), '{}');",
+    )
+    .execute(&mut *writer)
+    .await
+    .unwrap();
+    seed(&db, "opshz.step", &["a"], |_| json!({})).await;
+    relay
+        .wait_for("the horizon held by the open writer", "/metrics", |_, b| {
+            horizon_held(b).is_some_and(|h| h >= 3.0)
+        })
+        .await;
+    sqlx::raw_sql("rollback")
+        .execute(&mut *writer)
+        .await
+        .unwrap();
+    seed(&db, "opshz.step", &["a"], |_| json!({})).await;
+    relay
+        .wait_for("the horizon moving again", "/metrics", |_, b| {
+            horizon_held(b).is_some_and(|h| h < 2.0)
+        })
+        .await;
+    let _ = sqlx::raw_sql("rollback").execute(&mut *unrelated).await;
+    let _ = sqlx::raw_sql("rollback").execute(&mut elsewhere).await;
+}
+
+/// A writer that stays open while no other transaction ends (a quiet
+/// database): its transaction id is newer than the last one to end, so a
+/// snapshot's list of running transactions leaves it out. The horizon waits
+/// for it all the same, and its row is published the moment it commits, not
+/// at the next sweep of the shard a minute later.
+#[tokio::test]
+async fn a_writer_open_in_a_quiet_database_is_published_when_it_commits() {
+    let db = TestDb::new().await.unwrap();
+    let broker = outbox_testkit::nats().unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("outbox-ops-quiet-")
+        .tempdir()
+        .unwrap();
+    let mut relay = Proc::spawn(
+        "outbox-relay",
+        "outbox-relay",
+        dir.path(),
+        &[("DATABASE_URL", db.url()), ("NATS_URL", broker.url())],
+        &["--stream", "OPS_QUIET", "--subjects", "opsq.>"],
+    );
+    relay
+        .wait_for("the horizon gauge", "/metrics", |_, b| {
+            horizon_held(b).is_some()
+        })
+        .await;
+    let mut writer = db.pool.acquire().await.unwrap();
+    sqlx::raw_sql(
+        "begin; insert into outbox_events (id, event_type, source, subject, time, data)
+                values (gen_random_uuid(), 'opsq.step', 'tests', 'quiet', now(), '{}');",
+    )
+    .execute(&mut *writer)
+    .await
+    .unwrap();
+    // Several ticks while it is open and nothing else ends.
+    relay
+        .wait_for("the horizon waiting for the writer", "/metrics", |_, b| {
+            horizon_held(b).is_some_and(|h| h >= 2.0)
+        })
+        .await;
+    sqlx::raw_sql("commit").execute(&mut *writer).await.unwrap();
+    let committed = Instant::now();
+    outbox_testkit::wait_until("the row published", Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, i64>(
+            "select count(*) from outbox_events where published_at is null",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+            == 0
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", relay.log()));
+    assert!(committed.elapsed() < Duration::from_secs(20));
 }

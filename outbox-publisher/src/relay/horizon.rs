@@ -3,22 +3,36 @@
 //!
 //! A shard's cursor may only pass seqs that are settled, or a transaction that
 //! took its seq early and commits late would land behind the cursor and never
-//! be read (the watermark trap). The migration's trigger takes the writer's
-//! transaction id *before* its seq. So if `last_seq` is read, and afterwards a
-//! snapshot `S` is taken, every transaction holding a seq ≤ `last_seq` either
-//! had committed before `S` or is listed in `S`'s running transactions. Once
-//! all of those are seen finished by a later snapshot, `last_seq` is settled:
-//! every row up to it is committed (and visible to any later statement) or
-//! will never exist.
+//! be read (the watermark trap).
 //!
-//! One statement per tick (`queries/horizon.sql`) reads the sequence, takes a
-//! snapshot, and checks whether the previous candidate's running transactions
-//! have finished. Because a statement's snapshot is taken before it reads the
-//! sequence, the seq read by tick *k* is paired with the snapshot of tick
-//! *k + 1*, and settles at tick *k + 2* at the earliest. A writer transaction
-//! that stays open holds the horizon back until it ends; rows keep flowing
-//! (claims do not wait for the horizon), only the cursors stop, and claims
-//! re-read the rows published since (their dead index entries) meanwhile.
+//! **Writers.** A transaction takes a seq in the insert trigger, so it holds
+//! a lock on `outbox_events` that a write takes (RowExclusiveLock) from
+//! before its seq until it ends. So if `last_seq` is read and afterwards the
+//! lock table is read, every transaction holding a seq ≤ `last_seq` has
+//! either ended or is among the *writers* found there: transactions with an
+//! id that hold such a lock. Once all of those have ended, `last_seq` is
+//! settled: every row up to it is committed (and visible to any later
+//! statement) or will never exist. A transaction that inserts later takes a
+//! higher seq.
+//!
+//! Transactions that write nothing to the outbox hold nothing back: a long
+//! report, a batch job on other tables, a transaction in another database of
+//! the cluster, a prepared transaction that wrote elsewhere. (A snapshot's
+//! list of running transactions would not do: it lists them all, and it
+//! leaves out those that took their id after the newest one to end, a writer
+//! among them.)
+//!
+//! One statement per tick (`queries/horizon.sql`) reads the sequence, the
+//! writers, and whether the previous candidate's writers have ended. The
+//! statement may read the locks before the sequence, so the seq read by tick
+//! *k* is paired with the writers of tick *k + 1*, and settles at tick
+//! *k + 2* at the earliest. A writer that stays open holds the horizon back
+//! until it ends; rows keep flowing (claims do not wait for the horizon), only
+//! the cursors stop, and claims re-read the rows published since (their dead
+//! index entries) meanwhile. After [`NAME_AFTER`] the relay logs who holds it
+//! (pid, application, client, state, age, or a prepared transaction's gid),
+//! and `outbox_relay_horizon_held_seconds` says for how long, so an operator
+//! can act.
 //!
 //! **The sequence going back.** PostgreSQL hands out again, after a crash,
 //! sequence values that only uncommitted transactions had taken, when the
@@ -39,6 +53,9 @@ use crate::store::Store;
 
 /// Ticks closer together than this reuse the last result.
 const MIN_TICK_INTERVAL: Duration = Duration::from_millis(5);
+/// How long a candidate waits before the relay names who holds it (and
+/// again every as long while it waits).
+const NAME_AFTER: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Default)]
 struct State {
@@ -47,8 +64,12 @@ struct State {
     last_read: Option<i64>,
     /// `last_seq` read by the previous tick: not yet paired with a snapshot.
     unpaired: Option<i64>,
-    /// A seq and a snapshot taken after it was read, waiting to settle.
-    candidate: Option<(i64, String)>,
+    /// A seq and the writers found after it was read, waiting to settle.
+    candidate: Option<(i64, Vec<i64>)>,
+    /// Since when the candidate waits.
+    waiting_since: Option<Instant>,
+    /// When its holders were last named.
+    named: Option<Instant>,
 }
 
 #[derive(Debug, Default)]
@@ -84,6 +105,7 @@ impl Horizon {
                 .is_none_or(|t| t.elapsed() >= MIN_TICK_INTERVAL)
         {
             let checking = state.candidate.as_ref().map(|c| c.1.clone());
+            let waited = state.waiting_since.map(|t| t.elapsed()).unwrap_or_default();
             let tick = store.tick(checking.as_deref()).await?;
             state.last_tick = Some(Instant::now());
             if state.last_read.is_some_and(|read| tick.last_seq < read) {
@@ -103,14 +125,52 @@ impl Horizon {
                 && let Some((seq, _)) = state.candidate.take()
             {
                 self.settled.fetch_max(seq, Ordering::AcqRel);
+                state.waiting_since = None;
+                state.named = None;
+            }
+            if let Some(writers) = checking.as_deref()
+                && !tick.settled
+                && waited >= NAME_AFTER
+                && state.named.is_none_or(|t| t.elapsed() >= NAME_AFTER)
+            {
+                state.named = Some(Instant::now());
+                name_holders(store, writers, waited).await;
             }
             if state.candidate.is_none()
                 && let Some(seq) = state.unpaired
             {
-                state.candidate = Some((seq, tick.snapshot));
+                state.candidate = Some((seq, tick.writers));
+                state.waiting_since = Some(Instant::now());
             }
             state.unpaired = Some(tick.last_seq);
+            crate::metrics::horizon_held(
+                state.waiting_since.map(|t| t.elapsed()).unwrap_or_default(),
+            );
         }
         Ok(())
+    }
+}
+
+/// Logs the transactions holding the horizon, one line each.
+async fn name_holders(store: &Store, writers: &[i64], waited: Duration) {
+    match store.horizon_holders(writers).await {
+        Ok(holders) => {
+            for h in holders {
+                tracing::warn!(
+                    xid = %h.xid,
+                    pid = h.pid,
+                    application = h.application.as_deref().unwrap_or_default(),
+                    client = h.client.as_deref().unwrap_or_default(),
+                    state = h.state.as_deref().unwrap_or_default(),
+                    age_secs = h.age_secs.unwrap_or_default(),
+                    prepared_gid = h.prepared_gid.as_deref().unwrap_or_default(),
+                    held_for = ?waited,
+                    "a transaction that wrote to outbox_events is still open: rows keep flowing, but \
+                     the shards' cursors wait for it (commit, roll back or end it; a prepared one \
+                     with COMMIT PREPARED or ROLLBACK PREPARED)"
+                );
+            }
+        }
+        Err(e) => tracing::debug!(error = %e, "reading who holds the horizon"),
     }
 }
