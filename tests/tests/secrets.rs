@@ -1,7 +1,8 @@
 //! Passwords that stay secret: a PostgreSQL login role and a NATS user whose
 //! password holds every character that ends or splits a part of a URL
 //! (`,` `#` `/` `?` `@` `%` `:`), given to every shipped binary that takes a
-//! URL (`outbox-relay`, `billing`, `subscriptions`, `outboxctl`) at
+//! URL (`outbox-relay`, `billing`, `subscriptions`, `outboxctl`; `outbox-demo`
+//! for the refusals, as its run with a valid URL is the whole demo) at
 //! `RUST_LOG=debug`:
 //!
 //! - percent-encoded in the URL (through the flag, the environment variable
@@ -197,7 +198,7 @@ impl Proc {
             .env("RUST_LOG", "debug")
             .envs(env.iter().copied())
             .args(args);
-        if bin != "outboxctl" {
+        if ["outbox-relay", "billing", "subscriptions"].contains(&bin) {
             command.args(["--metrics-addr", &metrics.to_string()]);
         }
         let child = command
@@ -537,6 +538,25 @@ async fn an_unencoded_password_is_refused_by_every_binary_without_a_piece_of_it(
             "outboxctl-nats-flag",
             &[("DATABASE_URL", &valid)],
             &["audit", "--since", "1h", "--nats-url", &raw_nats],
+        ),
+        "--nats-url",
+    ));
+    // outbox-demo takes DATABASE_URL and NATS_URL from the environment.
+    runs.push((
+        w.spawn(
+            "outbox-demo",
+            "demo-database",
+            &[("DATABASE_URL", &raw), ("NATS_URL", &nats)],
+            &[],
+        ),
+        "database URL",
+    ));
+    runs.push((
+        w.spawn(
+            "outbox-demo",
+            "demo-nats",
+            &[("DATABASE_URL", &valid), ("NATS_URL", &raw_nats)],
+            &[],
         ),
         "--nats-url",
     ));
