@@ -294,6 +294,24 @@ mod tests {
     }
 
     #[test]
+    fn clap_errors_do_not_echo_the_url() {
+        let url = format!("postgres://relay_secret:{PASSWORD}@db/app");
+        for args in [
+            vec!["--database-url", url.as_str(), "--database-url-file", "/f"],
+            vec![
+                "--database-url",
+                url.as_str(),
+                "--database-url",
+                url.as_str(),
+            ],
+            vec!["--database-url", url.as_str(), "--no-such-flag"],
+        ] {
+            let err = parse(&args).unwrap_err();
+            assert_no_piece(&format!("{err} {}", err.render()));
+        }
+    }
+
+    #[test]
     fn secret_parameters_sqlx_does_not_read_are_dropped() {
         let args = DatabaseArgs::from_url(
             "postgres://db/app?sslpassword=Zq7Wm3&sslmode=disable&token=Zq7Wm3",
