@@ -89,10 +89,7 @@ impl Readiness {
                 Ok(Ok(stream)) => stream,
                 Ok(Err(e)) => {
                     return report
-                        .with(Check::failed(
-                            "stream",
-                            format!("stream `{}`: {e}", self.stream),
-                        ))
+                        .with(Check::failed("stream", stream_failure(&self.stream, &e)))
                         .with(Check::failed(
                             "consumer",
                             "not checked: the stream is not available",
@@ -119,10 +116,7 @@ impl Readiness {
                 Ok(Ok(_)) => Check::passed("consumer"),
                 Ok(Err(e)) => Check::failed(
                     "consumer",
-                    format!(
-                        "durable consumer `{}` on stream `{}`: {e}",
-                        self.durable, self.stream
-                    ),
+                    consumer_failure(&self.stream, &self.durable, &e),
                 ),
                 Err(_) => Check::failed(
                     "consumer",
@@ -140,6 +134,52 @@ impl Readiness {
             State::Connected => Check::passed("broker"),
             state => Check::failed("broker", format!("not connected to NATS (state: {state})")),
         }
+    }
+}
+
+/// Why JetStream did not describe `stream`, in a few words, without the
+/// client's error text.
+fn stream_failure(stream: &str, error: &jetstream::context::GetStreamError) -> String {
+    use jetstream::ErrorCode;
+    use jetstream::context::GetStreamErrorKind;
+    match error.kind() {
+        GetStreamErrorKind::JetStream(e) if e.error_code() == ErrorCode::STREAM_NOT_FOUND => {
+            format!("stream `{stream}` does not exist")
+        }
+        GetStreamErrorKind::JetStream(e) => format!(
+            "JetStream refused to describe stream `{stream}` (error code {})",
+            e.error_code().0
+        ),
+        GetStreamErrorKind::Request => {
+            format!("JetStream did not answer about stream `{stream}` (is JetStream enabled?)")
+        }
+        GetStreamErrorKind::EmptyName | GetStreamErrorKind::InvalidStreamName => {
+            format!("`{stream}` is not a valid stream name")
+        }
+    }
+}
+
+/// Why JetStream did not describe the durable consumer, in a few words.
+fn consumer_failure(
+    stream: &str,
+    durable: &str,
+    error: &jetstream::context::ConsumerInfoError,
+) -> String {
+    use jetstream::context::ConsumerInfoErrorKind as Kind;
+    match error.kind() {
+        Kind::NotFound => {
+            format!("durable consumer `{durable}` does not exist on stream `{stream}`")
+        }
+        Kind::StreamNotFound => format!("stream `{stream}` does not exist"),
+        Kind::Offline => format!("durable consumer `{durable}` is offline"),
+        Kind::InvalidName => format!("`{durable}` is not a valid consumer name"),
+        Kind::TimedOut | Kind::NoResponders | Kind::Request => {
+            format!("JetStream did not answer about durable consumer `{durable}`")
+        }
+        Kind::JetStream(e) => format!(
+            "JetStream refused to describe durable consumer `{durable}` (error code {})",
+            e.error_code().0
+        ),
     }
 }
 

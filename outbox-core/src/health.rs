@@ -22,6 +22,10 @@ use sqlx::{Connection, PgPool};
 pub const DEFAULT_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// `database`: a connection from `pool` answers a ping within `timeout`.
+///
+/// A failure is named in a few plain words ([`database_failure`]), not with
+/// the driver's text: a report is served to whoever can reach the probe
+/// endpoint.
 pub async fn database(pool: &PgPool, timeout: Duration) -> Check {
     let ping = async {
         let mut conn = pool.acquire().await?;
@@ -29,11 +33,38 @@ pub async fn database(pool: &PgPool, timeout: Duration) -> Check {
     };
     match tokio::time::timeout(timeout, ping).await {
         Ok(Ok(())) => Check::passed("database"),
-        Ok(Err(e)) => Check::failed("database", format!("database not answering: {e}")),
+        Ok(Err(e)) => Check::failed("database", database_failure(&e)),
         Err(_) => Check::failed(
             "database",
-            format!("database did not answer within {timeout:?}"),
+            format!("the database did not answer within {timeout:?}"),
         ),
+    }
+}
+
+/// Why a database round trip failed, in a few words and without the
+/// driver's text: the kind of failure (unreachable, TLS, login refused, …)
+/// and for a server error its SQLSTATE.
+pub fn database_failure(error: &sqlx::Error) -> String {
+    match error {
+        sqlx::Error::Io(_) => "cannot reach the database server".to_owned(),
+        sqlx::Error::Tls(_) => "the TLS handshake with the database server failed".to_owned(),
+        sqlx::Error::PoolTimedOut => {
+            "no database connection within the pool's acquire timeout".to_owned()
+        }
+        sqlx::Error::PoolClosed => "the connection pool is closed".to_owned(),
+        sqlx::Error::Protocol(_) => "the database server broke the protocol".to_owned(),
+        sqlx::Error::Configuration(_) => "the connection settings are invalid".to_owned(),
+        sqlx::Error::Database(e) => match e.code().as_deref() {
+            Some("28P01" | "28000") => "the database server refused the login".to_owned(),
+            Some("3D000") => "the database does not exist".to_owned(),
+            Some("53300") => "the database server has no connection slot left".to_owned(),
+            Some("57P01" | "57P02" | "57P03") => {
+                "the database server is shutting down or starting up".to_owned()
+            }
+            Some(code) => format!("the database server answered with an error (SQLSTATE {code})"),
+            None => "the database server answered with an error".to_owned(),
+        },
+        _ => "the database did not answer".to_owned(),
     }
 }
 
@@ -45,7 +76,9 @@ pub trait Probe: Send + Sync + 'static {
     fn check(&self) -> impl Future<Output = Report> + Send;
 }
 
-/// The result of one check: passed, or failed with a message naming what is wrong.
+/// The result of one check: passed, or failed with a message naming what is
+/// wrong. The message is served as is (`/readyz`): keep it plain, without a
+/// driver's error text or anything a client was configured with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Check {
     name: &'static str,
@@ -181,6 +214,22 @@ impl fmt::Display for Report {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn database_failures_are_named_without_the_drivers_text() {
+        let io = sqlx::Error::Io(std::io::Error::other("connect to 10.0.0.7:5432 as relay"));
+        assert_eq!(database_failure(&io), "cannot reach the database server");
+        let config = sqlx::Error::Configuration("postgres://relay:Zq7,Wm3@db".into());
+        let shown = database_failure(&config);
+        assert!(
+            !shown.contains("Zq7") && !shown.contains("relay"),
+            "{shown}"
+        );
+        assert_eq!(
+            database_failure(&sqlx::Error::PoolTimedOut),
+            "no database connection within the pool's acquire timeout"
+        );
+    }
 
     #[test]
     fn ready_only_when_every_check_passed() {

@@ -6,7 +6,8 @@
 mod ops;
 
 pub use ops::{
-    LateReadiness, OpsServer, ROWS_BUCKETS, SECONDS_BUCKETS, install_prometheus, serve_ops,
+    LateReadiness, OpsServer, ROWS_BUCKETS, SECONDS_BUCKETS, install_prometheus, parse_ops_addr,
+    serve_ops,
 };
 pub use outbox_pg::connect::{DatabaseArgs, NatsArgs, Secret, cancel_on_signal, redact_url};
 

@@ -83,11 +83,33 @@ pub(crate) fn check_broker(client: &async_nats::Client) -> Check {
 async fn check_stream(js: &jetstream::Context, stream: &str, timeout: Duration) -> Check {
     match tokio::time::timeout(timeout, js.get_stream(stream)).await {
         Ok(Ok(_)) => Check::passed("stream"),
-        Ok(Err(e)) => Check::failed("stream", format!("stream `{stream}`: {e}")),
+        Ok(Err(e)) => Check::failed("stream", stream_failure(stream, &e)),
         Err(_) => Check::failed(
             "stream",
             format!("JetStream did not answer about stream `{stream}` within {timeout:?}"),
         ),
+    }
+}
+
+/// Why JetStream did not describe `stream`, in a few words, without the
+/// client's error text.
+pub(crate) fn stream_failure(stream: &str, error: &jetstream::context::GetStreamError) -> String {
+    use jetstream::ErrorCode;
+    use jetstream::context::GetStreamErrorKind;
+    match error.kind() {
+        GetStreamErrorKind::JetStream(e) if e.error_code() == ErrorCode::STREAM_NOT_FOUND => {
+            format!("stream `{stream}` does not exist")
+        }
+        GetStreamErrorKind::JetStream(e) => format!(
+            "JetStream refused to describe stream `{stream}` (error code {})",
+            e.error_code().0
+        ),
+        GetStreamErrorKind::Request => {
+            format!("JetStream did not answer about stream `{stream}` (is JetStream enabled?)")
+        }
+        GetStreamErrorKind::EmptyName | GetStreamErrorKind::InvalidStreamName => {
+            format!("`{stream}` is not a valid stream name")
+        }
     }
 }
 

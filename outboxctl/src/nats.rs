@@ -16,8 +16,9 @@ use crate::error::{Error, ErrorKind, Result};
 /// [`ErrorKind::Config`] for flags that do not go together.
 pub(crate) async fn jetstream(nats: &NatsArgs, timeout: Duration) -> Result<jetstream::Context> {
     let shown = nats.redacted_url();
+    let urls = nats.server_urls()?;
     let options = nats.connect_options("outboxctl").await?;
-    let client = tokio::time::timeout(timeout, options.connect(nats.server_urls()))
+    let client = tokio::time::timeout(timeout, options.connect(urls))
         .await
         .map_err(|_| {
             Error::new(

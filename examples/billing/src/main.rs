@@ -20,7 +20,7 @@ use example_billing::{
 use inbox_consumer::Readiness;
 use inbox_consumer::connect::{DatabaseArgs, NatsArgs, cancel_on_signal};
 use outbox_pg::{Outbox, SchemaRegistry};
-use outbox_publisher::cli::{LogFormat, init_logging, serve_ops};
+use outbox_publisher::cli::{LogFormat, init_logging, parse_ops_addr, serve_ops};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
@@ -92,8 +92,10 @@ struct Args {
     lease_timeout: Duration,
 
     /// Serve Prometheus metrics on http://ADDR/metrics, liveness on /healthz
-    /// and readiness (database, NATS, stream, durable consumer) on /readyz.
-    #[arg(long)]
+    /// and readiness (database, NATS, stream, durable consumer) on /readyz. A
+    /// port alone binds loopback (127.0.0.1:PORT); give 0.0.0.0:PORT to
+    /// serve other hosts. Off unless given.
+    #[arg(long, value_name = "[IP:]PORT", value_parser = parse_ops_addr)]
     metrics_addr: Option<SocketAddr>,
 
     /// Directory of the event schemas [default: schemas/events, else the

@@ -46,6 +46,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use outbox_pg::connect::{DatabaseArgs, NatsArgs};
 use outbox_testkit::{NatsCluster, NatsHandle, PgHandle, Program, create_database};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -185,6 +186,11 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
     // --- Servers -----------------------------------------------------------
     let mut pg = outbox_testkit::postgres().await?;
     let admin_url = pg.url().to_owned();
+    // A DATABASE_URL or NATS_URL given is checked first, so that one which
+    // does not parse is refused naming what is wrong, and none is printed
+    // with its password.
+    let admin = DatabaseArgs::from_url(admin_url.as_str());
+    admin.connect_options()?;
     let owns_pg = pg.server().is_some();
     let mut broker = if args.cluster {
         Broker::Cluster(NatsCluster::start().await?)
@@ -192,14 +198,21 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
         Broker::Single(outbox_testkit::nats()?)
     };
     let nats_url = broker.url();
+    let nats_args = NatsArgs::new(nats_url.as_str());
+    let nats_servers = nats_args.server_urls()?;
     let suffix = format!("{}_{}", std::process::id(), seed % 100_000);
     let subs_url = create_database(&admin_url, &format!("demo_subscriptions_{suffix}")).await?;
     let billing_url = create_database(&admin_url, &format!("demo_billing_{suffix}")).await?;
-    println!("postgres  {admin_url}\nnats      {nats_url}");
-    let client = async_nats::ConnectOptions::new()
+    println!(
+        "postgres  {}\nnats      {}",
+        admin.redacted(),
+        nats_args.redacted_url()
+    );
+    let client = nats_args
+        .connect_options("outbox-demo")
+        .await?
         .retry_on_initial_connect()
-        .max_reconnects(None)
-        .connect(nats_url.split(',').map(str::trim).collect::<Vec<_>>())
+        .connect(nats_servers)
         .await?;
     let js = async_nats::jetstream::new(client);
     if args.cluster {

@@ -16,6 +16,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer};
 use futures::StreamExt;
 use inbox_consumer::prelude::*;
+use outbox_pg::connect::{DatabaseArgs, NatsArgs};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use outbox_testkit::{nats, postgres};
 use serde::{Deserialize, Serialize};
@@ -64,11 +65,17 @@ impl Handler for OpenAccount {
 async fn main() -> Result<(), Box<dyn Error>> {
     // Real servers: the ones named by DATABASE_URL / NATS_URL, or fresh local ones.
     let pg = postgres().await?;
-    let database_url = pg.url().to_owned();
+    let database = DatabaseArgs::from_url(pg.url());
     let broker = nats()?;
-    println!("postgres: {database_url}\nnats:     {}", broker.url());
+    // Shown with their passwords masked: DATABASE_URL and NATS_URL may hold
+    // them.
+    println!(
+        "postgres: {}\nnats:     {}",
+        database.redacted(),
+        NatsArgs::new(broker.url()).redacted_url()
+    );
 
-    let pool = PgPool::connect(&database_url).await?;
+    let pool = PgPool::connect_with(database.connect_options()?).await?;
     // The outbox's migrations, then this program's own table, under one
     // advisory lock: runs started together against one database take turns.
     outbox_pg::migrate_with(

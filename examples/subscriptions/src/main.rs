@@ -19,7 +19,7 @@ use example_subscriptions::{AppState, default_schemas_dir, router};
 use outbox_pg::health::{self, Probe, Report};
 use outbox_pg::{Outbox, SchemaRegistry};
 use outbox_publisher::cli::{
-    DatabaseArgs, LogFormat, NatsArgs, cancel_on_signal, init_logging, serve_ops,
+    DatabaseArgs, LogFormat, NatsArgs, cancel_on_signal, init_logging, parse_ops_addr, serve_ops,
 };
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
@@ -70,8 +70,10 @@ struct Args {
 
     /// Serve Prometheus metrics on http://ADDR/metrics, liveness on /healthz
     /// and readiness on /readyz (the database; with the in-process relay,
-    /// also NATS and the stream).
-    #[arg(long)]
+    /// also NATS and the stream). A port alone binds loopback
+    /// (127.0.0.1:PORT); give 0.0.0.0:PORT to serve other hosts. Off unless
+    /// given.
+    #[arg(long, value_name = "[IP:]PORT", value_parser = parse_ops_addr)]
     metrics_addr: Option<SocketAddr>,
 
     /// Log format (logs go to stderr).

@@ -8,7 +8,8 @@ use std::str::FromStr;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-use super::secret::{Secret, inline_or_file, redact_url};
+use super::redact::{self, SECRET_PARAMETERS, UrlProblem, redact_url};
+use super::secret::{Secret, inline_or_file};
 use crate::error::{Error, ErrorKind, Result};
 
 /// How to reach PostgreSQL, as flags and environment variables: exactly one
@@ -100,18 +101,39 @@ impl DatabaseArgs {
 
     /// Parsed connection options, TLS settings included.
     ///
+    /// The URL is parsed before sqlx reads it, so that no error and no log
+    /// line shows a piece of its password: a URL that does not parse, or
+    /// whose password holds an unencoded `/`, `?` or `#` (so that where it
+    /// ends cannot be told), is refused naming what is wrong, and shown as
+    /// `postgres://***@` and what follows its last `@`. Query parameters
+    /// holding a secret that sqlx does not read (`sslpassword`, `pass`,
+    /// `token`) are dropped with a warning naming them, before sqlx would log
+    /// their value.
+    ///
     /// # Errors
     /// As [`DatabaseArgs::url`]; [`ErrorKind::Config`] if the URL does not
-    /// parse (the message shows it with its password masked).
+    /// parse, is ambiguous or sqlx refuses a setting (the message shows the
+    /// URL with its password masked).
     pub fn connect_options(&self) -> Result<PgConnectOptions> {
         let url = self.url()?;
-        PgConnectOptions::from_str(url.expose_secret()).map_err(|e| {
+        let raw = url.expose_secret();
+        let mut parsed = redact::parse(raw).map_err(|problem| invalid_url(raw, problem))?;
+        let dropped = redact::remove_query_parameters(&mut parsed, |name| {
+            !name.eq_ignore_ascii_case("password")
+                && SECRET_PARAMETERS
+                    .iter()
+                    .any(|secret| name.eq_ignore_ascii_case(secret))
+        });
+        for parameter in dropped {
+            tracing::warn!(
+                %parameter,
+                "ignoring a parameter of the database URL that sqlx does not read (its value is not logged)"
+            );
+        }
+        PgConnectOptions::from_str(parsed.as_str()).map_err(|e| {
             Error::new(
                 ErrorKind::Config,
-                format!(
-                    "the database URL {} is invalid: {e}",
-                    redact_url(url.expose_secret())
-                ),
+                format!("the database URL {} is invalid: {e}", redact_url(raw)),
             )
             .with_source(e)
         })
@@ -151,6 +173,20 @@ impl DatabaseArgs {
             .unwrap_or_else(|| "this program".to_owned());
         crate::require_sessions(&options, &program).await?;
         Ok(pool)
+    }
+}
+
+/// The error for a database URL that [`redact::parse`] refused: what is
+/// wrong, and the URL with nothing of its user info when that cannot be told.
+fn invalid_url(raw: &str, problem: UrlProblem) -> Error {
+    let message = match &problem {
+        UrlProblem::NotAUrl => format!("the database URL {problem}"),
+        _ => format!("the database URL {} {problem}", redact_url(raw)),
+    };
+    let error = Error::new(ErrorKind::Config, message);
+    match problem {
+        UrlProblem::Invalid(e) => error.with_source(e),
+        _ => error,
     }
 }
 
@@ -231,5 +267,74 @@ mod tests {
         let err = args.database.url().unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Config);
         assert!(err.to_string().contains("--database-url-file"), "{err}");
+    }
+
+    /// A password holding every character that ends or splits a URL part.
+    const PASSWORD: &str = "Zq7,Wm3#xK9/pL?r2@Tn%5:Vb8";
+
+    fn assert_no_piece(text: &str) {
+        for start in 0..PASSWORD.len() - 2 {
+            let piece = &PASSWORD[start..start + 3];
+            assert!(!text.contains(piece), "`{piece}` of the password in {text}");
+        }
+    }
+
+    #[test]
+    fn a_percent_encoded_password_connects_and_a_raw_one_is_refused_unseen() {
+        let encoded = "Zq7%2CWm3%23xK9%2FpL%3Fr2%40Tn%255%3AVb8";
+        let args = DatabaseArgs::from_url(format!("postgres://relay_secret:{encoded}@db:5433/app"));
+        let options = args.connect_options().unwrap();
+        assert_eq!(options.get_host(), "db");
+        assert_eq!(options.get_port(), 5433);
+        assert_eq!(options.get_username(), "relay_secret");
+        assert_eq!(args.redacted(), "postgres://relay_secret:***@db:5433/app");
+        for url in [
+            format!("postgres://relay_secret:{PASSWORD}@db:5433/app"),
+            format!("postgres://relay_secret:{PASSWORD}@db:54x33/app"),
+            format!("postgres://relay_secret:{PASSWORD}"),
+            "postgres://relay_secret:Zq7,Wm3xK9pL#r2@db/app".to_owned(),
+            format!("relay_secret:{PASSWORD}@db/app"),
+        ] {
+            let args = DatabaseArgs::from_url(url.clone());
+            let err = args.connect_options().unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Config, "{url}");
+            let text = format!("{err} {err:?} {args:?} {}", args.redacted());
+            assert_no_piece(&text);
+            assert!(text.contains("database URL"), "{text}");
+        }
+        // A comma, a colon, a `%` and an `@` need no encoding.
+        let args = DatabaseArgs::from_url("postgres://relay_secret:Zq7,Wm3:K9%p@Lr2@db/app");
+        assert_eq!(args.connect_options().unwrap().get_host(), "db");
+        assert_eq!(args.redacted(), "postgres://relay_secret:***@db/app");
+    }
+
+    #[test]
+    fn clap_errors_do_not_echo_the_url() {
+        let url = format!("postgres://relay_secret:{PASSWORD}@db/app");
+        for args in [
+            vec!["--database-url", url.as_str(), "--database-url-file", "/f"],
+            vec![
+                "--database-url",
+                url.as_str(),
+                "--database-url",
+                url.as_str(),
+            ],
+            vec!["--database-url", url.as_str(), "--no-such-flag"],
+        ] {
+            let err = parse(&args).unwrap_err();
+            assert_no_piece(&format!("{err} {}", err.render()));
+        }
+    }
+
+    #[test]
+    fn secret_parameters_sqlx_does_not_read_are_dropped() {
+        let args = DatabaseArgs::from_url(
+            "postgres://db/app?sslpassword=Zq7Wm3&sslmode=disable&token=Zq7Wm3",
+        );
+        args.connect_options().unwrap();
+        assert_eq!(
+            args.redacted(),
+            "postgres://db/app?sslpassword=***&sslmode=disable&token=***"
+        );
     }
 }

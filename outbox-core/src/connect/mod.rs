@@ -9,7 +9,9 @@
 //!   an environment variable or a `--*-file` instead of argv, where `ps`
 //!   would show it.
 //! - [`Secret`]: a string whose `Debug` and `Display` print `[redacted]`;
-//!   [`redact_url`] masks a URL's password for logs.
+//!   [`redact_url`] masks a URL's password for logs, found by parsing the
+//!   URL, so a password holding `,` `#` `/` `?` `@` `%` `:` never shows, nor
+//!   any piece of one in a URL that does not parse.
 //! - [`cancel_on_signal`]: SIGTERM or ctrl-c cancels a `CancellationToken`.
 //!
 //! ```no_run
@@ -41,10 +43,12 @@
 
 mod database;
 mod nats;
+mod redact;
 mod secret;
 mod signal;
 
 pub use database::DatabaseArgs;
 pub use nats::NatsArgs;
-pub use secret::{Secret, redact_url};
+pub use redact::redact_url;
+pub use secret::Secret;
 pub use signal::cancel_on_signal;

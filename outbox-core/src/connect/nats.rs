@@ -5,7 +5,8 @@ use std::path::PathBuf;
 
 use async_nats::ConnectErrorKind;
 
-use super::secret::{Secret, inline_or_file, redact_nats_url};
+use super::redact::{self, UrlCredentials, UrlProblem};
+use super::secret::{Secret, inline_or_file};
 use crate::error::{Error, ErrorKind, Result};
 
 /// How to reach NATS: the URL, credentials and TLS, as flags and environment
@@ -22,6 +23,12 @@ use crate::error::{Error, ErrorKind, Result};
 /// TLS: `--nats-tls-ca` to verify the server (and require TLS),
 /// `--nats-tls-cert` with `--nats-tls-key` for a client certificate (mutual
 /// TLS). A `tls://` URL requires TLS with the system's roots.
+///
+/// Credentials may also be written into the URL (`nats://user:password@host`,
+/// `nats://token@host`, percent-encoded): they are taken out of it and given
+/// to the client as `--nats-user`/`--nats-password` or `--nats-token` would
+/// be, so the client never holds, nor logs, a URL with a secret. In a list,
+/// every URL carries the same credentials or none does.
 ///
 /// `Debug` redacts every secret, and a password or token in the URL.
 #[derive(Clone, clap::Args)]
@@ -123,20 +130,45 @@ impl NatsArgs {
         }
     }
 
-    /// The URL(s) with any password or token masked, for logs.
+    /// The URL(s) with any password or token masked, for logs. The URLs are
+    /// parsed, not split on characters, so a password holding `,` `#` `/`
+    /// `?` `@` `%` `:` is masked whole; a list that does not parse shows
+    /// nothing before its last `@`.
     pub fn redacted_url(&self) -> String {
-        redact_nats_url(&self.nats_url)
+        redact::redact_nats_urls(&self.nats_url)
     }
 
-    /// The server URLs of `--nats-url`: split on commas, whitespace trimmed,
-    /// empty entries dropped (`"nats://a:4222, nats://b:4222"` is two
-    /// servers), as the `nats` CLI and the other NATS clients read it.
+    /// The server URLs of `--nats-url`, without credentials: split on
+    /// commas, whitespace trimmed, empty entries dropped (`"nats://a:4222,
+    /// nats://b:4222"` is two servers), as the `nats` CLI and the other NATS
+    /// clients read it; `nats://` added to an address without a scheme.
     ///
     /// The client is given all of them: it connects to one, and after a
     /// disconnect tries the others and the servers the cluster announced
     /// since, so a node that dies does not take the connection with it.
-    pub fn server_urls(&self) -> Vec<String> {
-        split_urls(&self.nats_url)
+    /// Credentials written into the URLs go to the client through
+    /// [`connect_options`](Self::connect_options).
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] if a URL does not parse, a password in one
+    /// holds an unencoded `/`, `?` or `#`, or the URLs carry different
+    /// credentials (the message shows the URLs with their secrets masked).
+    pub fn server_urls(&self) -> Result<Vec<String>> {
+        self.servers().map(|servers| servers.urls)
+    }
+
+    fn servers(&self) -> Result<redact::NatsServers> {
+        redact::nats_servers(&self.nats_url).map_err(|problem| {
+            let message = match &problem {
+                UrlProblem::NotAUrl => format!("--nats-url (NATS_URL) {problem}"),
+                _ => format!("--nats-url (NATS_URL) {} {problem}", self.redacted_url()),
+            };
+            let error = Error::new(ErrorKind::Config, message);
+            match problem {
+                UrlProblem::Invalid(e) => error.with_source(e),
+                _ => error,
+            }
+        })
     }
 
     /// The password, from `--nats-password` or its file.
@@ -192,12 +224,34 @@ impl NatsArgs {
     ///
     /// # Errors
     /// [`ErrorKind::Config`] if a secret file or the credentials file cannot
-    /// be read, an nkey seed is malformed, or one half of a pair is missing
-    /// (user and password, client certificate and key).
+    /// be read, an nkey seed is malformed, one half of a pair is missing
+    /// (user and password, client certificate and key), the URLs do not
+    /// parse ([`server_urls`](Self::server_urls)), or carry credentials the
+    /// flags give too.
     pub async fn connect_options(&self, name: &str) -> Result<async_nats::ConnectOptions> {
         let mut options = async_nats::ConnectOptions::new()
             .name(name)
             .max_reconnects(None);
+        if let Some(credentials) = self.servers()?.credentials {
+            if self.nats_user.is_some()
+                || self.password()?.is_some()
+                || self.token()?.is_some()
+                || self.nats_nkey.is_some()
+                || self.nats_nkey_file.is_some()
+                || self.nats_creds.is_some()
+            {
+                return Err(Error::new(
+                    ErrorKind::Config,
+                    "--nats-url carries credentials and so do the --nats-* flags: give them once",
+                ));
+            }
+            options = match credentials {
+                UrlCredentials::UserPassword { user, password } => {
+                    options.user_and_password(user, password.expose_secret().to_owned())
+                }
+                UrlCredentials::Token(token) => options.token(token.expose_secret().to_owned()),
+            };
+        }
         match (&self.nats_user, self.password()?) {
             (Some(user), Some(password)) => {
                 options =
@@ -265,12 +319,12 @@ impl NatsArgs {
     ///
     /// # Errors
     /// As [`NatsArgs::connect_options`]; [`ErrorKind::Config`] if
-    /// `--nats-url` names no server; [`ErrorKind::Broker`] if the server
+    /// `--nats-url` names no server or does not parse; [`ErrorKind::Broker`] if the server
     /// refuses the credentials (authorization violation) or the TLS handshake
     /// fails, or the URL is invalid.
     pub async fn connect(&self, name: &str) -> Result<async_nats::Client> {
         let shown = self.redacted_url();
-        let urls = self.server_urls();
+        let urls = self.server_urls()?;
         if urls.is_empty() {
             return Err(Error::new(
                 ErrorKind::Config,
@@ -326,15 +380,6 @@ impl NatsArgs {
                 .with_source(e)
             })
     }
-}
-
-/// A comma-separated list of URLs, each trimmed, empty entries dropped.
-fn split_urls(urls: &str) -> Vec<String> {
-    urls.split(',')
-        .map(str::trim)
-        .filter(|url| !url.is_empty())
-        .map(str::to_owned)
-        .collect()
 }
 
 /// Whether the connection failed in the TLS handshake: a certificate not
@@ -443,31 +488,66 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(
-            args.server_urls(),
+            args.server_urls().unwrap(),
             ["nats://a:4222", "nats://b:4222", "nats://c:4222"]
         );
         assert_eq!(
-            NatsArgs::new("nats://127.0.0.1:4222").server_urls(),
+            NatsArgs::new("nats://127.0.0.1:4222")
+                .server_urls()
+                .unwrap(),
             ["nats://127.0.0.1:4222"]
         );
-        assert!(NatsArgs::new(" , ").server_urls().is_empty());
+        assert!(NatsArgs::new(" , ").server_urls().unwrap().is_empty());
         // Each is a server address async-nats accepts.
-        for url in args.server_urls() {
+        for url in args.server_urls().unwrap() {
             url.parse::<async_nats::ServerAddr>().unwrap();
         }
     }
 
     #[test]
     fn every_url_of_the_list_is_redacted() {
-        let args = NatsArgs::new(
-            "nats://u:pw-a@a:4222, nats://tok-b@b:4222,tls://u:pw-c@c:4222,nats://d:4222",
-        );
+        let args = NatsArgs::new("nats://u:pw-a@a:4222, nats://u:pw-a@b:4222,tls://u:pw-a@c:4222");
         let shown = format!("{} {args:?}", args.redacted_url());
-        for secret in ["pw-a", "tok-b", "pw-c"] {
-            assert!(!shown.contains(secret), "{secret} in {shown}");
-        }
-        for host in ["@a:4222", "@b:4222", "@c:4222", "nats://d:4222"] {
+        assert!(!shown.contains("pw-a"), "{shown}");
+        for host in ["u:***@a:4222", "u:***@b:4222", "tls://u:***@c:4222"] {
             assert!(shown.contains(host), "{host} missing from {shown}");
+        }
+        let args = NatsArgs::new("nats://tok-b@a:4222,nats://tok-b@b:4222");
+        let shown = format!("{} {args:?}", args.redacted_url());
+        assert!(!shown.contains("tok-b"), "{shown}");
+        assert!(shown.contains("nats://***@b:4222"), "{shown}");
+    }
+
+    #[tokio::test]
+    async fn credentials_in_the_url_leave_it_for_the_client_options() {
+        let args = NatsArgs::new("nats://relay:p%2Cw%23d@a:4222,nats://relay:p%2Cw%23d@b:4222");
+        assert_eq!(
+            args.server_urls().unwrap(),
+            ["nats://a:4222", "nats://b:4222"]
+        );
+        args.connect_options("t").await.unwrap();
+        let mut both = NatsArgs::new("nats://tok@a:4222");
+        both.nats_token = Some(Secret::from("tok"));
+        let err = both.connect_options("t").await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config);
+        assert!(err.to_string().contains("give them once"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_url_split_inside_its_password_is_refused_without_showing_it() {
+        for url in [
+            "nats://relay:Zq7,Wm3xK9pLr2@a:4222",
+            "nats://relay:5432,Wm3xK9pLr2@a:4222",
+            "nats://relay:Zq7/Wm3xK9pLr2@a:4222",
+            "nats://relay:Zq7#Wm3xK9pLr2@a:4222",
+        ] {
+            let args = NatsArgs::new(url);
+            let err = args.connect("t").await.unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Config, "{url}: {err}");
+            let text = format!("{err} {err:?} {args:?} {}", args.redacted_url());
+            for piece in ["Zq7", "5432", "Wm3", "K9pL", "Lr2"] {
+                assert!(!text.contains(piece), "{piece} of {url} in {text}");
+            }
         }
     }
 

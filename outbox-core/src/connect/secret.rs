@@ -106,85 +106,6 @@ pub(crate) fn inline_or_file(
     }
 }
 
-/// `url` with the password of its user info, and the value of any
-/// `password`, `pass`, `token` or `sslpassword` query parameter, replaced by
-/// `***`; a comma-separated list of URLs (as NATS takes) is redacted URL by
-/// URL. Safe to log.
-///
-/// ```
-/// use outbox_pg::connect::redact_url;
-///
-/// assert_eq!(
-///     redact_url("postgres://app:s3cret@db:5432/app?sslmode=verify-full"),
-///     "postgres://app:***@db:5432/app?sslmode=verify-full"
-/// );
-/// assert_eq!(redact_url("postgres://db/app?password=s3cret"), "postgres://db/app?password=***");
-/// ```
-pub fn redact_url(url: &str) -> String {
-    redact_list(url, false)
-}
-
-/// As [`redact_url`], and a bare user info (`nats://TOKEN@host`, the NATS
-/// form of a token) is redacted whole.
-pub(crate) fn redact_nats_url(url: &str) -> String {
-    redact_list(url, true)
-}
-
-fn redact_list(urls: &str, bare_userinfo_is_secret: bool) -> String {
-    urls.split(',')
-        .map(|url| redact_one(url, bare_userinfo_is_secret))
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
-fn redact_one(url: &str, bare_userinfo_is_secret: bool) -> String {
-    let (head, query) = match url.split_once('?') {
-        Some((head, query)) => (head, Some(query)),
-        None => (url, None),
-    };
-    let (scheme, rest) = match head.find("://") {
-        Some(at) => head.split_at(at + 3),
-        None => ("", head),
-    };
-    let authority_end = rest.find(['/', '#']).unwrap_or(rest.len());
-    let (authority, path) = rest.split_at(authority_end);
-    let mut out = String::with_capacity(url.len());
-    out.push_str(scheme);
-    match authority.rfind('@') {
-        Some(at) => {
-            let (userinfo, host) = authority.split_at(at);
-            match userinfo.split_once(':') {
-                Some((user, _)) => {
-                    out.push_str(user);
-                    out.push_str(":***");
-                }
-                None if bare_userinfo_is_secret => out.push_str("***"),
-                None => out.push_str(userinfo),
-            }
-            out.push_str(host);
-        }
-        None => out.push_str(authority),
-    }
-    out.push_str(path);
-    if let Some(query) = query {
-        out.push('?');
-        let pairs: Vec<String> = query
-            .split('&')
-            .map(|pair| match pair.split_once('=') {
-                Some((key, _))
-                    if ["password", "pass", "token", "sslpassword"]
-                        .contains(&key.to_ascii_lowercase().as_str()) =>
-                {
-                    format!("{key}=***")
-                }
-                _ => pair.to_owned(),
-            })
-            .collect();
-        out.push_str(&pairs.join("&"));
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -225,29 +146,5 @@ mod tests {
         let text = err.to_string();
         assert!(text.contains("--nats-token-file"), "{text}");
         assert!(text.contains("/nonexistent/token"), "{text}");
-    }
-
-    #[test]
-    fn urls_lose_their_passwords_and_keep_the_rest() {
-        for (url, shown) in [
-            (
-                "postgres://app:pw@db:5432/app?sslmode=require",
-                "postgres://app:***@db:5432/app?sslmode=require",
-            ),
-            ("postgres://app@db/app", "postgres://app@db/app"),
-            (
-                "postgres://db/app?user=a&password=pw",
-                "postgres://db/app?user=a&password=***",
-            ),
-            ("postgres://a:p@w@db/x", "postgres://a:***@db/x"),
-            (
-                "nats://u:p@h1:4222,nats://h2:4222",
-                "nats://u:***@h1:4222,nats://h2:4222",
-            ),
-        ] {
-            assert_eq!(redact_url(url), shown);
-        }
-        assert_eq!(redact_nats_url("tls://tok@h:4222"), "tls://***@h:4222");
-        assert_eq!(redact_url("tls://tok@h:4222"), "tls://tok@h:4222");
     }
 }

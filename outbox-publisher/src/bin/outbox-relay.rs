@@ -8,7 +8,12 @@
 //! `--metrics-addr` serves `/metrics` (Prometheus text), `/healthz` (200
 //! while the process runs) and `/readyz` (200 when the database answers, NATS
 //! is connected and the stream exists; 503 with a JSON body naming the failed
-//! check otherwise).
+//! check otherwise). A port alone (`--metrics-addr 9187`) binds loopback;
+//! `0.0.0.0:9187` serves other hosts.
+//!
+//! No password reaches a log line or an error, at any level: URLs are parsed
+//! and shown with their passwords masked, and one whose password cannot be
+//! told from the rest (an unencoded `/`, `?`, `#`) is refused unshown.
 //!
 //! Secrets come from the environment or files, never only from argv:
 //! `DATABASE_URL_FILE`, `NATS_TOKEN_FILE`, `NATS_NKEY_FILE`, `NATS_CREDS`, …
@@ -32,7 +37,7 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use outbox_publisher::cli::{
-    DatabaseArgs, LogFormat, NatsArgs, cancel_on_signal, init_logging, serve_ops,
+    DatabaseArgs, LogFormat, NatsArgs, cancel_on_signal, init_logging, parse_ops_addr, serve_ops,
 };
 use outbox_publisher::{Readiness, Relay, RelayConfig, StorageType, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
@@ -132,8 +137,10 @@ struct Args {
     once: bool,
 
     /// Serve Prometheus metrics on http://ADDR/metrics, liveness on /healthz
-    /// and readiness (database, NATS, stream) on /readyz.
-    #[arg(long, env = "OUTBOX_METRICS_ADDR")]
+    /// and readiness (database, NATS, stream) on /readyz. A port alone binds
+    /// loopback (127.0.0.1:PORT); give 0.0.0.0:PORT to serve other hosts.
+    /// Off unless given.
+    #[arg(long, env = "OUTBOX_METRICS_ADDR", value_name = "[IP:]PORT", value_parser = parse_ops_addr)]
     metrics_addr: Option<SocketAddr>,
 
     /// Log format.

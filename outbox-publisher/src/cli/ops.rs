@@ -1,11 +1,12 @@
 //! The binaries' operations endpoint: one small HTTP server on
-//! `--metrics-addr` answering
+//! `--metrics-addr` (off unless given; a port alone binds loopback, see
+//! [`parse_ops_addr`]) answering
 //!
 //! | path | answer |
 //! |---|---|
 //! | `GET /metrics` | Prometheus text of every metric recorded in the process |
 //! | `GET /healthz` | 200 `ok` while the process runs (liveness) |
-//! | `GET /readyz` | 200 when every readiness check passed, 503 otherwise; the body is the [`Report`] as JSON |
+//! | `GET /readyz` | 200 when every readiness check passed, 503 otherwise; the body is the [`Report`] as JSON, naming each failed check with a plain reason (never a driver's error text, a URL or a secret) |
 //!
 //! [`install_prometheus`] installs the process-wide recorder, rendering every
 //! histogram of seconds as a Prometheus histogram with [`SECONDS_BUCKETS`]
@@ -15,7 +16,7 @@
 //! function returning a [`Report`] will do.
 
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -37,6 +38,40 @@ pub const SECONDS_BUCKETS: &[f64] = &[
 pub const ROWS_BUCKETS: &[f64] = &[
     1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0,
 ];
+
+/// The value of `--metrics-addr`: `PORT` or `:PORT` binds loopback
+/// (`127.0.0.1:PORT`), so the endpoint is reachable from other hosts only
+/// when told so with an address (`0.0.0.0:PORT`, `[::]:PORT`, an
+/// interface's IP). Use it as the flag's `value_parser`.
+///
+/// ```
+/// use outbox_publisher::cli::parse_ops_addr;
+///
+/// assert_eq!(parse_ops_addr("9187")?.to_string(), "127.0.0.1:9187");
+/// assert_eq!(parse_ops_addr(":9187")?.to_string(), "127.0.0.1:9187");
+/// assert_eq!(parse_ops_addr("0.0.0.0:9187")?.to_string(), "0.0.0.0:9187");
+/// # Ok::<(), outbox_publisher::Error>(())
+/// ```
+///
+/// # Errors
+/// [`ErrorKind::Config`](crate::ErrorKind::Config) if `value` is neither a
+/// port nor an `IP:PORT` address.
+pub fn parse_ops_addr(value: &str) -> crate::Result<SocketAddr> {
+    let port = value.strip_prefix(':').unwrap_or(value);
+    if let Ok(port) = port.parse::<u16>() {
+        return Ok(SocketAddr::from((Ipv4Addr::LOCALHOST, port)));
+    }
+    value.parse::<SocketAddr>().map_err(|e| {
+        crate::Error::new(
+            crate::ErrorKind::Config,
+            format!(
+                "`{value}` is not a port (bound on 127.0.0.1) nor an IP:PORT address \
+                 (0.0.0.0:PORT serves other hosts)"
+            ),
+        )
+        .with_source(e)
+    })
+}
 
 /// How often histogram data is folded into the rendered buckets.
 const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
@@ -178,7 +213,8 @@ impl<P: Probe> LateReadiness<P> {
     }
 }
 
-/// A binary's `--metrics-addr`: with an address, installs the Prometheus
+/// A binary's `--metrics-addr` (parsed by [`parse_ops_addr`]): with an
+/// address, installs the Prometheus
 /// recorder ([`install_prometheus`]), binds it and serves `/metrics`,
 /// `/healthz` and `/readyz` until `shutdown`; without one, serves nothing.
 /// Either way the returned slot takes the probe once the binary has

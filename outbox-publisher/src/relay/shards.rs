@@ -69,7 +69,7 @@ pub(crate) struct Shards {
     slots: Vec<Slot>,
     workers: usize,
     lease: Duration,
-    options: PgConnectOptions,
+    options: SessionOptions,
     confirmed: Mutex<Option<Instant>>,
     next: AtomicUsize,
     /// Bumped whenever the owned set changes (and once ownership is first settled).
@@ -87,6 +87,22 @@ pub(crate) struct Shards {
 struct Keys {
     members: i32,
     shards: i32,
+}
+
+/// The shard session's connect options. Its `Debug` names the server and the
+/// role only: sqlx's derived one prints the password, and a `Relay` is
+/// `Debug`.
+struct SessionOptions(PgConnectOptions);
+
+impl std::fmt::Debug for SessionOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgConnectOptions")
+            .field("host", &self.0.get_host())
+            .field("port", &self.0.get_port())
+            .field("database", &self.0.get_database())
+            .field("username", &self.0.get_username())
+            .finish_non_exhaustive()
+    }
 }
 
 /// Shards checked out by one worker; handed back on drop.
@@ -174,7 +190,7 @@ impl Shards {
                 .collect(),
             workers,
             lease,
-            options,
+            options: SessionOptions(options),
             confirmed: Mutex::new(None),
             next: AtomicUsize::new(0),
             changed: watch::channel(0).0,
@@ -348,6 +364,7 @@ impl Shards {
         outbox_pg::require_sessions(&self.options, "the relay").await?;
         let mut conn = self
             .options
+            .0
             .clone()
             .application_name("outbox-relay shards")
             .connect()
@@ -441,5 +458,24 @@ impl Shards {
         {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_names_the_server_and_not_the_password() {
+        let options = PgConnectOptions::new()
+            .host("db")
+            .username("relay")
+            .password("Zq7,Wm3#xK9");
+        let shown = format!("{:?}", Shards::new(options, 1, Duration::from_secs(30)));
+        assert!(!shown.contains("Zq7"), "{shown}");
+        assert!(
+            shown.contains("\"relay\"") && shown.contains("\"db\""),
+            "{shown}"
+        );
     }
 }
