@@ -27,7 +27,7 @@ use uuid::Uuid;
 use crate::error::{Error, ErrorKind, Result};
 use crate::sequence::{format_sequence, parse_sequence};
 use crate::validate::{
-    validate_event_type, validate_time, validate_traceparent, validate_tracestate,
+    excerpt, validate_event_type, validate_time, validate_traceparent, validate_tracestate,
 };
 
 /// The only CloudEvents version this crate writes and reads.
@@ -92,7 +92,7 @@ impl FromStr for EventId {
         Uuid::parse_str(s).map(Self).map_err(|e| {
             Error::new(
                 ErrorKind::InvalidEnvelope,
-                format!("event id `{s}` is not a UUID: {e}"),
+                format!("event id `{}` is not a UUID: {e}", excerpt(s)),
             )
             .with_source(e)
         })
@@ -145,10 +145,12 @@ impl<'de> Deserialize<'de> for EventType {
 }
 
 fn validate_attribute(name: &str, value: &str) -> Result<()> {
+    // The value is quoted cut to an excerpt: it may be any length (a row any
+    // SQL client wrote), and this message becomes a log line and `last_error`.
     let invalid = |why: &str| {
         Err(Error::new(
             ErrorKind::InvalidEnvelope,
-            format!("invalid envelope {name} `{}`: {why}", value.escape_debug()),
+            format!("invalid envelope {name} `{}`: {why}", excerpt(value)),
         ))
     };
     if value.trim().is_empty() {
@@ -162,7 +164,10 @@ fn validate_attribute(name: &str, value: &str) -> Result<()> {
         ));
     }
     if value.len() > MAX_ATTRIBUTE_LEN {
-        return invalid(&format!("longer than {MAX_ATTRIBUTE_LEN} bytes"));
+        return invalid(&format!(
+            "it is {} bytes, longer than {MAX_ATTRIBUTE_LEN} bytes",
+            value.len()
+        ));
     }
     if value.chars().any(char::is_control) {
         return invalid("it contains a control character");
@@ -475,7 +480,7 @@ impl<T: DeserializeOwned> Envelope<T> {
                 ErrorKind::InvalidEnvelope,
                 format!(
                     "unsupported CloudEvents specversion `{}` (expected `{SPEC_VERSION}`)",
-                    wire.specversion.escape_debug()
+                    excerpt(&wire.specversion)
                 ),
             ));
         }
@@ -484,7 +489,7 @@ impl<T: DeserializeOwned> Envelope<T> {
             if !essence.eq_ignore_ascii_case(DATA_CONTENT_TYPE) && !essence.ends_with("+json") {
                 return Err(Error::new(
                     ErrorKind::InvalidEnvelope,
-                    format!("unsupported datacontenttype `{}`", ct.escape_debug()),
+                    format!("unsupported datacontenttype `{}`", excerpt(ct)),
                 ));
             }
         }
@@ -514,7 +519,8 @@ impl<T: DeserializeOwned> Envelope<T> {
                 return Err(Error::new(
                     ErrorKind::InvalidEnvelope,
                     format!(
-                        "invalid envelope sequence `{other}`: it must be a string of decimal digits"
+                        "invalid envelope sequence `{}`: it must be a string of decimal digits",
+                        excerpt(&other.to_string())
                     ),
                 ));
             }
@@ -674,6 +680,22 @@ mod tests {
         let err = Envelope::new("a.b", "svc", " ", ()).unwrap_err();
         assert!(err.to_string().contains("platform"), "{err}");
         Envelope::new("a.b", "svc", PLATFORM_SUBJECT, ()).unwrap();
+    }
+
+    #[test]
+    fn an_overlong_value_is_named_by_its_length_in_a_short_message() {
+        let long = "x".repeat(100_000);
+        for (err, name) in [
+            (Envelope::new(long.as_str(), "svc", "s", ()), "event type"),
+            (Envelope::new("a.b", long.as_str(), "s", ()), "source"),
+            (Envelope::new("a.b", "svc", long.as_str(), ()), "subject"),
+        ] {
+            let msg = err.unwrap_err().to_string();
+            assert!(
+                msg.contains(name) && msg.contains("100000 bytes") && msg.len() < 300,
+                "{msg}"
+            );
+        }
     }
 
     #[test]
