@@ -451,11 +451,16 @@ impl<T: Serialize> Envelope<T> {
     /// (`Nats-Msg-Id`, `traceparent`, `tracestate`, and `Nats-Expected-Stream`
     /// counted at its longest, a 255-byte stream name).
     ///
+    /// `data` is measured as the relay sends it: PostgreSQL's `jsonb` text of
+    /// the stored value, with a space after each `:` and `,` and numbers in
+    /// plain decimal (`1e300` is 301 digits), not the compact JSON `T`
+    /// serializes to. So the size can exceed that of [`Envelope::to_json`].
+    ///
     /// # Errors
     /// [`ErrorKind::Serialization`] if the payload cannot be encoded.
     pub fn message_size(&self) -> Result<usize> {
-        let data = serde_json::to_vec(&self.data).map_err(|e| self.not_serializable(e))?;
-        self.message_size_with_data_len(data.len())
+        let data = serde_json::to_value(&self.data).map_err(|e| self.not_serializable(e))?;
+        self.message_size_with_data_len(crate::jsonb::rendered_len(&data))
     }
 }
 
@@ -860,7 +865,11 @@ mod tests {
             created().with_trace_context(tp.into(), None),
         ] {
             let sequenced = env.clone().with_sequence(3);
-            let payload = sequenced.to_json().unwrap().len();
+            // `data` as the relay sends it, PostgreSQL's jsonb text (a space
+            // after `:` and `,`), in place of the compact JSON.
+            let compact = serde_json::to_string(env.data()).unwrap();
+            let jsonb = r#"{"plan": "pro", "amount_cents": 1234}"#;
+            let payload = sequenced.to_json().unwrap().len() - compact.len() + jsonb.len();
             let mut headers = format!(
                 "NATS/1.0\r\nNats-Msg-Id: {}\r\nNats-Expected-Stream: {}\r\n",
                 env.id(),
