@@ -152,11 +152,17 @@ impl Ctl {
 
 /// `outboxctl --json <args>` against `db`, bounded.
 async fn ctl(db: &TestDb, args: &[&str]) -> Ctl {
+    let mut all = vec!["--json"];
+    all.extend_from_slice(args);
+    ctl_text(db, &all).await
+}
+
+/// `outboxctl <args>` against `db`, bounded.
+async fn ctl_text(db: &TestDb, args: &[&str]) -> Ctl {
     let run = tokio::process::Command::new(support::bin_dir().join("outboxctl"))
         .env("DATABASE_URL", db.url())
         .env_remove("DATABASE_URL_FILE")
         .env_remove("OUTBOX_MAX_ATTEMPTS")
-        .arg("--json")
         .args(args)
         .stdin(std::process::Stdio::null())
         .kill_on_drop(true)
@@ -404,6 +410,18 @@ async fn long_values_are_parked_named_once_and_can_be_retried_and_skipped() {
         status.to_string().contains(&longest),
         "status names the subject"
     );
+    // For people, each value is cut short: no line of 100,000 characters.
+    for command in ["status", "stuck"] {
+        let out = ctl_text(&db, &[command, "--max-attempts", MAX_ATTEMPTS]).await;
+        assert!(out.ok, "{command}: {}", cut(&out.stderr));
+        let longest = out.stdout.lines().map(str::len).max().unwrap_or(0);
+        assert!(longest < 600, "{command}: a line of {longest} bytes");
+        assert!(
+            out.stdout.contains("(100000 bytes)"),
+            "{command}: {}",
+            cut(&out.stdout)
+        );
+    }
     let stuck = ctl(&db, &["stuck", "--max-attempts", MAX_ATTEMPTS])
         .await
         .json();
