@@ -1,6 +1,17 @@
 //! A claimed row becomes a message only after everything it carries is
 //! checked: a row that fails is parked with an error naming the fault, and
 //! nothing a writer can put in a column can stop or crash the relay.
+//!
+//! Whatever the length of a column, nothing but bounded values reaches
+//! NATS: the subject is the event type (at most
+//! [`MAX_EVENT_TYPE_LEN`](outbox_pg::MAX_EVENT_TYPE_LEN) bytes), and the
+//! headers are the id, the stream name and a validated trace context
+//! (`tracestate` at most 512 bytes). So the control line of every publish fits
+//! nats-server's `max_control_line` (4 KiB by default), and no row can make
+//! the server close the connection (which would look like a broker fault and
+//! be retried forever); a longer `type`, `source` or `subject` is refused here
+//! as invalid, and parked. `data` is sent as the database renders it
+//! (`data::text`, verbatim), the size `Outbox::enqueue` measures.
 
 use std::borrow::Cow;
 
