@@ -14,6 +14,8 @@
 //! - `Outbox::enqueue` measures `data` as the relay sends it (PostgreSQL's
 //!   `jsonb` text, longer than compact JSON): an event at the limit by that
 //!   measure is published whole, one byte over it is refused at the write.
+//! - Every query that looks a subject up in the retry lane is planned on the
+//!   subject-hash index.
 //!
 //! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
 //! before the tests run.
@@ -617,4 +619,82 @@ async fn the_writer_measures_the_jsonb_text_the_relay_sends() {
         fits.message_size().unwrap()
     );
     relays.assert_running();
+}
+
+// ---------------------------------------------------------------------------
+// 3. Subject lookups in the retry lane stay on its index.
+
+/// Every query that looks a subject up in the retry lane, as the server plans
+/// it for any parameters (the generic plan, which a prepared statement may
+/// switch to), on 200,000 rows with 20,000 in the retry lane: each reads
+/// `outbox_events_retry_subject_idx` by the subject's hash.
+#[tokio::test]
+async fn subject_lookups_stay_on_the_hashed_index() {
+    let db = TestDb::new().await.unwrap();
+    sqlx::raw_sql(
+        "insert into outbox_events (id, event_type, source, subject, time, data)
+         select gen_random_uuid(), 'long.changed', 'svc', 'ent-' || (g % 5000), now(), '{}'
+           from generate_series(1, 200000) as g;
+         update outbox_events set next_attempt_at = now() + interval '1 hour', attempts = 1
+          where seq % 10 = 0;
+         analyze outbox_events;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let cases = [
+        (
+            "outbox-publisher/queries/claim.sql",
+            "smallint[], bigint[], int[], int, bigint, bigint, int",
+            "'{1,2,3,4}', '{0,0,0,0}', '{50,50,50,50}', 20, 1000000, 1048576, 50",
+        ),
+        (
+            "outbox-publisher/queries/wake_followers.sql",
+            "text[]",
+            "'{ent-1,ent-2}'",
+        ),
+        ("outboxctl/queries/retry_entity.sql", "text", "'ent-7'"),
+        (
+            "outboxctl/queries/skip_wake.sql",
+            "text, bigint",
+            "'ent-7', 100",
+        ),
+        (
+            "outboxctl/queries/stuck_list.sql",
+            "int, text, text, bigint",
+            "20, null, null, 50",
+        ),
+        (
+            "outboxctl/queries/status_blocked.sql",
+            "int, bigint",
+            "20, 50",
+        ),
+    ];
+    let mut conn = db.pool.acquire().await.unwrap();
+    sqlx::raw_sql("set plan_cache_mode = force_generic_plan")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    for (i, (file, types, args)) in cases.iter().enumerate() {
+        let sql = std::fs::read_to_string(root.join(file)).unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "prepare q{i}({types}) as {sql}"
+        )))
+        .execute(&mut *conn)
+        .await
+        .unwrap_or_else(|e| panic!("{file}: {e}"));
+        let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "explain (costs off) execute q{i}({args})"
+        )))
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap_or_else(|e| panic!("{file}: {e}"));
+        let plan = plan.join("\n");
+        assert!(
+            plan.contains("outbox_events_retry_subject_idx")
+                && plan.contains("hashtextextended(subject"),
+            "{file} does not read the retry lane by the subject's hash:\n{plan}"
+        );
+    }
 }
