@@ -13,7 +13,7 @@
 //!   on them; the rows woken by a skip are parked in turn.
 //! - `Outbox::enqueue` measures `data` as the relay sends it (PostgreSQL's
 //!   `jsonb` text, longer than compact JSON): an event at the limit by that
-//!   measure is published whole, one byte over it is refused at the write.
+//!   measure is published whole, one just over it is refused at the write.
 //! - Every query that looks a subject up in the retry lane is planned on the
 //!   subject-hash index.
 //!
@@ -553,11 +553,11 @@ async fn the_writer_measures_the_jsonb_text_the_relay_sends() {
 
     // The largest event within the limit by the jsonb measure (3 bytes a one).
     let base = ones(0).message_size().unwrap();
-    let n = (limit - base + 2) / 3;
-    let mut fits = ones(n);
-    while fits.message_size().unwrap() > limit {
-        fits = ones(n - 1);
+    let mut n = (limit - base) / 3 + 1;
+    while ones(n).message_size().unwrap() > limit {
+        n -= 1;
     }
+    let fits = ones(n);
     let over = ones(n + 1);
     let compact = |e: &Envelope<Value>| serde_json::to_vec(e.data()).unwrap().len();
     assert!(over.message_size().unwrap() > limit);
