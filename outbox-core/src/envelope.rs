@@ -27,7 +27,7 @@ use uuid::Uuid;
 use crate::error::{Error, ErrorKind, Result};
 use crate::sequence::{format_sequence, parse_sequence};
 use crate::validate::{
-    validate_event_type, validate_time, validate_traceparent, validate_tracestate,
+    excerpt, validate_event_type, validate_time, validate_traceparent, validate_tracestate,
 };
 
 /// The only CloudEvents version this crate writes and reads.
@@ -92,7 +92,7 @@ impl FromStr for EventId {
         Uuid::parse_str(s).map(Self).map_err(|e| {
             Error::new(
                 ErrorKind::InvalidEnvelope,
-                format!("event id `{s}` is not a UUID: {e}"),
+                format!("event id `{}` is not a UUID: {e}", excerpt(s)),
             )
             .with_source(e)
         })
@@ -145,10 +145,12 @@ impl<'de> Deserialize<'de> for EventType {
 }
 
 fn validate_attribute(name: &str, value: &str) -> Result<()> {
+    // The value is quoted cut to an excerpt: it may be any length (a row any
+    // SQL client wrote), and this message becomes a log line and `last_error`.
     let invalid = |why: &str| {
         Err(Error::new(
             ErrorKind::InvalidEnvelope,
-            format!("invalid envelope {name} `{}`: {why}", value.escape_debug()),
+            format!("invalid envelope {name} `{}`: {why}", excerpt(value)),
         ))
     };
     if value.trim().is_empty() {
@@ -162,7 +164,10 @@ fn validate_attribute(name: &str, value: &str) -> Result<()> {
         ));
     }
     if value.len() > MAX_ATTRIBUTE_LEN {
-        return invalid(&format!("longer than {MAX_ATTRIBUTE_LEN} bytes"));
+        return invalid(&format!(
+            "it is {} bytes, longer than {MAX_ATTRIBUTE_LEN} bytes",
+            value.len()
+        ));
     }
     if value.chars().any(char::is_control) {
         return invalid("it contains a control character");
@@ -446,11 +451,16 @@ impl<T: Serialize> Envelope<T> {
     /// (`Nats-Msg-Id`, `traceparent`, `tracestate`, and `Nats-Expected-Stream`
     /// counted at its longest, a 255-byte stream name).
     ///
+    /// `data` is measured as the relay sends it: PostgreSQL's `jsonb` text of
+    /// the stored value, with a space after each `:` and `,` and numbers in
+    /// plain decimal (`1e300` is 301 digits), not the compact JSON `T`
+    /// serializes to. So the size can exceed that of [`Envelope::to_json`].
+    ///
     /// # Errors
     /// [`ErrorKind::Serialization`] if the payload cannot be encoded.
     pub fn message_size(&self) -> Result<usize> {
-        let data = serde_json::to_vec(&self.data).map_err(|e| self.not_serializable(e))?;
-        self.message_size_with_data_len(data.len())
+        let data = serde_json::to_value(&self.data).map_err(|e| self.not_serializable(e))?;
+        self.message_size_with_data_len(crate::jsonb::rendered_len(&data))
     }
 }
 
@@ -475,7 +485,7 @@ impl<T: DeserializeOwned> Envelope<T> {
                 ErrorKind::InvalidEnvelope,
                 format!(
                     "unsupported CloudEvents specversion `{}` (expected `{SPEC_VERSION}`)",
-                    wire.specversion.escape_debug()
+                    excerpt(&wire.specversion)
                 ),
             ));
         }
@@ -484,7 +494,7 @@ impl<T: DeserializeOwned> Envelope<T> {
             if !essence.eq_ignore_ascii_case(DATA_CONTENT_TYPE) && !essence.ends_with("+json") {
                 return Err(Error::new(
                     ErrorKind::InvalidEnvelope,
-                    format!("unsupported datacontenttype `{}`", ct.escape_debug()),
+                    format!("unsupported datacontenttype `{}`", excerpt(ct)),
                 ));
             }
         }
@@ -514,7 +524,8 @@ impl<T: DeserializeOwned> Envelope<T> {
                 return Err(Error::new(
                     ErrorKind::InvalidEnvelope,
                     format!(
-                        "invalid envelope sequence `{other}`: it must be a string of decimal digits"
+                        "invalid envelope sequence `{}`: it must be a string of decimal digits",
+                        excerpt(&other.to_string())
                     ),
                 ));
             }
@@ -674,6 +685,22 @@ mod tests {
         let err = Envelope::new("a.b", "svc", " ", ()).unwrap_err();
         assert!(err.to_string().contains("platform"), "{err}");
         Envelope::new("a.b", "svc", PLATFORM_SUBJECT, ()).unwrap();
+    }
+
+    #[test]
+    fn an_overlong_value_is_named_by_its_length_in_a_short_message() {
+        let long = "x".repeat(100_000);
+        for (err, name) in [
+            (Envelope::new(long.as_str(), "svc", "s", ()), "event type"),
+            (Envelope::new("a.b", long.as_str(), "s", ()), "source"),
+            (Envelope::new("a.b", "svc", long.as_str(), ()), "subject"),
+        ] {
+            let msg = err.unwrap_err().to_string();
+            assert!(
+                msg.contains(name) && msg.contains("100000 bytes") && msg.len() < 300,
+                "{msg}"
+            );
+        }
     }
 
     #[test]
@@ -838,7 +865,11 @@ mod tests {
             created().with_trace_context(tp.into(), None),
         ] {
             let sequenced = env.clone().with_sequence(3);
-            let payload = sequenced.to_json().unwrap().len();
+            // `data` as the relay sends it, PostgreSQL's jsonb text (a space
+            // after `:` and `,`), in place of the compact JSON.
+            let compact = serde_json::to_string(env.data()).unwrap();
+            let jsonb = r#"{"plan": "pro", "amount_cents": 1234}"#;
+            let payload = sequenced.to_json().unwrap().len() - compact.len() + jsonb.len();
             let mut headers = format!(
                 "NATS/1.0\r\nNats-Msg-Id: {}\r\nNats-Expected-Stream: {}\r\n",
                 env.id(),

@@ -86,6 +86,7 @@ mod envelope;
 mod error;
 pub mod event;
 pub mod health;
+mod jsonb;
 #[cfg(feature = "migrate")]
 mod migrate;
 mod namespace;

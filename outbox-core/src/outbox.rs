@@ -6,6 +6,7 @@ use uuid::Uuid;
 
 use crate::envelope::{Envelope, EventId};
 use crate::error::{Error, ErrorKind, Result};
+use crate::jsonb::rendered_len;
 use crate::schema::SchemaRegistry;
 use crate::validate::check_json_decodable;
 
@@ -53,7 +54,10 @@ impl Outbox {
     /// `max_payload` if that is not the default.
     ///
     /// The size is [`Envelope::message_size`]: the CloudEvents JSON with the
-    /// `sequence` the relay adds, plus the NATS headers the relay sends.
+    /// `sequence` the relay adds, plus the NATS headers the relay sends, with
+    /// `data` measured as the relay sends it (PostgreSQL's `jsonb` text, which
+    /// is longer than compact JSON: spaces after `:` and `,`, numbers written
+    /// out in full).
     #[must_use]
     pub fn max_message_size(mut self, bytes: usize) -> Self {
         self.max_message_size = bytes;
@@ -179,7 +183,9 @@ impl Rows {
             let text = serde_json::to_string(&data).map_err(serialization)?;
             check_json_decodable(&text)
                 .map_err(|e| e.context(about()).with_event_type(event_type))?;
-            let size = event.message_size_with_data_len(text.len())?;
+            // Measured as the relay will send it: the jsonb text of `data`
+            // (see Envelope::message_size), not the compact text above.
+            let size = event.message_size_with_data_len(rendered_len(&data))?;
             if size > outbox.max_message_size {
                 return Err(Error::new(
                     ErrorKind::TooLarge,
@@ -300,6 +306,22 @@ mod tests {
                 && msg.contains("1048576 bytes"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn the_size_is_that_of_the_jsonb_text_the_relay_sends() {
+        // Compact: `[1,1,…]` and `1e300`; jsonb text: `[1, 1, …]` and 301 digits.
+        let env = event(json!({"ones": vec![1; 1000], "big": 1e300}));
+        let compact = serde_json::to_string(env.data()).unwrap().len();
+        let rendered = r#"{"big": , "ones": []}"#.len() + 301 + 1000 + 999 * 2;
+        let size = env.message_size().unwrap();
+        let around = env.message_size_with_data_len(0).unwrap();
+        assert_eq!(size - around, rendered);
+        assert!(rendered > compact + 1000, "{rendered} vs {compact}");
+        // Compact JSON would fit the limit; the text the relay sends does not.
+        let limit = around + compact + 10;
+        let err = refused(&Outbox::unvalidated().max_message_size(limit), &[env]);
+        assert_eq!(err.kind(), ErrorKind::TooLarge);
     }
 
     #[test]

@@ -66,7 +66,10 @@ pub fn validate_event_type(s: &str) -> Result<()> {
         return fail("it is empty");
     }
     if s.len() > MAX_EVENT_TYPE_LEN {
-        return fail(&format!("longer than {MAX_EVENT_TYPE_LEN} bytes"));
+        return fail(&format!(
+            "it is {} bytes, longer than {MAX_EVENT_TYPE_LEN} bytes",
+            s.len()
+        ));
     }
     if let Some(c) = s
         .chars()

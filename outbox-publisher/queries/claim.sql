@@ -14,7 +14,9 @@
 --    the retry lane and is not itself a candidate (in backoff, or parked past
 --    the cap). A blocked candidate is not published; the caller defers it. A
 --    row an operator skipped (skipped_at set; it stays in the retry lane, due
---    at 'infinity') blocks nothing.
+--    at 'infinity') blocks nothing. Looked up by the subject's hash, which
+--    outbox_events_retry_subject_idx holds (any subject length), then by the
+--    subject itself.
 -- 4. Values a client cannot decode are turned into NULLs here, so one bad row
 --    can never fail the claim for the others: a time outside years 1-9999
 --    (RFC 3339) or infinite, and data over the largest message (not fetched).
@@ -113,6 +115,7 @@ select c.id as "id!", c.seq as "seq!", c.shard as "shard!", c.retry as "retry!",
     select p.seq, p.attempts, p.next_attempt_at
       from outbox_events p
      where (select found from retrying)
+       and hashtextextended(p.subject, 0) = hashtextextended(c.subject, 0)
        and p.subject = c.subject
        and p.published_at is null
        and p.next_attempt_at is not null

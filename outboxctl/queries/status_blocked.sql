@@ -1,8 +1,9 @@
 -- `outboxctl status`: blocked subjects. A subject is blocked when its earliest
 -- unpublished row that is not skipped is parked (past the cap): the relay
 -- publishes none of the rows behind it until an operator retries or skips it.
--- Only the retry lane is searched for parked rows (outbox_events_retry_subject_idx),
--- and a subject's main lane only within its shard (outbox_events_shard_seq_idx).
+-- Only the retry lane is searched for parked rows (outbox_events_retry_subject_idx,
+-- by the subject's hash, then the subject itself), and a subject's main lane
+-- only within its shard (outbox_events_shard_seq_idx).
 --   $1 max attempts, $2 how many subjects to return (most rows waiting first)
 with parked as (
   select distinct on (p.subject)
@@ -19,7 +20,8 @@ heads as (
     from parked p
    where not exists (select 1
                        from outbox_events e
-                      where e.subject = p.subject
+                      where hashtextextended(e.subject, 0) = hashtextextended(p.subject, 0)
+                        and e.subject = p.subject
                         and e.published_at is null
                         and e.next_attempt_at is not null
                         and e.skipped_at is null
@@ -36,7 +38,8 @@ waiting as (
   select h.*,
          (select count(*)
             from outbox_events w
-           where w.subject = h.subject
+           where hashtextextended(w.subject, 0) = hashtextextended(h.subject, 0)
+             and w.subject = h.subject
              and w.published_at is null
              and w.next_attempt_at is not null
              and w.skipped_at is null

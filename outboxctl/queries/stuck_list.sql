@@ -10,7 +10,8 @@ select e.id as "id!", e.subject as "subject!", e.event_type as "event_type!",
        case when e.attempts >= $1 or not isfinite(e.next_attempt_at) then 'parked'
             when exists (select 1
                            from outbox_events b
-                          where b.subject = e.subject
+                          where hashtextextended(b.subject, 0) = hashtextextended(e.subject, 0)
+                            and b.subject = e.subject
                             and b.published_at is null
                             and b.next_attempt_at is not null
                             and b.skipped_at is null

@@ -195,6 +195,24 @@ type DeadLetterRow = (
     String,
 );
 
+/// A CloudEvent whose attribute `name` is 100,000 characters long.
+fn long_attribute(name: &str) -> Vec<u8> {
+    let mut event = json!({"specversion": "1.0", "id": uuid::Uuid::now_v7().to_string(),
+                           "source": "s", "type": "t.ok", "subject": "s",
+                           "time": "2026-01-01T00:00:00Z", "data": {"seq": 1}});
+    let mut x: u64 = 1;
+    let long: String = (0..100_000)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            char::from(b'a' + u8::try_from((x >> 33) % 26).unwrap())
+        })
+        .collect();
+    event[name] = json!(format!("t.{long}"));
+    serde_json::to_vec(&event).unwrap()
+}
+
 #[tokio::test]
 async fn poison_messages_are_dead_lettered_and_the_consumer_goes_on() {
     let w = world("INBOX_POISON").await;
@@ -236,6 +254,11 @@ async fn poison_messages_are_dead_lettered_and_the_consumer_goes_on() {
         ("t.unknown", unroutable.to_json().unwrap(), "unroutable"),
         // Ok on an aborted transaction is never acked as handled.
         ("t.ok", swallowed.to_json().unwrap(), "max_deliveries"),
+        // Attributes of any length (another producer's): dead-lettered with
+        // a short error, never written to an inbox index.
+        ("t.ok", long_attribute("subject"), "not_cloudevent"),
+        ("t.ok", long_attribute("source"), "not_cloudevent"),
+        ("t.ok", long_attribute("type"), "not_cloudevent"),
     ];
     for (i, (subject, body, _)) in cases.iter().enumerate() {
         w.publish_raw(subject, body.clone(), &format!("poison-{i}"))
@@ -276,6 +299,11 @@ async fn poison_messages_are_dead_lettered_and_the_consumer_goes_on() {
         );
         assert_eq!(row.5, *subject);
         assert!(!row.6.is_empty());
+        assert!(
+            row.6.len() < 600,
+            "case {i}: {} bytes of error",
+            row.6.len()
+        );
     }
     assert_eq!(rows[4].3, Some(*undecodable.id().as_uuid()));
     assert_eq!(rows[6].4, 3, "dead-lettered on the last allowed delivery");

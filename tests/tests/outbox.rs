@@ -612,3 +612,64 @@ async fn events_written_by_another_client_round_trip_through_the_envelope() {
     let back = Envelope::<Value>::from_json(&env.to_json().unwrap()).unwrap();
     assert_eq!(back, env);
 }
+
+/// The size `enqueue` checks counts `data` as PostgreSQL renders the stored
+/// jsonb, which is what the relay sends: for every kind of value, the
+/// difference of two events' `message_size` is the difference of their
+/// stored `data::text` lengths.
+#[tokio::test]
+async fn the_measured_size_of_data_is_that_of_the_stored_jsonb_text() {
+    let db = TestDb::new().await.unwrap();
+    let values = [
+        json!(null),
+        json!({}),
+        json!([]),
+        json!({"b": 1, "a": [1, 2, {}, []], "c": {"d": null, "e": true, "f": false}}),
+        json!([
+            1e300,
+            -1e300,
+            1.5e-7,
+            5e-324,
+            1.7976931348623157e308,
+            -0.0,
+            0.001,
+            123.0
+        ]),
+        json!([0, -1, i64::MIN, u64::MAX, 4.5, 1e21, 1e-5, 100.25]),
+        json!([
+            "",
+            "tab\t nl\n cr\r ff\u{c} bs\u{8} \u{1}\u{1f}",
+            "quote\" back\\ slash/",
+            "é ☃ 😀"
+        ]),
+        json!({"key with \"quotes\"": "v", "ü": [[[["deep"]]]]}),
+        json!({"ones": vec![1; 1000], "big": 1e300}),
+    ];
+    // One time, of whole microseconds (as stored), so only `data` differs.
+    let time = chrono::DateTime::from_timestamp(1_767_225_600, 123_456_000).unwrap();
+    let events: Vec<Envelope<Value>> = values
+        .iter()
+        .map(|v| {
+            Envelope::new("size.checked", "svc", "s", v.clone())
+                .unwrap()
+                .with_time(time)
+        })
+        .collect();
+    let mut tx = db.pool.begin().await.unwrap();
+    Outbox::unvalidated()
+        .enqueue_all(&mut tx, &events)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let null_size = events[0].message_size().unwrap();
+    for event in &events {
+        let stored: i32 =
+            sqlx::query_scalar("select octet_length(data::text) from outbox_events where id = $1")
+                .bind(event.id().as_uuid())
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        let measured = event.message_size().unwrap() + "null".len() - null_size;
+        assert_eq!(measured, stored as usize, "{}", event.data());
+    }
+}

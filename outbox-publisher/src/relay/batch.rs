@@ -194,11 +194,13 @@ impl<S: Sink> Relay<S> {
             .store
             .mark_failed(&failures, self.config.max_attempts)
             .await?;
+        // One line per row parked, its column values cut short (a writer may
+        // put text of any length in them; the error is the relay's own, short).
         for row in &capped {
             error!(
                 event_id = %row.id,
-                subject = %row.subject,
-                event_type = %row.event_type,
+                subject = %message::for_log(&row.subject),
+                event_type = %message::for_log(&row.event_type),
                 attempts = row.attempts,
                 last_error = row.last_error.as_deref().unwrap_or_default(),
                 "outbox row parked at the attempt cap; its subject is blocked until an operator resets it"
@@ -289,7 +291,7 @@ impl<S: Sink> Relay<S> {
                     ));
                 }
                 Err(failure) => {
-                    debug!(event_id = %row.id, subject = %row.subject, error = %failure, "publish failed");
+                    debug!(event_id = %row.id, subject = %message::for_log(&row.subject), error = %failure, "publish failed");
                     out.push((row, Outcome::Failed(failure)));
                     stopped = true;
                 }

@@ -1,6 +1,19 @@
 //! A claimed row becomes a message only after everything it carries is
 //! checked: a row that fails is parked with an error naming the fault, and
 //! nothing a writer can put in a column can stop or crash the relay.
+//!
+//! Whatever the length of a column, nothing but bounded values reaches
+//! NATS: the subject is the event type (at most
+//! [`MAX_EVENT_TYPE_LEN`](outbox_pg::MAX_EVENT_TYPE_LEN) bytes), and the
+//! headers are the id, the stream name and a validated trace context
+//! (`tracestate` at most 512 bytes). So the control line of every publish fits
+//! nats-server's `max_control_line` (4 KiB by default), and no row can make
+//! the server close the connection (which would look like a broker fault and
+//! be retried forever); a longer `type`, `source` or `subject` is refused here
+//! as invalid, and parked. `data` is sent as the database renders it
+//! (`data::text`, verbatim), the size `Outbox::enqueue` measures.
+
+use std::borrow::Cow;
 
 use outbox_pg::{Envelope, EventId};
 use serde_json::value::RawValue;
@@ -11,6 +24,25 @@ use crate::store::ClaimedRow;
 /// Room kept for the headers the relay sends with every message
 /// (`Nats-Msg-Id`, `Nats-Expected-Stream`, and the NATS header framing).
 const HEADER_OVERHEAD: usize = 256;
+
+/// Longest column value quoted whole in a log line, in characters.
+const LOG_VALUE_LEN: usize = 128;
+
+/// A column value for a log line: as it is when short, else its first
+/// [`LOG_VALUE_LEN`] characters and its length in bytes. Control characters
+/// are escaped either way. A row written by any SQL client may hold a subject
+/// of any length; the log line about it stays one short line.
+pub(crate) fn for_log(value: &str) -> Cow<'_, str> {
+    let plain = value.len() <= LOG_VALUE_LEN && !value.chars().any(char::is_control);
+    if plain {
+        return Cow::Borrowed(value);
+    }
+    let mut out: String = value.escape_debug().take(LOG_VALUE_LEN).collect();
+    if value.escape_debug().nth(LOG_VALUE_LEN).is_some() {
+        out.push_str(&format!("… ({} bytes)", value.len()));
+    }
+    Cow::Owned(out)
+}
 
 fn invalid(message: impl Into<String>) -> PublishFailure {
     PublishFailure::new(FailureKind::Invalid, message)
@@ -173,6 +205,16 @@ mod tests {
             assert!(e.kind().is_permanent(), "{e}");
             assert!(e.to_string().to_lowercase().contains(word), "{word}: {e}");
         }
+    }
+
+    #[test]
+    fn log_values_are_short_and_escaped() {
+        assert_eq!(for_log("order-1"), "order-1");
+        assert_eq!(for_log("a\nb"), "a\\nb");
+        let long = "x".repeat(100_000);
+        let shown = for_log(&long);
+        assert!(shown.len() < 200, "{shown}");
+        assert!(shown.ends_with("… (100000 bytes)"), "{shown}");
     }
 
     #[test]

@@ -92,6 +92,20 @@ pub(crate) fn short(s: &str, max: usize) -> String {
     }
 }
 
+/// Longest column value shown whole in text output, in characters.
+const VALUE_LEN: usize = 80;
+
+/// A column value (a subject, an event type) for text output: as it is, or,
+/// past [`VALUE_LEN`] characters (a row any SQL client wrote may hold text of
+/// any length), its beginning and its length in bytes. `--json` prints it whole.
+pub(crate) fn shown(s: &str) -> String {
+    if s.chars().count() <= VALUE_LEN {
+        s.to_owned()
+    } else {
+        format!("{} ({} bytes)", short(s, VALUE_LEN), s.len())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -109,5 +123,13 @@ mod tests {
     fn long_errors_are_cut_to_one_line() {
         assert_eq!(short("a\nb  c", 10), "a b c");
         assert_eq!(short("abcdefghij", 5), "abcd…");
+    }
+
+    #[test]
+    fn long_values_are_shown_cut_with_their_length() {
+        assert_eq!(shown("order-1"), "order-1");
+        let long = "x".repeat(100_000);
+        let s = shown(&long);
+        assert!(s.ends_with("… (100000 bytes)") && s.len() < 120, "{s}");
     }
 }

@@ -26,7 +26,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{TABLE, parse_ids, when};
+use super::{TABLE, parse_ids, shown, when};
 use crate::db::Database;
 use crate::error::{Error, ErrorKind, Result};
 use crate::output::{Report, print};
@@ -160,7 +160,7 @@ impl Report for Skipped {
             out,
             "skipped {} (subject {}) at {} by {}: {}",
             self.id,
-            self.subject,
+            shown(&self.subject),
             when(&self.skipped_at),
             self.skipped_by,
             self.reason

@@ -33,7 +33,7 @@ use serde::Serialize;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use super::{Cap, TABLE, short, when};
+use super::{Cap, TABLE, short, shown, when};
 use crate::db::Database;
 use crate::error::{Error, ErrorKind, Result};
 use crate::output::{Report, age, print, table};
@@ -328,7 +328,7 @@ impl Report for Status {
             for e in &self.event_types {
                 let c = &e.counts;
                 rows.push(vec![
-                    e.event_type.clone(),
+                    shown(&e.event_type),
                     count_cell(c.unpublished),
                     oldest(c),
                     count_cell(c.in_backoff),
@@ -370,10 +370,10 @@ impl Report for Status {
             ];
             for s in &b.shown {
                 rows.push(vec![
-                    s.subject.clone(),
+                    shown(&s.subject),
                     s.waiting.to_string(),
                     s.head_id.to_string(),
-                    s.event_type.clone(),
+                    shown(&s.event_type),
                     s.attempts.to_string(),
                     short(s.last_error.as_deref().unwrap_or("-"), 60),
                 ]);

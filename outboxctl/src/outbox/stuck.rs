@@ -14,7 +14,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{Cap, TABLE, short, when};
+use super::{Cap, TABLE, short, shown, when};
 use crate::db::Database;
 use crate::error::{Error, Result};
 use crate::output::{Report, age, print, table};
@@ -124,8 +124,8 @@ impl Report for Stuck {
             );
             rows.push(vec![
                 r.id.to_string(),
-                r.subject.clone(),
-                r.event_type.clone(),
+                shown(&r.subject),
+                shown(&r.event_type),
                 r.attempts.to_string(),
                 state,
                 row_age,
