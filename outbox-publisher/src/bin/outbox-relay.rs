@@ -21,6 +21,10 @@
 //! to start on them instead. The audit (`--audit-horizon`, default 15m)
 //! republishes rows whose acknowledged message the stream lost.
 //!
+//! Given `--subjects` an existing stream lacks, the relay refuses to start
+//! naming the `nats stream edit` command to run, or adds them with
+//! `--add-subjects`.
+//!
 //! Run as many replicas as you like against one table. SIGTERM or ctrl-c
 //! finishes the current batch and exits 0. `--once` drains the table and exits
 //! (0 when every claimed row was published, 1 when some failed and wait in
@@ -60,6 +64,12 @@ struct Args {
     /// Subjects the stream captures, comma-separated (e.g. 'subscription.>,invoice.>').
     #[arg(long, env = "OUTBOX_SUBJECTS", value_delimiter = ',')]
     subjects: Vec<String>,
+
+    /// Add the --subjects an existing stream lacks to it (keeping all of its
+    /// own) instead of refusing to start; without it the refusal names the
+    /// `nats stream edit` command that adds them.
+    #[arg(long, env = "OUTBOX_ADD_SUBJECTS")]
+    add_subjects: bool,
 
     /// Required stream storage (file or memory); new streams use file.
     #[arg(long, value_enum)]
@@ -205,7 +215,8 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         args.stream.clone(),
     ));
 
-    let mut stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());
+    let mut stream =
+        StreamSpec::new(args.stream.clone(), args.subjects.clone()).add_subjects(args.add_subjects);
     if let Some(storage) = args.stream_storage {
         stream = stream.storage(match storage {
             Storage::File => StorageType::File,
