@@ -22,6 +22,7 @@
 //! | `outbox_oldest_unpublished_age_seconds` | gauge | |
 //! | `outbox_relay_database_up` | gauge | 1 while the relay's last database round trip succeeded, else 0 |
 //! | `outbox_relay_broker_up` | gauge | 1 while NATS is connected and publishes are acked, else 0 |
+//! | `outbox_relay_stream_up` | gauge | 1 while the relay's stream exists (as last read), 0 while it is gone |
 //! | `outbox_audit_checked_total` | counter | (published rows whose message the audit read back) |
 //! | `outbox_audit_republished_total` | counter | (rows whose message the stream lost, made unpublished again; once per row) |
 //! | `outbox_audit_lag_seconds` | gauge | (age of the oldest audit mark: rows published after it wait for their check; at least the duplicate window plus its margin) |
@@ -54,6 +55,7 @@ pub(crate) const PAST_CAP: &str = "outbox_past_cap_rows";
 pub(crate) const OLDEST_AGE: &str = "outbox_oldest_unpublished_age_seconds";
 pub(crate) const DATABASE_UP: &str = "outbox_relay_database_up";
 pub(crate) const BROKER_UP: &str = "outbox_relay_broker_up";
+pub(crate) const STREAM_UP: &str = "outbox_relay_stream_up";
 
 /// Every metric name the relay records.
 pub const NAMES: &[&str] = &[
@@ -71,6 +73,7 @@ pub const NAMES: &[&str] = &[
     OLDEST_AGE,
     DATABASE_UP,
     BROKER_UP,
+    STREAM_UP,
     crate::audit::CHECKED,
     crate::audit::REPUBLISHED,
     crate::audit::LAG,
@@ -137,6 +140,10 @@ pub fn describe() {
         BROKER_UP,
         "1 while the relay is connected to NATS and its publishes are acked, else 0"
     );
+    describe_gauge!(
+        STREAM_UP,
+        "1 while the relay's stream exists (as last read), 0 while it is gone"
+    );
 }
 
 pub(crate) fn published(
@@ -188,4 +195,9 @@ pub(crate) fn database_up(up: bool) {
 /// Sets `outbox_relay_broker_up`.
 pub(crate) fn broker_up(up: bool) {
     gauge!(BROKER_UP).set(if up { 1.0 } else { 0.0 });
+}
+
+/// Sets `outbox_relay_stream_up`.
+pub(crate) fn stream_up(up: bool) {
+    gauge!(STREAM_UP).set(if up { 1.0 } else { 0.0 });
 }

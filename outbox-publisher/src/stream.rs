@@ -262,6 +262,21 @@ pub(crate) fn edit_command(existing: &Config, added: &[String]) -> String {
     )
 }
 
+/// Whether NATS subject `subject` matches `filter` (`*` one token, `>` the rest).
+pub(crate) fn subject_matches(filter: &str, subject: &str) -> bool {
+    let mut f = filter.split('.');
+    let mut s = subject.split('.');
+    loop {
+        match (f.next(), s.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(_)) => {}
+            (Some(a), Some(b)) if a == b => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
 /// Whether every subject `pattern` (itself a filter, wildcards allowed)
 /// matches is matched by `filter`: `orders.>` covers `orders.created` and
 /// `orders.*`, not `orders` or `>`.
@@ -331,6 +346,18 @@ mod tests {
                 .mismatches(&existing)
                 .is_empty()
         );
+    }
+
+    #[test]
+    fn filters_match_like_nats() {
+        assert!(subject_matches("a.>", "a.b"));
+        assert!(subject_matches("a.>", "a.b.c"));
+        assert!(!subject_matches("a.>", "a"));
+        assert!(subject_matches("a.*.c", "a.b.c"));
+        assert!(!subject_matches("a.*", "a.b.c"));
+        assert!(subject_matches("a.b", "a.b"));
+        assert!(!subject_matches("a.b", "a.c"));
+        assert!(subject_matches(">", "x.y"));
     }
 
     #[test]

@@ -21,9 +21,14 @@
 //! to start on them instead. The audit (`--audit-horizon`, default 15m)
 //! republishes rows whose acknowledged message the stream lost.
 //!
-//! Given `--subjects` an existing stream lacks, the relay refuses to start
-//! naming the `nats stream edit` command to run, or adds them with
-//! `--add-subjects`.
+//! The stream may be edited while the relay runs (`nats stream edit`: subjects
+//! added, limits changed) or deleted and recreated: the relay reads it again
+//! every `--stream-refresh` (30s) and whenever a row's type looks uncaptured or
+//! the broker refuses a message. Rows of a type the stream does not capture
+//! wait, without losing attempts, until it does; while the stream is gone,
+//! rows wait untouched (the relay does not recreate it while it runs). Given
+//! `--subjects` an existing stream lacks, the relay refuses to start naming
+//! the `nats stream edit` command to run, or adds them with `--add-subjects`.
 //!
 //! Run as many replicas as you like against one table. SIGTERM or ctrl-c
 //! finishes the current batch and exits 0. `--once` drains the table and exits
@@ -70,6 +75,14 @@ struct Args {
     /// `nats stream edit` command that adds them.
     #[arg(long, env = "OUTBOX_ADD_SUBJECTS")]
     add_subjects: bool,
+
+    /// How often the stream's config (subjects, limits) is read again while
+    /// the relay runs; it is also read at once when a row's type looks
+    /// uncaptured or the broker refuses a message. A row whose type the
+    /// stream does not capture waits this long before it is tried again,
+    /// without losing an attempt.
+    #[arg(long, env = "OUTBOX_STREAM_REFRESH", default_value = "30s", value_parser = humantime::parse_duration)]
+    stream_refresh: Duration,
 
     /// Required stream storage (file or memory); new streams use file.
     #[arg(long, value_enum)]
@@ -197,7 +210,8 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .retention((!args.retention.is_zero()).then_some(args.retention))
         .audit_horizon((!args.audit_horizon.is_zero()).then_some(args.audit_horizon))
         .audit_interval(args.audit_interval)
-        .require_durable(args.require_durable);
+        .require_durable(args.require_durable)
+        .stream_refresh(args.stream_refresh);
     config.validate()?;
 
     let pool = args
