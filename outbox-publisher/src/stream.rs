@@ -6,10 +6,9 @@ use std::time::Duration;
 
 use async_nats::jetstream::{
     self,
-    context::GetStreamErrorKind,
+    context::{CreateStreamErrorKind, GetStreamErrorKind},
     stream::{Config, StorageType},
 };
-
 use tracing::info;
 
 use crate::error::{Error, ErrorKind, Result};
@@ -159,8 +158,15 @@ impl StreamSpec {
         let before = config.subjects.clone();
         config.subjects.extend(missing.iter().cloned());
         let info = js.update_stream(&config).await.map_err(|e| {
+            // No answer is the broker's state (waited for); a refusal is not.
+            let kind = match e.kind() {
+                CreateStreamErrorKind::TimedOut | CreateStreamErrorKind::JetStreamUnavailable => {
+                    ErrorKind::Broker
+                }
+                _ => ErrorKind::Stream,
+            };
             Error::new(
-                ErrorKind::Stream,
+                kind,
                 format!(
                     "adding subjects {missing:?} to stream `{}`: {e}; add them by hand: `{command}`",
                     self.name
