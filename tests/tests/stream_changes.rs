@@ -18,6 +18,8 @@
 //!   once it is back. The relay does not create it again by itself.
 //! - `max_msg_size` lowered below a row's size: that row is parked as too
 //!   large, the rows of other subjects flow.
+//! - The audit judges by the limits the stream has now: messages a
+//!   `max_msgs` set after the audit was built discarded are not lost.
 //!
 //! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
 //! before the tests run.
@@ -31,6 +33,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
+use outbox_publisher::audit::Audit;
 use outbox_testkit::{NatsHandle, Program, TestDb, nats, wait_until};
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -539,4 +542,64 @@ async fn a_row_over_a_lowered_max_msg_size_is_parked_as_too_large_and_others_flo
     assert!(follower.is_none());
     assert_eq!(world.stream_messages().await, 25);
     assert_eq!(relay.terminate().await, Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_audit_judges_by_the_limits_the_stream_has_now() {
+    let world = World::new("LIMITS").await;
+    world
+        .js
+        .create_stream(stream::Config {
+            name: world.stream.clone(),
+            subjects: vec!["limits.>".into()],
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    // Five events, published and marked as the relay marks them.
+    let ids = insert(world.pool(), "limits.created", &rows("l", 5, 5)).await;
+    for id in &ids {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", id.to_string().as_str());
+        let ack = world
+            .js
+            .publish_with_headers("limits.created", headers, "{}".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        sqlx::query(
+            "update outbox_events
+                set published_at = now() - interval '1 minute',
+                    published_stream = $2, published_seq = $3
+              where id = $1",
+        )
+        .bind(id)
+        .bind(&ack.stream)
+        .bind(i64::try_from(ack.sequence).unwrap())
+        .execute(world.pool())
+        .await
+        .unwrap();
+    }
+    // Built while the stream has no limits.
+    let audit = Audit::new(world.pool().clone(), world.js.clone(), &world.stream)
+        .await
+        .unwrap();
+    // The operator caps the stream at 2 messages: the 3 oldest are discarded.
+    world.edit_stream(|c| c.max_messages = 2).await;
+    assert_eq!(world.stream_messages().await, 2);
+
+    let now = chrono::Utc::now();
+    let report = audit
+        .run(now - chrono::Duration::hours(1), now, false, 100)
+        .await
+        .unwrap();
+    assert_eq!(report.checked, 5, "{report:?}");
+    assert_eq!(report.intact, 2, "{report:?}");
+    assert_eq!(
+        report.discarded, 3,
+        "discarded by the new limit, not lost: {report:?}"
+    );
+    assert!(report.lost.is_empty(), "{report:?}");
 }
