@@ -37,6 +37,10 @@
 //! streams with work-queue or interest retention, or a per-subject limit,
 //! remove messages as they are consumed and cannot be audited
 //! ([`Audit::unauditable`]).
+//! These limits are the stream's as each check reads it (and, in the relay,
+//! as its [`StreamView`] last read it), so limits raised or lowered while the
+//! relay runs are followed; a stream that has become unauditable fails the
+//! check, judging nothing.
 //!
 //! **Errors are not findings.** Only the server's "no message found" answer,
 //! or a message with another id, counts. A broker that cannot be reached,
@@ -68,6 +72,7 @@ use tracing::warn;
 use uuid::Uuid;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::stream_view::StreamView;
 
 /// The most added to the stream's duplicate window before a row is audited,
 /// so the server has dropped its id from the dedupe map (and a slow mark has
@@ -226,10 +231,36 @@ pub struct AuditReport {
 /// The stream's settings the audit depends on.
 #[derive(Debug, Clone)]
 struct Limits {
+    duplicate_window: Duration,
     retention: RetentionPolicy,
     count_limited: bool,
     per_subject: bool,
     max_age: Duration,
+}
+
+impl Limits {
+    fn of(config: &jetstream::stream::Config) -> Self {
+        Self {
+            duplicate_window: config.duplicate_window,
+            retention: config.retention,
+            count_limited: config.max_messages > 0 || config.max_bytes > 0,
+            per_subject: config.max_messages_per_subject > 0,
+            max_age: config.max_age,
+        }
+    }
+
+    /// Why a stream with these limits cannot be audited, if it cannot.
+    fn unauditable(&self, stream: &str) -> Option<String> {
+        match self.retention {
+            RetentionPolicy::Limits if self.per_subject => Some(format!(
+                "stream `{stream}` keeps a limited number of messages per subject, so a missing message may have been discarded"
+            )),
+            RetentionPolicy::Limits => None,
+            other => Some(format!(
+                "stream `{stream}` has {other:?} retention, which removes messages once consumed"
+            )),
+        }
+    }
 }
 
 /// Audits one stream's published rows. Shared by the relay's audit task and
@@ -239,8 +270,9 @@ pub struct Audit {
     pool: PgPool,
     js: jetstream::Context,
     stream: String,
-    duplicate_window: Duration,
     limits: Limits,
+    /// The stream's config kept up to date (the relay's), if followed.
+    view: Option<StreamView>,
     concurrency: usize,
     read_timeout: Duration,
 }
@@ -280,16 +312,30 @@ impl Audit {
             pool,
             js,
             stream: config.name.clone(),
-            duplicate_window: config.duplicate_window,
-            limits: Limits {
-                retention: config.retention,
-                count_limited: config.max_messages > 0 || config.max_bytes > 0,
-                per_subject: config.max_messages_per_subject > 0,
-                max_age: config.max_age,
-            },
+            limits: Limits::of(config),
+            view: None,
             concurrency: DEFAULT_CONCURRENCY,
             read_timeout: DEFAULT_READ_TIMEOUT,
         }
+    }
+
+    /// Takes the stream's limits (duplicate window, count and size limits,
+    /// `max_age`, retention) from `view` as it is re-read, instead of from
+    /// the config it was built with, and keeps `view` up to date with the
+    /// stream's config each check reads anyway. (Each check judges by the
+    /// config it has just read, whether or not a view is followed.)
+    #[must_use]
+    pub fn follow(mut self, view: StreamView) -> Self {
+        self.view = Some(view);
+        self
+    }
+
+    /// The limits as last read: the followed view's, else the ones built with.
+    fn limits(&self) -> Limits {
+        self.view
+            .as_ref()
+            .and_then(StreamView::config)
+            .map_or_else(|| self.limits.clone(), |c| Limits::of(&c))
     }
 
     /// Message reads in flight at once. Default 16 (at least 1).
@@ -311,44 +357,34 @@ impl Audit {
         &self.stream
     }
 
-    /// The stream's duplicate window.
+    /// The stream's duplicate window (as last read).
     pub fn duplicate_window(&self) -> Duration {
-        self.duplicate_window
+        self.limits().duplicate_window
     }
 
     /// How long ago a row must have been published to be audited: the
     /// duplicate window plus [`settle_margin`].
     pub fn settle_age(&self) -> Duration {
-        self.duplicate_window + settle_margin(self.duplicate_window)
+        let window = self.duplicate_window();
+        window + settle_margin(window)
     }
 
     /// Why this stream cannot be audited, if it cannot: it removes messages
     /// as they are consumed (work-queue or interest retention) or per subject
     /// (`max_msgs_per_subject`), so a missing message is not a loss.
     pub fn unauditable(&self) -> Option<String> {
-        match self.limits.retention {
-            RetentionPolicy::Limits if self.limits.per_subject => Some(format!(
-                "stream `{}` keeps a limited number of messages per subject, so a missing message may have been discarded",
-                self.stream
-            )),
-            RetentionPolicy::Limits => None,
-            other => Some(format!(
-                "stream `{}` has {other:?} retention, which removes messages once consumed",
-                self.stream
-            )),
-        }
+        self.limits().unauditable(&self.stream)
     }
 
     /// The earliest `published_at` worth auditing now: rows older than the
     /// stream's `max_age` (less the margin) are discarded by the stream.
-    fn oldest(&self, now: DateTime<Utc>, from: DateTime<Utc>) -> DateTime<Utc> {
-        if self.limits.max_age.is_zero() {
+    fn oldest(limits: &Limits, now: DateTime<Utc>, from: DateTime<Utc>) -> DateTime<Utc> {
+        if limits.max_age.is_zero() {
             return from;
         }
-        let keep = self
-            .limits
+        let keep = limits
             .max_age
-            .saturating_sub(settle_margin(self.duplicate_window));
+            .saturating_sub(settle_margin(limits.duplicate_window));
         let cut = chrono::Duration::from_std(keep)
             .ok()
             .and_then(|d| now.checked_sub_signed(d))
@@ -421,6 +457,7 @@ impl Audit {
             return Ok(Vec::new());
         }
         let broker = |what: String, e: Option<crate::BoxError>| self.broker(what, e);
+        let read_at = std::time::Instant::now();
         let stream = tokio::time::timeout(self.read_timeout, self.js.get_stream(&self.stream))
             .await
             .map_err(|_| {
@@ -438,15 +475,28 @@ impl Audit {
                     Some(e.into()),
                 )
             })?;
+        // Judged by the stream as it is now: limits raised or lowered since
+        // the relay started, a per-subject limit added.
+        let config = &stream.cached_info().config;
+        if let Some(view) = &self.view {
+            view.observe(config, read_at);
+        }
+        let limits = Limits::of(config);
+        if let Some(why) = limits.unauditable(&self.stream) {
+            return Err(Error::new(
+                ErrorKind::Stream,
+                format!("the stream cannot be audited now: {why}"),
+            ));
+        }
         let first = stream.cached_info().state.first_sequence;
-        let oldest = self.oldest(self.now().await?, DateTime::<Utc>::MIN_UTC);
+        let oldest = Self::oldest(&limits, self.now().await?, DateTime::<Utc>::MIN_UTC);
         let stream = &stream;
         // Discarded by the stream's limits, or read back.
         let mut findings: Vec<Option<Finding>> = rows
             .iter()
             .map(|row| {
                 let seq = u64::try_from(row.seq).unwrap_or(0);
-                (row.published_at < oldest || (self.limits.count_limited && seq < first))
+                (row.published_at < oldest || (limits.count_limited && seq < first))
                     .then_some(Finding::Discarded)
             })
             .collect();

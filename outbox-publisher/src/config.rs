@@ -30,6 +30,7 @@ pub struct RelayConfig {
     pub(crate) audit_interval: Duration,
     pub(crate) audit_rows: usize,
     pub(crate) require_durable: bool,
+    pub(crate) stream_refresh: Duration,
 }
 
 impl Default for RelayConfig {
@@ -54,6 +55,7 @@ impl Default for RelayConfig {
             audit_interval: Duration::from_secs(30),
             audit_rows: 2_000,
             require_durable: false,
+            stream_refresh: Duration::from_secs(30),
         }
     }
 }
@@ -206,6 +208,19 @@ impl RelayConfig {
         self
     }
 
+    /// How often a running relay reads its stream's config again (subjects,
+    /// `max_msg_size`, limits, storage, replicas), so that it follows edits
+    /// made while it runs; it is also read at once when a row looks
+    /// uncapturable or the broker refuses a message. A row whose type the
+    /// stream, read again, does not capture waits this long in the retry
+    /// lane before it is tried again, without counting an attempt. Default
+    /// 30 s.
+    #[must_use]
+    pub fn stream_refresh(mut self, d: Duration) -> Self {
+        self.stream_refresh = d;
+        self
+    }
+
     /// The longest a republish of a row can come after its first publish
     /// (lease plus publish timeout): the stream's duplicate window must be
     /// longer, so that the republish is dropped as a duplicate.
@@ -269,6 +284,9 @@ impl RelayConfig {
         if self.audit_rows == 0 {
             return bad("audit rows per pass must be at least 1".into());
         }
+        if self.stream_refresh.is_zero() {
+            return bad("stream refresh interval must be positive".into());
+        }
         if self.retention.is_some_and(|r| r.is_zero()) {
             return bad("retention window must be positive (or disabled)".into());
         }
@@ -328,5 +346,14 @@ mod tests {
         assert!(err.to_string().contains("audit interval"), "{err}");
         let err = RelayConfig::default().audit_rows(0).validate().unwrap_err();
         assert!(err.to_string().contains("audit rows"), "{err}");
+        assert_eq!(
+            RelayConfig::default().stream_refresh,
+            Duration::from_secs(30)
+        );
+        let err = RelayConfig::default()
+            .stream_refresh(Duration::ZERO)
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().contains("stream refresh"), "{err}");
     }
 }

@@ -84,6 +84,7 @@ pub mod relay;
 mod sink;
 mod store;
 mod stream;
+mod stream_view;
 
 pub use config::{BATCH_SIZE_RANGE, RelayConfig};
 pub use error::{BoxError, Error, ErrorKind, Result};
@@ -94,6 +95,7 @@ pub use sink::{
     Sink,
 };
 pub use stream::{DEFAULT_DUPLICATE_WINDOW, StreamSpec};
+pub use stream_view::StreamView;
 
 pub use async_nats::jetstream::stream::StorageType;
 

@@ -23,6 +23,7 @@
 //! | `outbox_relay_database_up` | gauge | 1 while the relay's last database round trip succeeded, else 0 |
 //! | `outbox_relay_broker_up` | gauge | 1 while NATS is connected and publishes are acked, else 0 |
 //! | `outbox_relay_horizon_held_seconds` | gauge | how long the settled horizon has waited for transactions still running (0 when it moves); a relay logs who holds it once this passes 30 s |
+//! | `outbox_relay_stream_up` | gauge | 1 while the relay's stream exists (as last read), 0 while it is gone |
 //! | `outbox_audit_checked_total` | counter | (published rows whose message the audit read back) |
 //! | `outbox_audit_republished_total` | counter | (rows whose message the stream lost, made unpublished again; once per row) |
 //! | `outbox_audit_lag_seconds` | gauge | (age of the oldest audit mark: rows published after it wait for their check; at least the duplicate window plus its margin) |
@@ -56,6 +57,7 @@ pub(crate) const OLDEST_AGE: &str = "outbox_oldest_unpublished_age_seconds";
 pub(crate) const DATABASE_UP: &str = "outbox_relay_database_up";
 pub(crate) const BROKER_UP: &str = "outbox_relay_broker_up";
 pub(crate) const HORIZON_HELD: &str = "outbox_relay_horizon_held_seconds";
+pub(crate) const STREAM_UP: &str = "outbox_relay_stream_up";
 
 /// Every metric name the relay records.
 pub const NAMES: &[&str] = &[
@@ -74,6 +76,7 @@ pub const NAMES: &[&str] = &[
     DATABASE_UP,
     BROKER_UP,
     HORIZON_HELD,
+    STREAM_UP,
     crate::audit::CHECKED,
     crate::audit::REPUBLISHED,
     crate::audit::LAG,
@@ -145,6 +148,10 @@ pub fn describe() {
         BROKER_UP,
         "1 while the relay is connected to NATS and its publishes are acked, else 0"
     );
+    describe_gauge!(
+        STREAM_UP,
+        "1 while the relay's stream exists (as last read), 0 while it is gone"
+    );
 }
 
 pub(crate) fn published(
@@ -200,4 +207,9 @@ pub(crate) fn database_up(up: bool) {
 /// Sets `outbox_relay_broker_up`.
 pub(crate) fn broker_up(up: bool) {
     gauge!(BROKER_UP).set(if up { 1.0 } else { 0.0 });
+}
+
+/// Sets `outbox_relay_stream_up`.
+pub(crate) fn stream_up(up: bool) {
+    gauge!(STREAM_UP).set(if up { 1.0 } else { 0.0 });
 }

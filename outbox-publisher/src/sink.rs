@@ -1,13 +1,24 @@
 //! Where events go: the [`Sink`] trait and its JetStream implementation.
+//!
+//! [`JetStreamSink`] judges rows by the stream as it is now, not as it was at
+//! start: it follows a [`StreamView`]. A subject
+//! the view does not capture, and any refusal by the broker, make it read
+//! the stream again before it decides; a message refused because the
+//! stream changed under it (a subject just added, a limit just raised) is
+//! sent once more.
 
 use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, context::PublishErrorKind};
+use async_nats::jetstream::{self, ErrorCode, context::PublishErrorKind};
 use async_nats::{HeaderMap, connection::State};
 use bytes::Bytes;
 use outbox_pg::EventId;
+use tracing::debug;
+
+use crate::stream::subject_matches;
+use crate::stream_view::{Change, StreamView};
 
 /// One message to publish: the envelope's JSON on the subject `event_type`.
 #[derive(Debug, Clone)]
@@ -77,8 +88,15 @@ pub enum FailureKind {
     Unavailable,
     /// No ack within the publish timeout.
     Timeout,
-    /// No stream captures the subject.
+    /// No stream answered for the subject, or the relay's stream does not
+    /// exist (deleted, not recreated yet).
     NoStream,
+    /// The relay's stream exists and, read again, still does not capture the
+    /// subject: a configuration problem the operator fixes on the stream
+    /// (`nats stream edit … --subjects …`), not on the row. The row waits in
+    /// the retry lane, without losing attempts, and is published once the
+    /// stream captures it.
+    NotCaptured,
     /// The stream refused the message (limits, wrong stream, …).
     Rejected,
     /// Larger than the broker's max payload: it can never be published as is.
@@ -95,6 +113,7 @@ impl FailureKind {
             Self::Unavailable => "unavailable",
             Self::Timeout => "timeout",
             Self::NoStream => "no_stream",
+            Self::NotCaptured => "not_captured",
             Self::Rejected => "rejected",
             Self::TooLarge => "too_large",
             Self::Invalid => "invalid",
@@ -111,6 +130,14 @@ impl FailureKind {
     /// Whether retrying the same row can never succeed.
     pub fn is_permanent(self) -> bool {
         matches!(self, Self::TooLarge | Self::Invalid)
+    }
+
+    /// Whether the failure counts toward the row's attempts (and so its
+    /// cap): a refusal of the row itself. Broker faults and
+    /// [`NotCaptured`](Self::NotCaptured) (the stream's configuration, which
+    /// an operator fixes without touching rows) do not.
+    pub fn counts_as_attempt(self) -> bool {
+        !self.is_broker_fault() && self != Self::NotCaptured
     }
 }
 
@@ -164,6 +191,14 @@ pub trait Sink: Send + Sync + 'static {
     fn max_payload(&self) -> usize {
         DEFAULT_MAX_PAYLOAD
     }
+
+    /// Reads again what the sink knows of the broker's configuration (the
+    /// stream's subjects and limits); called by a running relay every
+    /// [`RelayConfig::stream_refresh`](crate::RelayConfig::stream_refresh).
+    /// Bounded; failures are the sink's to log. Default: nothing.
+    fn refresh(&self) -> impl Future<Output = ()> + Send {
+        std::future::ready(())
+    }
 }
 
 /// NATS' default `max_payload`, used until the server has said otherwise.
@@ -176,7 +211,7 @@ pub struct JetStreamSink {
     context: jetstream::Context,
     timeout: Duration,
     expected_stream: Option<String>,
-    captures: Option<Vec<String>>,
+    view: Option<StreamView>,
 }
 
 impl fmt::Debug for JetStreamSink {
@@ -184,6 +219,7 @@ impl fmt::Debug for JetStreamSink {
         f.debug_struct("JetStreamSink")
             .field("timeout", &self.timeout)
             .field("expected_stream", &self.expected_stream)
+            .field("view", &self.view)
             .finish_non_exhaustive()
     }
 }
@@ -199,7 +235,7 @@ impl JetStreamSink {
             context,
             timeout,
             expected_stream: None,
-            captures: None,
+            view: None,
         }
     }
 
@@ -211,12 +247,20 @@ impl JetStreamSink {
         self
     }
 
-    /// The subjects the stream captures: a message on any other subject is
-    /// refused as [`FailureKind::Invalid`] before it is sent, instead of being
-    /// answered by "no responders", which looks like a broker fault.
+    /// Judges messages by `view`, the stream's config kept up to date: a
+    /// message on a subject the stream does not capture, read again, is
+    /// refused as [`FailureKind::NotCaptured`] before it is sent (instead of
+    /// being answered by "no responders", which looks like a broker fault);
+    /// while the stream does not exist, as [`FailureKind::NoStream`]; a
+    /// refusal by the broker is judged after reading the stream again (over
+    /// its `max_msg_size`: [`FailureKind::TooLarge`]), and a message refused
+    /// by a stream that has changed since is sent once more. Also sets
+    /// `Nats-Expected-Stream` to the view's stream, as
+    /// [`expect_stream`](Self::expect_stream) does.
     #[must_use]
-    pub fn captures(mut self, subjects: Vec<String>) -> Self {
-        self.captures = Some(subjects);
+    pub fn follow(mut self, view: StreamView) -> Self {
+        self.expected_stream = Some(view.name().to_owned());
+        self.view = Some(view);
         self
     }
 
@@ -226,29 +270,27 @@ impl JetStreamSink {
     }
 }
 
-impl Sink for JetStreamSink {
-    async fn publish(&self, message: OutgoingMessage) -> Result<PublishAck, PublishFailure> {
-        if self.client.connection_state() != State::Connected {
-            return Err(PublishFailure::new(
-                FailureKind::Unavailable,
-                "not connected to NATS",
-            ));
-        }
-        if let Some(filters) = &self.captures
-            && !filters.iter().any(|f| subject_matches(f, &message.subject))
-        {
-            return Err(PublishFailure::new(
-                FailureKind::Invalid,
-                format!(
-                    "event type `{}` is not captured by the stream{} (subjects {filters:?})",
-                    message.subject,
-                    self.expected_stream
-                        .as_deref()
-                        .map(|s| format!(" `{s}`"))
-                        .unwrap_or_default()
-                ),
-            ));
-        }
+impl JetStreamSink {
+    /// Sends one message and awaits its PubAck (bounded by the caller).
+    async fn send(
+        &self,
+        message: &OutgoingMessage,
+        headers: HeaderMap,
+    ) -> Result<PublishAck, Refusal> {
+        let ack = self
+            .context
+            .publish_with_headers(message.subject.clone(), headers, message.payload.clone())
+            .await
+            .map_err(Refusal::from)?;
+        let ack = ack.await.map_err(Refusal::from)?;
+        Ok(PublishAck {
+            stream: ack.stream,
+            sequence: ack.sequence,
+            duplicate: ack.duplicate,
+        })
+    }
+
+    fn headers(&self, message: &OutgoingMessage) -> HeaderMap {
         let mut headers = HeaderMap::new();
         headers.insert("Nats-Msg-Id", message.id.to_string().as_str());
         if let Some(stream) = &self.expected_stream {
@@ -260,21 +302,159 @@ impl Sink for JetStreamSink {
         if let Some(ts) = &message.tracestate {
             headers.insert("tracestate", ts.as_str());
         }
-        let send = async {
-            let ack = self
-                .context
-                .publish_with_headers(message.subject, headers, message.payload)
+        headers
+    }
+
+    /// Publishes `message` as the stream is now (see [`JetStreamSink::follow`]).
+    async fn publish_following(
+        &self,
+        view: &StreamView,
+        message: OutgoingMessage,
+    ) -> Result<PublishAck, PublishFailure> {
+        if !view.captures(&message.subject) {
+            let (config, _) = view.recheck().await.map_err(unreadable)?;
+            uncaptured(view, config.as_deref(), &message.subject)?;
+        }
+        let headers = self.headers(&message);
+        let size = wire_len(&headers) + message.payload.len();
+        let refusal = match self.send(&message, headers.clone()).await {
+            Ok(ack) => return Ok(ack),
+            Err(refusal) if refusal.is_stream_refusal() => refusal,
+            Err(refusal) => return Err(refusal.failure),
+        };
+        // Refused by the stream: judged by the stream as it is now (and not
+        // at all while it cannot be read).
+        let (config, change) = view.recheck().await.map_err(unreadable)?;
+        uncaptured(view, config.as_deref(), &message.subject)?;
+        let limit = config
+            .as_deref()
+            .map_or(0, |c| usize::try_from(c.max_message_size).unwrap_or(0));
+        if refusal.code == Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
+            && limit > 0
+            && size > limit
+        {
+            return Err(PublishFailure::new(
+                FailureKind::TooLarge,
+                format!(
+                    "the message is {size} bytes with headers, over the max_msg_size of {limit} \
+                     bytes of stream `{}` (read again after it refused the message)",
+                    view.name()
+                ),
+            ));
+        }
+        if change == Change::Changed {
+            debug!(event_id = %message.id, stream = view.name(), "the stream changed under a refused publish; sending it again");
+            return self
+                .send(&message, headers)
                 .await
-                .map_err(classify)?;
-            ack.await.map_err(classify)
+                .map_err(|refusal| refusal.failure);
+        }
+        Err(refusal.failure)
+    }
+}
+
+/// The stream could not be read to judge a row: a broker fault, at no cost
+/// to the row.
+fn unreadable(e: crate::Error) -> PublishFailure {
+    PublishFailure::new(FailureKind::Unavailable, e.to_string())
+}
+
+/// `Err` unless the stream of `config` (as just read) exists and captures
+/// `subject`.
+fn uncaptured(
+    view: &StreamView,
+    config: Option<&jetstream::stream::Config>,
+    subject: &str,
+) -> Result<(), PublishFailure> {
+    match config {
+        None => Err(PublishFailure::new(
+            FailureKind::NoStream,
+            format!(
+                "stream `{}` does not exist; waiting for it to be created again",
+                view.name()
+            ),
+        )),
+        Some(c) if !c.subjects.iter().any(|f| subject_matches(f, subject)) => {
+            view.note_uncaptured(subject, c);
+            Err(PublishFailure::new(
+                FailureKind::NotCaptured,
+                format!(
+                    "event type `{subject}` is not captured by the stream `{}` (subjects {:?}); \
+                     waiting, without counting attempts, until it is: `{}`",
+                    view.name(),
+                    c.subjects,
+                    crate::stream::edit_command(c, &[subject.to_owned()])
+                ),
+            ))
+        }
+        Some(_) => Ok(()),
+    }
+}
+
+/// The bytes the server counts against a stream's `max_msg_size` for these
+/// headers: "NATS/1.0\r\n", each "name: value\r\n", then "\r\n".
+fn wire_len(headers: &HeaderMap) -> usize {
+    let mut len = "NATS/1.0\r\n".len() + "\r\n".len();
+    for (name, values) in headers.iter() {
+        for value in values {
+            len +=
+                AsRef::<str>::as_ref(name).len() + ": ".len() + value.as_str().len() + "\r\n".len();
+        }
+    }
+    len
+}
+
+/// A failed send: how the relay treats it, and the JetStream error code if
+/// the server answered with one.
+struct Refusal {
+    failure: PublishFailure,
+    code: Option<ErrorCode>,
+}
+
+impl Refusal {
+    /// Whether the answer may come from the stream's configuration (no
+    /// stream answering, a refusal), so that reading the stream again can
+    /// change the verdict.
+    fn is_stream_refusal(&self) -> bool {
+        matches!(
+            self.failure.kind(),
+            FailureKind::NoStream | FailureKind::Rejected
+        )
+    }
+}
+
+impl From<jetstream::context::PublishError> for Refusal {
+    fn from(e: jetstream::context::PublishError) -> Self {
+        let code = std::error::Error::source(&e)
+            .and_then(|source| source.downcast_ref::<async_nats::jetstream::Error>())
+            .map(async_nats::jetstream::Error::error_code);
+        Self {
+            failure: classify(e),
+            code,
+        }
+    }
+}
+
+impl Sink for JetStreamSink {
+    async fn publish(&self, message: OutgoingMessage) -> Result<PublishAck, PublishFailure> {
+        if self.client.connection_state() != State::Connected {
+            return Err(PublishFailure::new(
+                FailureKind::Unavailable,
+                "not connected to NATS",
+            ));
+        }
+        // One bound on the whole publish: re-reads and a second send included.
+        let send = async {
+            match &self.view {
+                Some(view) => self.publish_following(view, message).await,
+                None => {
+                    let headers = self.headers(&message);
+                    self.send(&message, headers).await.map_err(|r| r.failure)
+                }
+            }
         };
         match tokio::time::timeout(self.timeout, send).await {
-            Ok(Ok(ack)) => Ok(PublishAck {
-                stream: ack.stream,
-                sequence: ack.sequence,
-                duplicate: ack.duplicate,
-            }),
-            Ok(Err(e)) => Err(e),
+            Ok(result) => result,
             Err(_) => Err(PublishFailure::new(
                 FailureKind::Timeout,
                 format!("no ack within {:?}", self.timeout),
@@ -292,19 +472,12 @@ impl Sink for JetStreamSink {
             n => n,
         }
     }
-}
 
-/// Whether NATS subject `subject` matches `filter` (`*` one token, `>` the rest).
-fn subject_matches(filter: &str, subject: &str) -> bool {
-    let mut f = filter.split('.');
-    let mut s = subject.split('.');
-    loop {
-        match (f.next(), s.next()) {
-            (Some(">"), Some(_)) => return true,
-            (Some("*"), Some(_)) => {}
-            (Some(a), Some(b)) if a == b => {}
-            (None, None) => return true,
-            _ => return false,
+    async fn refresh(&self) {
+        if let Some(view) = &self.view
+            && let Err(e) = view.refresh().await
+        {
+            debug!(stream = view.name(), error = %e, "periodic re-read of the stream failed");
         }
     }
 }
@@ -350,7 +523,7 @@ fn is_cluster_unavailable(e: &jetstream::context::PublishError) -> bool {
 mod tests {
     use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 
-    use super::{FailureKind, classify, subject_matches};
+    use super::{FailureKind, HeaderMap, classify, wire_len};
 
     fn api_error(json: &str) -> PublishError {
         let api: async_nats::jetstream::Error = serde_json::from_str(json).unwrap();
@@ -379,14 +552,20 @@ mod tests {
     }
 
     #[test]
-    fn filters_match_like_nats() {
-        assert!(subject_matches("a.>", "a.b"));
-        assert!(subject_matches("a.>", "a.b.c"));
-        assert!(!subject_matches("a.>", "a"));
-        assert!(subject_matches("a.*.c", "a.b.c"));
-        assert!(!subject_matches("a.*", "a.b.c"));
-        assert!(subject_matches("a.b", "a.b"));
-        assert!(!subject_matches("a.b", "a.c"));
-        assert!(subject_matches(">", "x.y"));
+    fn not_captured_and_broker_faults_cost_no_attempt() {
+        assert!(!FailureKind::NotCaptured.counts_as_attempt());
+        assert!(!FailureKind::NotCaptured.is_permanent());
+        assert!(!FailureKind::NotCaptured.is_broker_fault());
+        assert!(!FailureKind::NoStream.counts_as_attempt());
+        assert!(FailureKind::Rejected.counts_as_attempt());
+        assert!(FailureKind::TooLarge.counts_as_attempt());
+    }
+
+    #[test]
+    fn header_bytes_are_counted_as_the_server_counts_them() {
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", "abc");
+        // "NATS/1.0\r\n" + "Nats-Msg-Id: abc\r\n" + "\r\n"
+        assert_eq!(wire_len(&headers), 10 + 18 + 2);
     }
 }

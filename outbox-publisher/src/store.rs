@@ -200,6 +200,8 @@ pub(crate) struct Failure {
     pub(crate) error: String,
     pub(crate) retry_in: Duration,
     pub(crate) permanent: bool,
+    /// Counts toward the row's attempts (and so its cap).
+    pub(crate) counted: bool,
 }
 
 /// A row whose failure took it to the attempt cap.
@@ -358,6 +360,7 @@ impl Store {
         let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
         let delays: Vec<i64> = failures.iter().map(|f| millis(f.retry_in)).collect();
         let permanent: Vec<bool> = failures.iter().map(|f| f.permanent).collect();
+        let counted: Vec<bool> = failures.iter().map(|f| f.counted).collect();
         let rows: Vec<CappedRow> = sqlx::query_file_as!(
             CappedRow,
             "queries/mark_failed.sql",
@@ -366,12 +369,15 @@ impl Store {
             &delays,
             &permanent,
             max_attempts,
+            &counted,
         )
         .fetch_all(&self.pool)
         .await
         .map_err(|e| Error::database("recording publish failures", e))?;
         Ok(rows
             .into_iter()
+            // A failure not counted leaves attempts under the cap (a claimed
+            // row is under it).
             .filter(|r| r.attempts >= max_attempts)
             .collect())
     }

@@ -1,13 +1,15 @@
 //! The JetStream stream the relay publishes into: created from the
-//! configuration, or verified against it.
+//! configuration, or verified against it (with
+//! [`StreamSpec::add_subjects`], given subjects it lacks are added to it).
 
 use std::time::Duration;
 
 use async_nats::jetstream::{
     self,
-    context::GetStreamErrorKind,
+    context::{CreateStreamErrorKind, GetStreamErrorKind},
     stream::{Config, StorageType},
 };
+use tracing::info;
 
 use crate::error::{Error, ErrorKind, Result};
 
@@ -20,6 +22,7 @@ pub struct StreamSpec {
     storage: Option<StorageType>,
     replicas: Option<usize>,
     duplicate_window: Option<Duration>,
+    add_subjects: bool,
 }
 
 /// Duplicate window used when the relay creates the stream: a republish after a
@@ -36,7 +39,17 @@ impl StreamSpec {
             storage: None,
             replicas: None,
             duplicate_window: None,
+            add_subjects: false,
         }
+    }
+
+    /// Adds the given subjects an existing stream does not capture to it
+    /// (keeping every subject it has) instead of refusing it. Default off:
+    /// the mismatch is an error that says what to run.
+    #[must_use]
+    pub fn add_subjects(mut self, on: bool) -> Self {
+        self.add_subjects = on;
+        self
     }
 
     /// Requires file or memory storage (created with file storage by default).
@@ -76,18 +89,29 @@ impl StreamSpec {
         }
     }
 
-    /// What differs between this spec and an existing stream's config.
+    /// The given subjects the existing stream does not capture: neither one
+    /// of its subjects nor covered by one of its wildcards.
+    fn missing_subjects(&self, existing: &Config) -> Vec<String> {
+        self.subjects
+            .iter()
+            .filter(|s| !existing.subjects.iter().any(|f| covers(f, s)))
+            .cloned()
+            .collect()
+    }
+
+    /// What differs between this spec and an existing stream's config,
+    /// the subjects it lacks first.
     fn mismatches(&self, existing: &Config) -> Vec<String> {
         let mut out = Vec::new();
-        let missing: Vec<&String> = self
-            .subjects
-            .iter()
-            .filter(|s| !existing.subjects.contains(s))
-            .collect();
+        let missing = self.missing_subjects(existing);
         if !missing.is_empty() {
             out.push(format!(
-                "subjects {missing:?} are not among the stream's {:?}",
-                existing.subjects
+                "subjects {missing:?} are not among the stream's {:?}; add them: `{}` \
+                 (or start the relay with --add-subjects to add them itself); rows of those \
+                 types wait meanwhile and are published once the stream captures them \
+                 (rows an earlier relay parked as not captured: `outboxctl retry --all-stuck`)",
+                existing.subjects,
+                edit_command(existing, &missing)
             ));
         }
         if let Some(storage) = self.storage
@@ -122,13 +146,54 @@ impl StreamSpec {
         out
     }
 
+    /// Adds the given subjects the existing stream lacks to it, keeping all
+    /// of its own, and returns its new config.
+    async fn add_missing(&self, js: &jetstream::Context, existing: Config) -> Result<Config> {
+        let missing = self.missing_subjects(&existing);
+        if missing.is_empty() {
+            return Ok(existing);
+        }
+        let command = edit_command(&existing, &missing);
+        let mut config = existing;
+        let before = config.subjects.clone();
+        config.subjects.extend(missing.iter().cloned());
+        let info = js.update_stream(&config).await.map_err(|e| {
+            // No answer is the broker's state (waited for); a refusal is not.
+            let kind = match e.kind() {
+                CreateStreamErrorKind::TimedOut | CreateStreamErrorKind::JetStreamUnavailable => {
+                    ErrorKind::Broker
+                }
+                _ => ErrorKind::Stream,
+            };
+            Error::new(
+                kind,
+                format!(
+                    "adding subjects {missing:?} to stream `{}`: {e}; add them by hand: `{command}`",
+                    self.name
+                ),
+            )
+            .with_source(e)
+        })?;
+        info!(
+            stream = %self.name,
+            added = ?missing,
+            before = ?before,
+            subjects = ?info.config.subjects,
+            "added the missing subjects to the stream (--add-subjects)"
+        );
+        Ok(info.config)
+    }
+
     /// Creates the stream if it does not exist, or checks that the existing one
-    /// matches this spec.
+    /// matches this spec; with [`add_subjects`](Self::add_subjects), adds
+    /// the given subjects it lacks first.
     ///
     /// # Errors
     /// [`ErrorKind::Stream`] if the stream differs from the spec (every
-    /// difference is named), does not exist and no subjects were given, or
-    /// cannot be created; [`ErrorKind::Broker`] if JetStream cannot be reached.
+    /// difference is named; subjects it lacks with the `nats stream edit`
+    /// command that adds them), does not exist and no subjects were given,
+    /// or cannot be created or updated; [`ErrorKind::Broker`] if JetStream
+    /// cannot be reached.
     pub async fn ensure(&self, js: &jetstream::Context) -> Result<Config> {
         match js.get_stream(&self.name).await {
             Ok(mut stream) => {
@@ -139,9 +204,14 @@ impl StreamSpec {
                     )
                     .with_source(e)
                 })?;
-                let problems = self.mismatches(&info.config);
+                let existing = if self.add_subjects {
+                    self.add_missing(js, info.config.clone()).await?
+                } else {
+                    info.config.clone()
+                };
+                let problems = self.mismatches(&existing);
                 if problems.is_empty() {
-                    Ok(info.config.clone())
+                    Ok(existing)
                 } else {
                     Err(Error::new(
                         ErrorKind::Stream,
@@ -163,21 +233,70 @@ impl StreamSpec {
                         ),
                     ));
                 }
-                let config = self.create_config();
-                js.create_stream(config.clone()).await.map_err(|e| {
+                let stream = js.create_stream(self.create_config()).await.map_err(|e| {
                     Error::new(
                         ErrorKind::Stream,
                         format!("creating stream `{}`: {e}", self.name),
                     )
                     .with_source(e)
                 })?;
-                Ok(config)
+                // As the server filled it in (unlimited limits as -1, …).
+                Ok(stream.cached_info().config.clone())
             }
             Err(e) => Err(Error::new(
                 ErrorKind::Broker,
                 format!("looking up stream `{}`: {e}", self.name),
             )
             .with_source(e)),
+        }
+    }
+}
+
+/// What to run so that the stream of `existing` captures `added` too: the
+/// `nats stream edit` command with the full new list of subjects.
+pub(crate) fn edit_command(existing: &Config, added: &[String]) -> String {
+    let all: Vec<&str> = existing
+        .subjects
+        .iter()
+        .chain(added)
+        .map(String::as_str)
+        .collect();
+    format!(
+        "nats stream edit {} --subjects '{}'",
+        existing.name,
+        all.join(",")
+    )
+}
+
+/// Whether NATS subject `subject` matches `filter` (`*` one token, `>` the rest).
+pub(crate) fn subject_matches(filter: &str, subject: &str) -> bool {
+    let mut f = filter.split('.');
+    let mut s = subject.split('.');
+    loop {
+        match (f.next(), s.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(_)) => {}
+            (Some(a), Some(b)) if a == b => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
+/// Whether every subject `pattern` (itself a filter, wildcards allowed)
+/// matches is matched by `filter`: `orders.>` covers `orders.created` and
+/// `orders.*`, not `orders` or `>`.
+pub(crate) fn covers(filter: &str, pattern: &str) -> bool {
+    let mut f = filter.split('.');
+    let mut p = pattern.split('.');
+    loop {
+        match (f.next(), p.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some(_), Some(">")) => return false,
+            (Some("*"), Some(_)) => {}
+            (Some(a), Some(b)) if a == b => {}
+            (None, None) => return true,
+            _ => return false,
         }
     }
 }
@@ -209,6 +328,21 @@ mod tests {
         assert_eq!(problems.len(), 4, "{problems:?}");
         assert!(problems[0].contains("b.>"));
         assert!(
+            problems[0].contains("`nats stream edit S --subjects 'a.>,b.>'`"),
+            "{problems:?}"
+        );
+        assert!(problems[0].contains("--add-subjects"), "{problems:?}");
+        assert!(
+            problems[0].contains("outboxctl retry --all-stuck"),
+            "{problems:?}"
+        );
+        // A subject the stream's wildcard covers is not missing.
+        assert!(
+            StreamSpec::new("S", vec!["a.b".into(), "a.*".into()])
+                .mismatches(&existing)
+                .is_empty()
+        );
+        assert!(
             StreamSpec::new("S", vec!["a.>".into()])
                 .mismatches(&existing)
                 .is_empty()
@@ -218,5 +352,32 @@ mod tests {
                 .mismatches(&existing)
                 .is_empty()
         );
+    }
+
+    #[test]
+    fn filters_match_like_nats() {
+        assert!(subject_matches("a.>", "a.b"));
+        assert!(subject_matches("a.>", "a.b.c"));
+        assert!(!subject_matches("a.>", "a"));
+        assert!(subject_matches("a.*.c", "a.b.c"));
+        assert!(!subject_matches("a.*", "a.b.c"));
+        assert!(subject_matches("a.b", "a.b"));
+        assert!(!subject_matches("a.b", "a.c"));
+        assert!(subject_matches(">", "x.y"));
+    }
+
+    #[test]
+    fn a_filter_covers_the_patterns_whose_subjects_it_all_matches() {
+        assert!(covers("a.>", "a.b"));
+        assert!(covers("a.>", "a.*"));
+        assert!(covers("a.>", "a.>"));
+        assert!(covers("a.*", "a.*"));
+        assert!(covers("a.*", "a.b"));
+        assert!(covers(">", "a.>"));
+        assert!(!covers("a.*", "a.>"));
+        assert!(!covers("a.b", "a.*"));
+        assert!(!covers("a.>", "a"));
+        assert!(!covers("a.>", ">"));
+        assert!(!covers("order.>", "orders.>"));
     }
 }

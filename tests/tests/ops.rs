@@ -579,7 +579,7 @@ async fn binaries_export_what_the_dashboard_and_alerts_use_and_answer_probes() {
         .await;
     let (_, relay_text) = relay
         .wait_for("a publish failure and the gauges", "/metrics", |_, b| {
-            b.contains("outbox_publish_failures_total{reason=\"invalid\"}")
+            b.contains("outbox_publish_failures_total{reason=\"not_captured\"}")
                 && b.contains("outbox_backlog_rows ")
                 && b.contains("outbox_past_cap_rows ")
                 && b.contains("outbox_oldest_unpublished_age_seconds ")

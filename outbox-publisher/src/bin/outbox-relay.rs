@@ -26,6 +26,15 @@
 //! to start on them instead. The audit (`--audit-horizon`, default 15m)
 //! republishes rows whose acknowledged message the stream lost.
 //!
+//! The stream may be edited while the relay runs (`nats stream edit`: subjects
+//! added, limits changed) or deleted and recreated: the relay reads it again
+//! every `--stream-refresh` (30s) and whenever a row's type looks uncaptured or
+//! the broker refuses a message. Rows of a type the stream does not capture
+//! wait, without losing attempts, until it does; while the stream is gone,
+//! rows wait untouched (the relay does not recreate it while it runs). Given
+//! `--subjects` an existing stream lacks, the relay refuses to start naming
+//! the `nats stream edit` command to run, or adds them with `--add-subjects`.
+//!
 //! Run as many replicas as you like against one table. SIGTERM or ctrl-c
 //! finishes the current batch and exits 0. `--once` drains the table and exits
 //! (0 when every claimed row was published, 1 when some failed and wait in
@@ -65,6 +74,20 @@ struct Args {
     /// Subjects the stream captures, comma-separated (e.g. 'subscription.>,invoice.>').
     #[arg(long, env = "OUTBOX_SUBJECTS", value_delimiter = ',')]
     subjects: Vec<String>,
+
+    /// Add the --subjects an existing stream lacks to it (keeping all of its
+    /// own) instead of refusing to start; without it the refusal names the
+    /// `nats stream edit` command that adds them.
+    #[arg(long, env = "OUTBOX_ADD_SUBJECTS")]
+    add_subjects: bool,
+
+    /// How often the stream's config (subjects, limits) is read again while
+    /// the relay runs; it is also read at once when a row's type looks
+    /// uncaptured or the broker refuses a message. A row whose type the
+    /// stream does not capture waits this long before it is tried again,
+    /// without losing an attempt.
+    #[arg(long, env = "OUTBOX_STREAM_REFRESH", default_value = "30s", value_parser = humantime::parse_duration)]
+    stream_refresh: Duration,
 
     /// Required stream storage (file or memory); new streams use file.
     #[arg(long, value_enum)]
@@ -194,7 +217,8 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .retention((!args.retention.is_zero()).then_some(args.retention))
         .audit_horizon((!args.audit_horizon.is_zero()).then_some(args.audit_horizon))
         .audit_interval(args.audit_interval)
-        .require_durable(args.require_durable);
+        .require_durable(args.require_durable)
+        .stream_refresh(args.stream_refresh);
     config.validate()?;
 
     let pool = args
@@ -212,7 +236,8 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         args.stream.clone(),
     ));
 
-    let mut stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());
+    let mut stream =
+        StreamSpec::new(args.stream.clone(), args.subjects.clone()).add_subjects(args.add_subjects);
     if let Some(storage) = args.stream_storage {
         stream = stream.storage(match storage {
             Storage::File => StorageType::File,

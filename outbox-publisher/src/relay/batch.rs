@@ -14,7 +14,10 @@
 //!
 //! A broker fault (not connected, no ack in time, no stream answering) leaves
 //! the row unresolved and costs it no attempt: only a refusal of the row
-//! itself counts toward its cap.
+//! itself counts toward its cap. A row whose type the stream, read again,
+//! does not capture is failed without counting an attempt: it waits in the
+//! retry lane for `stream_refresh` and is tried again, until an operator
+//! adds its subject to the stream (nothing to reset on the row).
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -168,6 +171,19 @@ impl<S: Sink> Relay<S> {
                     first_fault.get_or_insert_with(|| failure.to_string());
                     unresolved.push(row);
                 }
+                Outcome::Failed(failure) if !failure.kind().counts_as_attempt() => {
+                    // Not captured by the stream, read again: the operator's
+                    // fix is on the stream. It waits a refresh interval in the
+                    // retry lane (out of the cursor's way) at no cost.
+                    metrics::failed(failure.kind());
+                    failures.push(Failure {
+                        id: row.id,
+                        error: failure.to_string(),
+                        retry_in: self.config.stream_refresh,
+                        permanent: false,
+                        counted: false,
+                    });
+                }
                 Outcome::Failed(failure) => {
                     metrics::failed(failure.kind());
                     let attempt = u32::try_from(row.attempts).unwrap_or(0).saturating_add(1);
@@ -176,6 +192,7 @@ impl<S: Sink> Relay<S> {
                         error: failure.to_string(),
                         retry_in: self.backoff.delay(attempt),
                         permanent: failure.kind().is_permanent(),
+                        counted: true,
                     });
                 }
                 Outcome::Unresolved => unresolved.push(row),

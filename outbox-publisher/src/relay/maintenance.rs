@@ -1,4 +1,5 @@
-//! The relay's background upkeep: backlog and reachability gauges, and retention.
+//! The relay's background upkeep: backlog and reachability gauges, retention,
+//! and the sink's periodic re-read of the stream.
 
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -24,6 +25,22 @@ impl<S: Sink> Relay<S> {
             tokio::select! {
                 () = tokio::time::sleep(self.config.stats_interval) => {}
                 () = shutdown.cancelled() => {}
+            }
+        }
+    }
+
+    /// Every `stream_refresh`, the sink reads the stream's config again
+    /// ([`Sink::refresh`]), so edits made while the relay runs are followed
+    /// even when no row asks.
+    pub(super) async fn stream_refresh_loop(&self, shutdown: &CancellationToken) {
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(self.config.stream_refresh) => {}
+                () = shutdown.cancelled() => return,
+            }
+            tokio::select! {
+                () = self.sink.refresh() => {}
+                () = shutdown.cancelled() => return,
             }
         }
     }

@@ -45,8 +45,8 @@
 //! parallel. Outcomes are written in one statement per kind.
 //!
 //! **Faults.** Only a refusal of the row itself counts toward its attempts:
-//! broker faults (not connected, no ack in time, no stream answering) leave the
-//! row untouched, and the worker backs off. Every column is checked before a
+//! broker faults (not connected, no ack in time, no stream answering, the
+//! stream gone) leave the row untouched, and the worker backs off. Every column is checked before a
 //! row is published (`relay/message.rs`); a row no client could
 //! decode is parked with an error naming the fault, counted and logged once,
 //! and blocks only its own subject.
@@ -67,6 +67,21 @@
 //! finding. At start the relay logs the durability in force and warns on,
 //! or with `require_durable` refuses, a stream with one replica or memory
 //! storage and a disabled audit (`relay/durability.rs`).
+//!
+//! **The stream as it is now** ([`StreamView`]). The stream may be edited,
+//! or deleted and recreated, while the relay runs. Its config is read at
+//! start, every `stream_refresh` (30 s), at once when a row's type looks
+//! uncaptured or the broker refuses a message, and by each audit pass; the
+//! sink judges rows by it and the audit reads its limits from it. A type
+//! the stream, read again, does not capture is a configuration problem, not
+//! the row's: the row waits in the retry lane (`stream_refresh`, no attempt
+//! counted, never parked) and is published once an operator adds its subject
+//! (one warning per type with the `nats stream edit` command). A stream
+//! that is gone is a broker fault: rows wait, untouched, until it exists
+//! again; the relay does not recreate it while it runs (an operator who
+//! deleted it may be recreating it with other settings), and says so once
+//! (`outbox_relay_stream_up` 0). A message over a lowered `max_msg_size` is
+//! parked as too large only once a re-read confirms the limit.
 //!
 //! # What this replaced, and why
 //!
@@ -101,6 +116,7 @@ use crate::error::{ErrorKind, Result};
 use crate::sink::{JetStreamSink, Sink};
 use crate::store::Store;
 use crate::stream::StreamSpec;
+use crate::stream_view::StreamView;
 
 mod audit;
 mod batch;
@@ -264,11 +280,18 @@ impl Relay<JetStreamSink> {
     ) -> Result<Self> {
         let sink = JetStreamSink::new(client, config.publish_timeout).expect_stream(stream.name());
         let existing = stream.ensure(sink.context()).await?;
+        // The sink and the audit follow the stream as it is edited.
+        let view = StreamView::new(
+            sink.context().clone(),
+            existing.clone(),
+            config.publish_timeout,
+        );
         // The audit reads on a connection of its own, never a worker's.
         let audit_pool = Store::new(&pool, 1).pool().clone();
-        let audit = crate::audit::Audit::from_config(audit_pool, sink.context().clone(), &existing);
+        let audit = crate::audit::Audit::from_config(audit_pool, sink.context().clone(), &existing)
+            .follow(view.clone());
         let audit = durability::state(&existing, &config, audit)?;
-        let sink = sink.captures(existing.subjects.clone());
+        let sink = sink.follow(view);
         let mut relay = Self::new(pool, sink, config)?;
         relay.audit = audit;
         Ok(relay)
@@ -411,8 +434,9 @@ impl<S: Sink> Relay<S> {
     }
 
     /// Runs until `shutdown` is cancelled: shard ownership, the publisher
-    /// workers, the LISTEN wake-ups, the backlog gauges, the pruner and the
-    /// audit ([`crate::audit`], on a relay built by [`Relay::jetstream`]). On
+    /// workers, the LISTEN wake-ups, the backlog gauges, the pruner, the
+    /// audit ([`crate::audit`], on a relay built by [`Relay::jetstream`]) and
+    /// the sink's periodic re-read of the stream ([`Sink::refresh`]). On
     /// shutdown each worker finishes its batch (every publish in it is
     /// bounded) and marks it, the shards are given back, then `run` returns.
     ///
@@ -454,6 +478,7 @@ impl<S: Sink> Relay<S> {
             self.stats_loop(&stop),
             self.prune_loop(&stop),
             self.audit_loop(&stop),
+            self.stream_refresh_loop(&stop),
         );
         if let Some(e) = self.shards.take_failure() {
             error!(error = %e, "outbox relay stopped: it cannot run on this database connection");
