@@ -361,7 +361,7 @@ impl Shards {
     async fn join(&self) -> Result<PgConnection> {
         // A session lock taken through a transaction pooler would stay on a
         // server session other clients use: never take one there.
-        outbox_pg::require_sessions(&self.options, "the relay").await?;
+        outbox_pg::require_sessions(&self.options.0, "the relay").await?;
         let mut conn = self
             .options
             .0
