@@ -41,6 +41,10 @@ pub enum ErrorKind {
     /// may not change a schema that is not up to date; the message names the
     /// role, the privilege and the object.
     Privilege,
+    /// The outbox's schema is missing or not complete where the search_path
+    /// leads (a table, a column, a trigger): the migrations have not run
+    /// there, or not all of them. The message says what to run.
+    Schema,
 }
 
 impl fmt::Display for ErrorKind {
@@ -56,6 +60,7 @@ impl fmt::Display for ErrorKind {
             Self::Config => "configuration error",
             Self::Broker => "broker error",
             Self::Privilege => "insufficient privilege",
+            Self::Schema => "outbox schema missing",
         })
     }
 }

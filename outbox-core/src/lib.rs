@@ -87,6 +87,7 @@ mod error;
 pub mod event;
 pub mod health;
 mod jsonb;
+mod layout;
 #[cfg(feature = "migrate")]
 mod migrate;
 mod namespace;
@@ -105,6 +106,7 @@ pub use envelope::{
 };
 pub use error::{BoxError, Error, ErrorKind, Result, Violation};
 pub use event::{Event, check_schema_file};
+pub use layout::check_outbox_layout;
 #[cfg(feature = "migrate")]
 pub use migrate::{MIGRATION_LOCK, MIGRATION_TABLE, MIGRATOR, migrate, migrate_with};
 pub use namespace::Namespace;

@@ -214,6 +214,7 @@ const PRIVILEGE_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
 async fn check_privileges(pool: &PgPool, config: &RelayConfig) -> Result<()> {
     check_sessions(pool).await?;
+    check_layout(pool).await?;
     let required = required_privileges(config);
     let unchecked =
         outbox_pg::check_privileges_at_start(pool, &required, RELAY_ROLE, PRIVILEGE_CHECK_TIMEOUT)
@@ -223,6 +224,55 @@ async fn check_privileges(pool: &PgPool, config: &RelayConfig) -> Result<()> {
     }
     Ok(())
 }
+
+/// Refuses an outbox schema that is not complete or whose sequence would
+/// break the settled horizon ([`outbox_pg::check_outbox_layout`]): a
+/// configuration error, not an outage. A schema not there yet is waited for
+/// [`SCHEMA_WAIT`] (a relay started beside the services that migrate),
+/// with one line saying so; then the relay refuses, naming what is missing
+/// and what to run. A check that cannot run (the database not reachable yet)
+/// is logged and passes.
+async fn check_layout(pool: &PgPool) -> Result<()> {
+    let started = std::time::Instant::now();
+    let mut said = false;
+    loop {
+        let checked = tokio::time::timeout(
+            PRIVILEGE_CHECK_TIMEOUT,
+            outbox_pg::check_outbox_layout(pool),
+        )
+        .await;
+        match checked {
+            Ok(Ok(())) => {
+                if said {
+                    info!("the outbox schema is in place");
+                }
+                return Ok(());
+            }
+            Ok(Err(e)) if e.kind() == outbox_pg::ErrorKind::Schema => {
+                if started.elapsed() >= SCHEMA_WAIT {
+                    return Err(e.into());
+                }
+                if !said {
+                    warn!(error = %e, wait = ?SCHEMA_WAIT, "waiting for the outbox migrations");
+                    said = true;
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Ok(Err(e)) if e.kind() == outbox_pg::ErrorKind::Config => return Err(e.into()),
+            Ok(Err(e)) => {
+                warn!(error = %e, "could not check the outbox's schema; going on");
+                return Ok(());
+            }
+            Err(_) => {
+                warn!("could not check the outbox's schema in time; going on");
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// How long a relay waits at start for an outbox schema that is not there.
+const SCHEMA_WAIT: Duration = Duration::from_secs(20);
 
 /// Refuses a database URL that leads to a transaction pooler
 /// ([`outbox_pg::require_sessions`]). A check that cannot run (the database

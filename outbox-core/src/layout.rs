@@ -1,0 +1,158 @@
+//! The outbox's schema as a relay needs it, checked at start: a missing table,
+//! column or trigger, or a sequence setting that would break the settled
+//! horizon, is a configuration error naming what to run, never an outage to
+//! retry.
+
+use sqlx::PgPool;
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// The columns of `outbox_events` a relay reads or writes.
+const COLUMNS: &[&str] = &[
+    "id",
+    "event_type",
+    "source",
+    "subject",
+    "time",
+    "data",
+    "created_at",
+    "published_at",
+    "attempts",
+    "next_attempt_at",
+    "last_error",
+    "traceparent",
+    "tracestate",
+    "seq",
+    "shard",
+    "skipped_at",
+    "published_stream",
+    "published_seq",
+];
+
+/// The triggers of `outbox_events`: the seq every row gets at insert, and
+/// the wake-up the relays listen for.
+const TRIGGERS: &[&str] = &["outbox_events_assign_seq", "outbox_events_notify"];
+
+const MIGRATE: &str = "run the outbox migrations as the schema owner (outbox_pg::migrate, or the \
+                       files of outbox-core/migrations/ in order), with the search_path the \
+                       services use";
+
+/// Checks that the outbox the pool's `search_path` leads to is complete, as a
+/// relay needs it, and that `outbox_events_seq` hands out values in commit
+/// order's terms: one at a time (`CACHE 1`: a session caching a block would
+/// take values below those other sessions already committed, behind the
+/// relays' cursors), never cycling, rising.
+///
+/// # Errors
+/// [`ErrorKind::Schema`] naming each missing table, column or trigger and
+/// what to run; [`ErrorKind::Config`] naming a sequence setting and the
+/// `ALTER SEQUENCE` that fixes it; [`ErrorKind::Database`] if the catalogs
+/// cannot be read.
+pub async fn check_outbox_layout(pool: &PgPool) -> Result<()> {
+    let columns: Vec<String> = COLUMNS.iter().map(|&c| c.to_owned()).collect();
+    let triggers: Vec<String> = TRIGGERS.iter().map(|&t| t.to_owned()).collect();
+    let found = sqlx::query_file!("queries/outbox_layout.sql", &columns, &triggers)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| Error::database("reading the outbox's schema", e))?;
+    if !found.table {
+        return Err(Error::new(
+            ErrorKind::Schema,
+            format!("table outbox_events not found through the search_path: {MIGRATE}"),
+        ));
+    }
+    let mut missing = Vec::new();
+    if !found.missing_columns.is_empty() {
+        missing.push(format!(
+            "column(s) {} of outbox_events",
+            found.missing_columns.join(", ")
+        ));
+    }
+    if !found.missing_triggers.is_empty() {
+        missing.push(format!(
+            "trigger(s) {} on outbox_events (missing or disabled)",
+            found.missing_triggers.join(", ")
+        ));
+    }
+    if !found.sequence {
+        missing.push("sequence outbox_events_seq".to_owned());
+    }
+    if !missing.is_empty() {
+        return Err(Error::new(
+            ErrorKind::Schema,
+            format!(
+                "the outbox schema is not complete: {} missing; {MIGRATE}",
+                missing.join("; ")
+            ),
+        ));
+    }
+    sequence_settings(found.seq_cache, found.seq_cycle, found.seq_increment)
+}
+
+/// The verdict on `outbox_events_seq`'s settings.
+fn sequence_settings(
+    cache: Option<i64>,
+    cycle: Option<bool>,
+    increment: Option<i64>,
+) -> Result<()> {
+    let mut wrong = Vec::new();
+    let mut fix = Vec::new();
+    if cache.is_some_and(|c| c != 1) {
+        wrong.push(format!(
+            "CACHE {} (a session caching values takes some below those others already \
+             committed, behind the relays' cursors)",
+            cache.unwrap_or_default()
+        ));
+        fix.push("cache 1");
+    }
+    if cycle == Some(true) {
+        wrong.push("CYCLE (values would start again from the bottom)".to_owned());
+        fix.push("no cycle");
+    }
+    if increment.is_some_and(|i| i < 1) {
+        wrong.push(format!(
+            "INCREMENT {} (values must rise)",
+            increment.unwrap_or_default()
+        ));
+        fix.push("increment 1");
+    }
+    if wrong.is_empty() {
+        return Ok(());
+    }
+    Err(config(format!(
+        "sequence outbox_events_seq is set {}: the relay refuses it; run `alter sequence \
+         outbox_events_seq {}` as its owner",
+        wrong.join(", "),
+        fix.join(" ")
+    )))
+}
+
+fn config(message: String) -> Error {
+    Error::new(ErrorKind::Config, message)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // test code
+
+    use super::sequence_settings;
+
+    #[test]
+    fn the_sequence_must_hand_out_one_value_at_a_time_rising_without_cycling() {
+        sequence_settings(Some(1), Some(false), Some(1)).unwrap();
+        sequence_settings(Some(1), Some(false), Some(5)).unwrap();
+        for (cache, cycle, increment, named, fix) in [
+            (20, false, 1, "CACHE 20", "cache 1"),
+            (1, true, 1, "CYCLE", "no cycle"),
+            (1, false, -1, "INCREMENT -1", "increment 1"),
+        ] {
+            let err = sequence_settings(Some(cache), Some(cycle), Some(increment)).unwrap_err();
+            let message = err.to_string();
+            assert!(message.contains(named), "{message}");
+            assert!(
+                message.contains(&format!("alter sequence outbox_events_seq {fix}")),
+                "{message}"
+            );
+        }
+    }
+}
