@@ -218,6 +218,9 @@ impl PgServer {
             .args([
                 "-c",
                 "max_connections=300",
+                // Tests of prepared (two-phase) transactions left open.
+                "-c",
+                "max_prepared_transactions=16",
                 "-c",
                 "shared_buffers=128MB",
                 // No fsync: data survives a process crash (the OS keeps it), not a

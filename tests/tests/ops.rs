@@ -787,7 +787,8 @@ fn horizon_held(body: &str) -> Option<f64> {
 }
 
 /// Transactions left open that cannot hold an outbox seq (one in another
-/// database, one in this database that wrote another table) do not hold the
+/// database, a prepared transaction left there, one in this database that
+/// wrote another table) do not hold the
 /// settled horizon back: `outbox_relay_horizon_held_seconds` stays near the
 /// one second a candidate waits before they are passed over. A writer of
 /// the outbox left open does hold it, and the gauge says so.
@@ -822,6 +823,16 @@ async fn only_open_transactions_that_wrote_to_the_outbox_hold_the_horizon() {
         .execute(&mut elsewhere)
         .await
         .unwrap();
+    // A prepared transaction left behind in another database (a crashed
+    // transaction manager), which wrote nothing to the outbox.
+    let gid = format!("orphan_{}", &db.name()[db.name().len() - 8..]);
+    let mut preparer = sqlx::PgConnection::connect(&other_url).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "create table t (n int); begin; insert into t values (1); prepare transaction '{gid}';"
+    )))
+    .execute(&mut preparer)
+    .await
+    .unwrap();
     sqlx::query("create table unrelated (n int)")
         .execute(&db.pool)
         .await
@@ -874,6 +885,10 @@ async fn only_open_transactions_that_wrote_to_the_outbox_hold_the_horizon() {
         .await;
     let _ = sqlx::raw_sql("rollback").execute(&mut *unrelated).await;
     let _ = sqlx::raw_sql("rollback").execute(&mut elsewhere).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("rollback prepared '{gid}'")))
+        .execute(&mut preparer)
+        .await
+        .unwrap();
 }
 
 /// A writer that stays open while no other transaction ends (a quiet
