@@ -779,6 +779,33 @@ async fn the_relays_database_gauge_and_readiness_follow_postgres() {
         .await;
 }
 
+/// A database, a broker and an `outbox-relay` on them publishing `subjects`
+/// to `stream`, once its horizon gauge is served.
+async fn horizon_relay(
+    stream: &str,
+    subjects: &str,
+) -> (TestDb, outbox_testkit::NatsHandle, tempfile::TempDir, Proc) {
+    let db = TestDb::new().await.unwrap();
+    let broker = outbox_testkit::nats().unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("outbox-ops-horizon-")
+        .tempdir()
+        .unwrap();
+    let mut relay = Proc::spawn(
+        "outbox-relay",
+        "outbox-relay",
+        dir.path(),
+        &[("DATABASE_URL", db.url()), ("NATS_URL", broker.url())],
+        &["--stream", stream, "--subjects", subjects],
+    );
+    relay
+        .wait_for("the horizon gauge", "/metrics", |_, b| {
+            horizon_held(b).is_some()
+        })
+        .await;
+    (db, broker, dir, relay)
+}
+
 /// `outbox_relay_horizon_held_seconds` from a scrape.
 fn horizon_held(body: &str) -> Option<f64> {
     body.lines()
@@ -794,24 +821,7 @@ fn horizon_held(body: &str) -> Option<f64> {
 /// the outbox left open does hold it, and the gauge says so.
 #[tokio::test]
 async fn only_open_transactions_that_wrote_to_the_outbox_hold_the_horizon() {
-    let db = TestDb::new().await.unwrap();
-    let broker = outbox_testkit::nats().unwrap();
-    let dir = tempfile::Builder::new()
-        .prefix("outbox-ops-horizon-")
-        .tempdir()
-        .unwrap();
-    let mut relay = Proc::spawn(
-        "outbox-relay",
-        "outbox-relay",
-        dir.path(),
-        &[("DATABASE_URL", db.url()), ("NATS_URL", broker.url())],
-        &["--stream", "OPS_HZ", "--subjects", "opshz.>"],
-    );
-    relay
-        .wait_for("the horizon gauge", "/metrics", |_, b| {
-            horizon_held(b).is_some()
-        })
-        .await;
+    let (db, _broker, _dir, mut relay) = horizon_relay("OPS_HZ", "opshz.>").await;
 
     // Open, with a transaction id each, and never ending during the check.
     let other_name = format!("{}_other", db.name());
@@ -898,24 +908,7 @@ async fn only_open_transactions_that_wrote_to_the_outbox_hold_the_horizon() {
 /// at the next sweep of the shard a minute later.
 #[tokio::test]
 async fn a_writer_open_in_a_quiet_database_is_published_when_it_commits() {
-    let db = TestDb::new().await.unwrap();
-    let broker = outbox_testkit::nats().unwrap();
-    let dir = tempfile::Builder::new()
-        .prefix("outbox-ops-quiet-")
-        .tempdir()
-        .unwrap();
-    let mut relay = Proc::spawn(
-        "outbox-relay",
-        "outbox-relay",
-        dir.path(),
-        &[("DATABASE_URL", db.url()), ("NATS_URL", broker.url())],
-        &["--stream", "OPS_QUIET", "--subjects", "opsq.>"],
-    );
-    relay
-        .wait_for("the horizon gauge", "/metrics", |_, b| {
-            horizon_held(b).is_some()
-        })
-        .await;
+    let (db, _broker, _dir, mut relay) = horizon_relay("OPS_QUIET", "opsq.>").await;
     let mut writer = db.pool.acquire().await.unwrap();
     sqlx::raw_sql(
         "begin; insert into outbox_events (id, event_type, source, subject, time, data)

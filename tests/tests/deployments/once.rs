@@ -5,29 +5,10 @@
 
 use std::time::Duration;
 
+use super::{unpublished, write};
 use outbox_testkit::{Program, TestDb};
-use sqlx::PgPool;
 
 const WAIT: Duration = Duration::from_secs(120);
-
-async fn write(pool: &PgPool, rows: i32) {
-    sqlx::query(
-        "insert into outbox_events (id, event_type, source, subject, time, data)
-         select gen_random_uuid(), 'once.step', 'tests', 'sub_' || (g % 300), now(), '{}'
-           from generate_series(1, $1) g",
-    )
-    .bind(rows)
-    .execute(pool)
-    .await
-    .unwrap();
-}
-
-async fn unpublished(pool: &PgPool) -> i64 {
-    sqlx::query_scalar("select count(*) from outbox_events where published_at is null")
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
 
 fn relay(name: &str, db: &TestDb, nats: &str, stream: &str, dir: &std::path::Path) -> Program {
     Program::new(name, super::support::bin_dir().join("outbox-relay"), dir)
@@ -49,7 +30,7 @@ async fn three_drains_started_together_publish_every_row() {
     let nats = outbox_testkit::nats().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let stream = format!("ONCE_{}", &db.name()[db.name().len() - 8..]);
-    write(&db.pool, 3_000).await;
+    write(&db.pool, "once.step", 300, 3_000).await;
     let mut drains: Vec<Program> = (0..3)
         .map(|i| relay(&format!("once-{i}"), &db, nats.url(), &stream, dir.path()).arg("--once"))
         .collect();
@@ -76,7 +57,7 @@ async fn a_drain_beside_a_running_relay_waits_for_the_whole_table() {
     let mut running =
         relay("running", &db, nats.url(), &stream, dir.path()).args(["--workers", "4"]);
     running.start().await.unwrap();
-    write(&db.pool, 3_000).await;
+    write(&db.pool, "once.step", 300, 3_000).await;
     let mut drain = relay("drain", &db, nats.url(), &stream, dir.path()).arg("--once");
     drain.start().await.unwrap();
     let code = exit_code(&mut drain).await;

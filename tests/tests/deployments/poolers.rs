@@ -182,22 +182,9 @@ async fn the_relay_runs_through_a_session_pool() {
         "pool.>",
     ]);
     relay.start().await.unwrap();
-    sqlx::query(
-        "insert into outbox_events (id, event_type, source, subject, time, data)
-         select gen_random_uuid(), 'pool.step', 'tests', 'sub_' || (g % 10), now(), '{}'
-           from generate_series(1, 500) g",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    super::write(&db.pool, "pool.step", 10, 500).await;
     let drained = wait_until("every row published", WAIT, || async {
-        sqlx::query_scalar::<_, i64>(
-            "select count(*) from outbox_events where published_at is null",
-        )
-        .fetch_one(&db.pool)
-        .await
-        .unwrap()
-            == 0
+        super::unpublished(&db.pool).await == 0
     })
     .await;
     let log = std::fs::read_to_string(log_dir.join("outbox-relay.log")).unwrap_or_default();

@@ -14,6 +14,8 @@ use inbox_consumer::{
 };
 use outbox_pg::{Envelope, Namespace};
 use outbox_testkit::{Program, TestDb, wait_until};
+
+use super::{unpublished, write};
 use serde_json::{Value, json};
 use sqlx::postgres::PgListener;
 use sqlx::{PgPool, PgTransaction};
@@ -37,29 +39,6 @@ async fn tenant(db: &TestDb, schema: &str) -> PgPool {
     let pool = PgPool::connect(&in_schema(db.url(), schema)).await.unwrap();
     outbox_pg::migrate(&pool).await.unwrap();
     pool
-}
-
-/// Writes `rows` events of `event_type` over `subjects` subjects in one
-/// transaction of plain SQL, as a service in another language would.
-async fn write(pool: &PgPool, event_type: &str, subjects: i32, rows: i32) {
-    sqlx::query(
-        "insert into outbox_events (id, event_type, source, subject, time, data)
-         select gen_random_uuid(), $1, 'tests', 'sub_' || (g % $2), now(), jsonb_build_object('g', g)
-           from generate_series(0, $3 - 1) g",
-    )
-    .bind(event_type)
-    .bind(subjects)
-    .bind(rows)
-    .execute(pool)
-    .await
-    .unwrap();
-}
-
-async fn unpublished(pool: &PgPool) -> i64 {
-    sqlx::query_scalar("select count(*) from outbox_events where published_at is null")
-        .fetch_one(pool)
-        .await
-        .unwrap()
 }
 
 /// Exclusive shard locks held under `key` (pg_locks shows it unsigned).
