@@ -1,4 +1,5 @@
-//! The outbox's schema as a relay needs it, checked at start: a missing table,
+//! The outbox's schema as a relay needs it, and the inbox's as a consumer
+//! needs it, checked at start: a missing table,
 //! column or trigger, or a sequence setting that would break the settled
 //! horizon, is a configuration error naming what to run, never an outage to
 //! retry.
@@ -125,6 +126,76 @@ fn sequence_settings(
         wrong.join(", "),
         fix.join(" ")
     )))
+}
+
+/// The columns of the inbox tables the consumer runtime reads or writes.
+const INBOX: &[(&str, &[&str])] = &[
+    (
+        "inbox_events",
+        &[
+            "consumer",
+            "event_id",
+            "event_type",
+            "subject",
+            "event_time",
+            "handled_at",
+            "sequence",
+        ],
+    ),
+    (
+        "inbox_dead_letters",
+        &[
+            "consumer",
+            "stream",
+            "stream_sequence",
+            "subject",
+            "event_id",
+            "delivery_count",
+            "reason",
+            "error",
+            "headers",
+            "payload",
+            "created_at",
+        ],
+    ),
+];
+
+/// The table an ordered consumer's leadership is recorded in.
+const LEASES: (&str, &[&str]) = (
+    "inbox_leases",
+    &["consumer", "epoch", "holder", "acquired_at", "released"],
+);
+
+/// Checks that the inbox the pool's `search_path` leads to has the tables and
+/// columns the consumer runtime uses (`inbox_leases` too when `ordered`).
+///
+/// # Errors
+/// [`ErrorKind::Schema`] naming each missing table or column and what to
+/// run; [`ErrorKind::Database`] if the catalogs cannot be read.
+pub async fn check_inbox_layout(pool: &PgPool, ordered: bool) -> Result<()> {
+    let mut tables = Vec::new();
+    let mut columns = Vec::new();
+    for (table, cols) in INBOX.iter().chain(ordered.then_some(&LEASES)) {
+        for col in *cols {
+            tables.push((*table).to_owned());
+            columns.push((*col).to_owned());
+        }
+    }
+    let missing: Vec<String> =
+        sqlx::query_file_scalar!("queries/missing_columns.sql", &tables, &columns)
+            .fetch_one(pool)
+            .await
+            .map_err(|e| Error::database("reading the inbox's schema", e))?;
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::Schema,
+        format!(
+            "the inbox schema is not complete where the search_path leads: {} missing; {MIGRATE}",
+            missing.join(", ")
+        ),
+    ))
 }
 
 fn config(message: String) -> Error {

@@ -106,7 +106,7 @@ pub use envelope::{
 };
 pub use error::{BoxError, Error, ErrorKind, Result, Violation};
 pub use event::{Event, check_schema_file};
-pub use layout::check_outbox_layout;
+pub use layout::{check_inbox_layout, check_outbox_layout};
 #[cfg(feature = "migrate")]
 pub use migrate::{MIGRATION_LOCK, MIGRATION_TABLE, MIGRATOR, migrate, migrate_with};
 pub use namespace::Namespace;

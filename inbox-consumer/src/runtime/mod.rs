@@ -231,6 +231,7 @@ const PRIVILEGE_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub(crate) async fn check_privileges(pool: &PgPool, config: &ConsumerConfig) -> Result<()> {
     check_sessions(pool, config).await?;
+    check_layout(pool, config).await?;
     let required = required_privileges(config);
     let checked = outbox_pg::check_privileges_at_start(
         pool,
@@ -251,6 +252,53 @@ pub(crate) async fn check_privileges(pool: &PgPool, config: &ConsumerConfig) -> 
     }
     Ok(())
 }
+
+/// Refuses an inbox schema that is not complete
+/// ([`outbox_pg::check_inbox_layout`]): a configuration error, not an outage
+/// to retry message by message. A schema not there yet is waited for
+/// [`SCHEMA_WAIT`] (a consumer started beside the service that migrates), with
+/// one line saying so; then the consumer refuses, naming what is missing and
+/// what to run. A check that cannot run (the database not reachable yet) is
+/// logged and passes.
+async fn check_layout(pool: &PgPool, config: &ConsumerConfig) -> Result<()> {
+    let started = std::time::Instant::now();
+    let mut said = false;
+    loop {
+        let checked = tokio::time::timeout(
+            PRIVILEGE_CHECK_TIMEOUT,
+            outbox_pg::check_inbox_layout(pool, config.ordered),
+        )
+        .await;
+        match checked {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) if e.kind() == outbox_pg::ErrorKind::Schema => {
+                if started.elapsed() >= SCHEMA_WAIT {
+                    return Err(Error::new(
+                        crate::ErrorKind::Config,
+                        format!("consumer `{}`: {e}", config.durable),
+                    )
+                    .with_source(e));
+                }
+                if !said {
+                    tracing::warn!(consumer = %config.durable, error = %e, wait = ?SCHEMA_WAIT, "waiting for the inbox migrations");
+                    said = true;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(consumer = %config.durable, error = %e, "could not check the inbox's schema; going on");
+                return Ok(());
+            }
+            Err(_) => {
+                tracing::warn!(consumer = %config.durable, "could not check the inbox's schema in time; going on");
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// How long a consumer waits at start for an inbox schema that is not there.
+const SCHEMA_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// Refuses a database URL that leads to a transaction pooler
 /// ([`outbox_pg::require_sessions`]): the runtime's queries are named

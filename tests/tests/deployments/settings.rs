@@ -114,3 +114,41 @@ async fn a_sequence_that_caches_or_cycles_is_refused_naming_the_fix() {
         assert_refused(name, &outcome, &[named], Duration::from_secs(15));
     }
 }
+
+/// A consumer on a database the migrations never reached: after waiting a
+/// while for them, one error naming the inbox tables and what to run, not a
+/// retry of every message.
+#[tokio::test]
+async fn a_consumer_on_an_unmigrated_inbox_is_refused_naming_what_to_run() {
+    let db = TestDb::new().await.unwrap();
+    let nats = outbox_testkit::nats().unwrap();
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "SET_INBOX".into(),
+        subjects: vec!["setinbox.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let bare = create_database(db.url(), &format!("{}_bare_inbox", db.name()))
+        .await
+        .unwrap();
+    let pool = sqlx::PgPool::connect(&bare).await.unwrap();
+    let started = Instant::now();
+    let config = inbox_consumer::ConsumerConfig::new("SET_INBOX", "billing").ordered(true);
+    let err = inbox_consumer::Consumer::new(js, pool, config)
+        .await
+        .err()
+        .expect("refused");
+    assert_eq!(err.kind(), inbox_consumer::ErrorKind::Config, "{err}");
+    let message = err.to_string();
+    for needle in [
+        "inbox_events",
+        "inbox_dead_letters",
+        "inbox_leases",
+        "run the outbox migrations",
+    ] {
+        assert!(message.contains(needle), "{message}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(40));
+}
