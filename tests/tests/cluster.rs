@@ -75,6 +75,24 @@ async fn publish_acked(js: &jetstream::Context, subject: &str, id: &str) -> u64 
     }
 }
 
+/// Creates a stream, trying again while the cluster has no meta leader yet
+/// (right after it starts, on a loaded machine, the request times out), for
+/// at most [`WAIT`].
+async fn create_stream(js: &jetstream::Context, config: jetstream::stream::Config) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match js.create_stream(config.clone()).await {
+            Ok(_) => return,
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "creating stream {}: {e}",
+                config.name
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 async fn stored(js: &jetstream::Context, stream: &str) -> u64 {
     let mut s = js.get_stream(stream).await.unwrap();
     s.info().await.unwrap().state.messages
@@ -87,9 +105,7 @@ async fn a_cluster_keeps_an_r3_stream_writable_through_a_follower_kill_and_a_lea
     assert_eq!(cluster.url().split(',').count(), 3);
     assert!(cluster.url().contains(&cluster.node_url(2).unwrap()));
     let js = js(&cluster).await;
-    js.create_stream(r3("HARNESS", &["harness.>"]))
-        .await
-        .unwrap();
+    create_stream(&js, r3("HARNESS", &["harness.>"])).await;
     let leader = cluster.stream_leader(&js, "HARNESS", WAIT).await.unwrap();
     let info = js
         .get_stream("HARNESS")
@@ -166,7 +182,7 @@ async fn a_relay_demanding_three_replicas_refuses_an_r1_stream() {
     let js = js(&cluster).await;
     let mut config = r3("SINGLE", &["single.>"]);
     config.num_replicas = 1;
-    js.create_stream(config).await.unwrap();
+    create_stream(&js, config).await;
     let db = outbox_testkit::TestDb::new().await.unwrap();
     let relay = |replicas: &str| {
         let mut cmd = tokio::process::Command::new(support::bin_dir().join("outbox-relay"));
@@ -207,7 +223,7 @@ async fn the_relay_moves_to_another_node_when_its_own_dies() {
     const STREAM: &str = "MOVES";
     let mut cluster = NatsCluster::start().await.unwrap();
     let js = js(&cluster).await;
-    js.create_stream(r3(STREAM, &["moves.>"])).await.unwrap();
+    create_stream(&js, r3(STREAM, &["moves.>"])).await;
     let db = outbox_testkit::TestDb::new().await.unwrap();
     let log_dir = tempfile::tempdir().unwrap();
     let mut relay = outbox_testkit::Program::new(
