@@ -78,7 +78,9 @@ async fn migrate_and_enqueue_through_a_transaction_pool_from_several_services_at
     let (events, recorded, locks): (i64, i64, i64) = sqlx::query_as(
         "select (select count(*) from outbox_events),
                 (select count(*) from outbox_schema_migrations where success),
-                (select count(*) from pg_locks where locktype = 'advisory')",
+                (select count(*) from pg_locks
+                  where locktype = 'advisory'
+                    and database = (select oid from pg_database where datname = current_database()))",
     )
     .fetch_one(&direct)
     .await

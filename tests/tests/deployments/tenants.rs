@@ -46,6 +46,7 @@ async fn shard_locks(pool: &PgPool, key: i32) -> i64 {
     sqlx::query_scalar(
         "select count(*) from pg_locks
           where locktype = 'advisory' and objsubid = 2 and granted and mode = 'ExclusiveLock'
+            and database = (select oid from pg_database where datname = current_database())
             and classid::text::bigint = ($1::int::bigint & 4294967295)",
     )
     .bind(key)
