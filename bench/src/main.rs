@@ -39,11 +39,15 @@
 //! 9. `audit` ([`audit`], not run by default): one `outbox-relay` process
 //!    draining a backlog while its audit reads back the rows it published
 //!    before, against the same drain with the audit off.
+//! 10. `hot` ([`hot`], not run by default): one `outbox-relay` process
+//!     draining a backlog of one envelope subject (one entity) against the
+//!     same number of events spread over `--subjects`.
 
 mod audit;
 mod consumer;
 mod drain;
 mod harness;
+mod hot;
 mod inbox;
 mod latency;
 mod raw_vs_relay;
@@ -71,6 +75,7 @@ enum Part {
     Inbox,
     Replicas,
     Audit,
+    Hot,
 }
 
 #[derive(Debug, Parser)]
@@ -155,6 +160,9 @@ pub(crate) struct Args {
     /// second backlog of as many events is drained.
     #[arg(long, default_value_t = 50_000)]
     pub(crate) audit_events: usize,
+    /// Backlog of the hot-entity part, of one subject and spread.
+    #[arg(long, default_value_t = 30_000)]
+    pub(crate) hot_events: usize,
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
@@ -211,6 +219,9 @@ async fn main() -> Result<()> {
     }
     if runs(Part::Audit) && args.audit_events > 0 {
         audit::run(&env, &args, &mut summary).await?;
+    }
+    if runs(Part::Hot) && args.hot_events > 0 {
+        hot::run(&env, &args, &mut summary).await?;
     }
 
     println!(

@@ -91,8 +91,8 @@ pub use error::{BoxError, Error, ErrorKind, Result};
 pub use health::{DEFAULT_CHECK_TIMEOUT, Readiness};
 pub use relay::{BatchReport, NOTIFY_CHANNEL, Relay, required_privileges};
 pub use sink::{
-    DEFAULT_MAX_PAYLOAD, FailureKind, JetStreamSink, OutgoingMessage, PublishAck, PublishFailure,
-    Sink,
+    DEFAULT_MAX_PAYLOAD, FailureKind, JetStreamSink, MAX_BATCH, OutgoingMessage, PublishAck,
+    PublishFailure, Sink,
 };
 pub use stream::{DEFAULT_DUPLICATE_WINDOW, StreamSpec};
 pub use stream_view::StreamView;

@@ -5,17 +5,22 @@
 //! the view does not capture, and any refusal by the broker, make it read
 //! the stream again before it decides; a message refused because the
 //! stream changed under it (a subject just added, a limit just raised) is
-//! sent once more.
+//! sent once more. Into a stream with `allow_atomic`, it publishes runs of
+//! messages as JetStream atomic batches (stored whole, in order, or not at
+//! all; see the relay's batch module for how the relay uses them).
 
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, ErrorCode, context::PublishErrorKind};
 use async_nats::{HeaderMap, connection::State};
 use bytes::Bytes;
 use outbox_pg::EventId;
+use tokio::sync::Semaphore;
 use tracing::debug;
+use uuid::Uuid;
 
 use crate::stream::subject_matches;
 use crate::stream_view::{Change, StreamView};
@@ -192,6 +197,35 @@ pub trait Sink: Send + Sync + 'static {
         DEFAULT_MAX_PAYLOAD
     }
 
+    /// How many of `messages`, from the first, [`publish_batch`](Self::publish_batch)
+    /// would take into one atomic batch now. The relay sends a batch only of
+    /// 16 messages or more, and publishes them one at a time otherwise.
+    /// Default: 0 (no batches).
+    fn batch_len(&self, messages: &[OutgoingMessage]) -> usize {
+        let _ = messages;
+        0
+    }
+
+    /// Publishes `messages` (at most [`batch_len`](Self::batch_len) of them)
+    /// as one atomic batch and waits (bounded) for the broker's ack of the
+    /// whole. `Ok` means every message is stored, in order, and holds one
+    /// ack per message in that order. On `Err` what is stored is a prefix
+    /// of `messages`, in order (none of them, but for a broker whose store
+    /// fails part way through a commit); an `Err` whose kind is a
+    /// [broker fault](FailureKind::is_broker_fault) says nothing more, any
+    /// other is a refusal. A later message is never stored without every
+    /// earlier one. Default: refused, nothing sent.
+    fn publish_batch(
+        &self,
+        messages: Vec<OutgoingMessage>,
+    ) -> impl Future<Output = Result<Vec<PublishAck>, PublishFailure>> + Send {
+        let _ = messages;
+        std::future::ready(Err(PublishFailure::new(
+            FailureKind::Rejected,
+            "this sink does not publish batches",
+        )))
+    }
+
     /// Reads again what the sink knows of the broker's configuration (the
     /// stream's subjects and limits); called by a running relay every
     /// [`RelayConfig::stream_refresh`](crate::RelayConfig::stream_refresh).
@@ -204,7 +238,24 @@ pub trait Sink: Send + Sync + 'static {
 /// NATS' default `max_payload`, used until the server has said otherwise.
 pub const DEFAULT_MAX_PAYLOAD: usize = 1024 * 1024;
 
-/// Publishes to NATS JetStream and awaits every PubAck.
+/// Most messages in one atomic batch: nats-server's default
+/// `max_batch_size` (a server configured lower refuses larger batches, and
+/// the relay then publishes their rows one at a time).
+pub const MAX_BATCH: usize = 1_000;
+
+/// Atomic batches one sink has in flight at once. nats-server allows 50 per
+/// stream (all publishers together) and 1,000 per server by default; a batch
+/// refused for too many in flight is published one message at a time.
+const BATCHES_IN_FLIGHT: usize = 8;
+
+/// Room for the batch headers on top of [`JetStreamSink`]'s own:
+/// `Nats-Batch-Id` (32 characters), `Nats-Batch-Sequence` (up to
+/// [`MAX_BATCH`]) and `Nats-Batch-Commit`, with their framing.
+const BATCH_HEADER_ROOM: usize = 128;
+
+/// Publishes to NATS JetStream and awaits every PubAck: one per message, or
+/// one per atomic batch into a stream that allows them
+/// ([`Sink::publish_batch`]).
 #[derive(Clone)]
 pub struct JetStreamSink {
     client: async_nats::Client,
@@ -212,6 +263,7 @@ pub struct JetStreamSink {
     timeout: Duration,
     expected_stream: Option<String>,
     view: Option<StreamView>,
+    batches: Arc<Semaphore>,
 }
 
 impl fmt::Debug for JetStreamSink {
@@ -236,6 +288,7 @@ impl JetStreamSink {
             timeout,
             expected_stream: None,
             view: None,
+            batches: Arc::new(Semaphore::new(BATCHES_IN_FLIGHT)),
         }
     }
 
@@ -288,6 +341,78 @@ impl JetStreamSink {
             sequence: ack.sequence,
             duplicate: ack.duplicate,
         })
+    }
+
+    /// Sends `messages` as one atomic batch (`Nats-Batch-Id`,
+    /// `Nats-Batch-Sequence` from 1, `Nats-Batch-Commit: 1` on the last) and
+    /// awaits the commit's PubAck, which carries the batch id, the count and
+    /// the sequence of the last message (bounded by the caller).
+    ///
+    /// All but the last are sent without a reply subject, on the one
+    /// connection, in order: the server stages them and answers only the
+    /// commit. A message lost on the way (a reconnect between sends) leaves
+    /// a gap in `Nats-Batch-Sequence`, for which the server abandons the
+    /// batch and refuses the commit; none is stored.
+    async fn send_batch(
+        &self,
+        messages: &[OutgoingMessage],
+    ) -> Result<Vec<PublishAck>, PublishFailure> {
+        let Some((last, rest)) = messages.split_last() else {
+            return Ok(Vec::new());
+        };
+        let id = Uuid::now_v7().simple().to_string();
+        let count = messages.len();
+        for (i, message) in rest.iter().enumerate() {
+            let mut headers = self.headers(message);
+            headers.insert("Nats-Batch-Id", id.as_str());
+            headers.insert("Nats-Batch-Sequence", (i + 1).to_string().as_str());
+            self.client
+                .publish_with_headers(message.subject.clone(), headers, message.payload.clone())
+                .await
+                .map_err(|e| {
+                    // Nothing is committed without the last message.
+                    let kind = match e.kind() {
+                        async_nats::client::PublishErrorKind::Send => FailureKind::Unavailable,
+                        _ => FailureKind::Rejected,
+                    };
+                    PublishFailure::new(kind, format!("sending message {} of a batch: {e}", i + 1))
+                })?;
+        }
+        let mut headers = self.headers(last);
+        headers.insert("Nats-Batch-Id", id.as_str());
+        headers.insert("Nats-Batch-Sequence", count.to_string().as_str());
+        headers.insert("Nats-Batch-Commit", "1");
+        let ack = self
+            .context
+            .publish_with_headers(last.subject.clone(), headers, last.payload.clone())
+            .await
+            .map_err(batch_failure)?
+            .await
+            .map_err(batch_failure)?;
+        let n = u64::try_from(count).unwrap_or(u64::MAX);
+        if ack.batch_id.as_deref() != Some(id.as_str())
+            || ack.batch_size != Some(n)
+            || ack.sequence < n
+            || ack.duplicate
+        {
+            // Not the commit of this batch: what was stored is found out by
+            // publishing the messages one at a time (dedupe answers for any
+            // already stored).
+            return Err(PublishFailure::new(
+                FailureKind::Rejected,
+                format!(
+                    "the server's ack ({ack:?}) is not the commit of batch {id} of {count} messages"
+                ),
+            ));
+        }
+        // A committed batch is stored contiguously: its messages are
+        // applied one after the other under the stream's isolation lock (and
+        // proposed as one entry range in a cluster), so message i is at
+        // `last - count + 1 + i`.
+        let first = ack.sequence - n + 1;
+        Ok((0..n)
+            .map(|i| PublishAck::new(ack.stream.clone(), first + i, false))
+            .collect())
     }
 
     fn headers(&self, message: &OutgoingMessage) -> HeaderMap {
@@ -462,6 +587,68 @@ impl Sink for JetStreamSink {
         }
     }
 
+    /// Batches only into a stream that, as last read from the server, has
+    /// `allow_atomic` on (a server before 2.12 does not know the setting and
+    /// never reports it, so its streams are never sent a batch: it would
+    /// store the messages one by one, unanswered), and only messages it
+    /// captures and whose size, with the batch headers, fits the server's
+    /// `max_payload` and the stream's `max_msg_size`.
+    fn batch_len(&self, messages: &[OutgoingMessage]) -> usize {
+        let Some(config) = self.view.as_ref().and_then(StreamView::config) else {
+            return 0;
+        };
+        // With every batch slot taken, rows go one at a time rather than
+        // wait for one.
+        if !config.allow_atomic_publish
+            || !self.is_available()
+            || self.batches.available_permits() == 0
+        {
+            return 0;
+        }
+        let mut limit = self.max_payload();
+        if let Ok(max) = usize::try_from(config.max_message_size)
+            && max > 0
+        {
+            limit = limit.min(max);
+        }
+        messages
+            .iter()
+            .take(MAX_BATCH)
+            .take_while(|m| {
+                config
+                    .subjects
+                    .iter()
+                    .any(|f| subject_matches(f, &m.subject))
+                    && wire_len(&self.headers(m)) + BATCH_HEADER_ROOM + m.payload.len() <= limit
+            })
+            .count()
+    }
+
+    async fn publish_batch(
+        &self,
+        messages: Vec<OutgoingMessage>,
+    ) -> Result<Vec<PublishAck>, PublishFailure> {
+        if self.client.connection_state() != State::Connected {
+            return Err(PublishFailure::new(
+                FailureKind::Unavailable,
+                "not connected to NATS",
+            ));
+        }
+        let Ok(_permit) = self.batches.acquire().await else {
+            return Err(PublishFailure::new(
+                FailureKind::Unavailable,
+                "the sink is shutting down",
+            ));
+        };
+        match tokio::time::timeout(self.timeout, self.send_batch(&messages)).await {
+            Ok(result) => result,
+            Err(_) => Err(PublishFailure::new(
+                FailureKind::Timeout,
+                format!("no ack of the batch's commit within {:?}", self.timeout),
+            )),
+        }
+    }
+
     fn is_available(&self) -> bool {
         self.client.connection_state() == State::Connected
     }
@@ -479,6 +666,26 @@ impl Sink for JetStreamSink {
         {
             debug!(stream = view.name(), error = %e, "periodic re-read of the stream failed");
         }
+    }
+}
+
+/// A batch's commit answered by an error: whatever the server stored of the
+/// batch is a prefix of it (nothing, for the refusals the server checks
+/// before it stores; the messages before a store failure otherwise), so its
+/// messages can be published one at a time, where dedupe answers for those
+/// stored and each refusal is judged for its own message:
+/// [`FailureKind::Rejected`]. A commit not answered (no ack in time, not
+/// connected, no stream) is classified as a single publish is.
+fn batch_failure(e: jetstream::context::PublishError) -> PublishFailure {
+    let answered = std::error::Error::source(&e)
+        .is_some_and(|source| source.is::<async_nats::jetstream::Error>());
+    if answered {
+        PublishFailure::new(
+            FailureKind::Rejected,
+            format!("the stream refused the batch: {e}"),
+        )
+    } else {
+        classify(e)
     }
 }
 
@@ -523,7 +730,7 @@ fn is_cluster_unavailable(e: &jetstream::context::PublishError) -> bool {
 mod tests {
     use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 
-    use super::{FailureKind, HeaderMap, classify, wire_len};
+    use super::{FailureKind, HeaderMap, batch_failure, classify, wire_len};
 
     fn api_error(json: &str) -> PublishError {
         let api: async_nats::jetstream::Error = serde_json::from_str(json).unwrap();
@@ -547,6 +754,28 @@ mod tests {
         assert!(!wrong_stream.kind().is_broker_fault());
         assert_eq!(
             classify(PublishError::new(PublishErrorKind::StreamNotFound)).kind(),
+            FailureKind::NoStream
+        );
+    }
+
+    #[test]
+    fn an_answered_batch_is_a_refusal_and_an_unanswered_one_a_broker_fault() {
+        for json in [
+            r#"{"code":400,"err_code":10201,"description":"atomic publish batch contains duplicate message id"}"#,
+            r#"{"code":503,"err_code":10077,"description":"maximum bytes exceeded"}"#,
+        ] {
+            assert_eq!(
+                batch_failure(api_error(json)).kind(),
+                FailureKind::Rejected,
+                "{json}"
+            );
+        }
+        assert_eq!(
+            batch_failure(PublishError::new(PublishErrorKind::TimedOut)).kind(),
+            FailureKind::Timeout
+        );
+        assert_eq!(
+            batch_failure(PublishError::new(PublishErrorKind::StreamNotFound)).kind(),
             FailureKind::NoStream
         );
     }

@@ -78,13 +78,17 @@ impl StreamSpec {
         &self.name
     }
 
-    fn create_config(&self) -> Config {
+    /// The config the relay creates the stream with; `atomic` (the server
+    /// is 2.12 or later) turns on atomic batch publishing, with which the
+    /// relay publishes one entity's rows without an ack per row.
+    fn create_config(&self, atomic: bool) -> Config {
         Config {
             name: self.name.clone(),
             subjects: self.subjects.clone(),
             storage: self.storage.unwrap_or(StorageType::File),
             num_replicas: self.replicas.unwrap_or(1),
             duplicate_window: self.duplicate_window.unwrap_or(DEFAULT_DUPLICATE_WINDOW),
+            allow_atomic_publish: atomic,
             ..Default::default()
         }
     }
@@ -211,6 +215,16 @@ impl StreamSpec {
                 };
                 let problems = self.mismatches(&existing);
                 if problems.is_empty() {
+                    if !existing.allow_atomic_publish
+                        && supports_atomic_batches(&js.client().server_info().version)
+                    {
+                        info!(
+                            stream = %self.name,
+                            "the stream does not allow atomic batches (allow_atomic): the rows of \
+                             one entity are published one at a time, an ack awaited for each; \
+                             turn allow_atomic on in its config to publish them in batches"
+                        );
+                    }
                     Ok(existing)
                 } else {
                     Err(Error::new(
@@ -233,13 +247,17 @@ impl StreamSpec {
                         ),
                     ));
                 }
-                let stream = js.create_stream(self.create_config()).await.map_err(|e| {
-                    Error::new(
-                        ErrorKind::Stream,
-                        format!("creating stream `{}`: {e}", self.name),
-                    )
-                    .with_source(e)
-                })?;
+                let atomic = supports_atomic_batches(&js.client().server_info().version);
+                let stream = js
+                    .create_stream(self.create_config(atomic))
+                    .await
+                    .map_err(|e| {
+                        Error::new(
+                            ErrorKind::Stream,
+                            format!("creating stream `{}`: {e}", self.name),
+                        )
+                        .with_source(e)
+                    })?;
                 // As the server filled it in (unlimited limits as -1, …).
                 Ok(stream.cached_info().config.clone())
             }
@@ -249,6 +267,19 @@ impl StreamSpec {
             )
             .with_source(e)),
         }
+    }
+}
+
+/// Whether a nats-server of `version` ("2.12.0", "2.15.1-beta") knows
+/// atomic batch publishing (2.12 and later); an unreadable version does not.
+pub(crate) fn supports_atomic_batches(version: &str) -> bool {
+    let mut parts = version
+        .trim_start_matches('v')
+        .split(['.', '-'])
+        .map(str::parse::<u32>);
+    match (parts.next(), parts.next()) {
+        (Some(Ok(major)), Some(Ok(minor))) => (major, minor) >= (2, 12),
+        _ => false,
     }
 }
 
@@ -309,6 +340,16 @@ pub(crate) fn is_not_found(e: &jetstream::context::GetStreamError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn atomic_batches_from_2_12() {
+        for v in ["2.12.0", "2.15.1", "v2.14.0-RC.1", "3.0.0"] {
+            assert!(supports_atomic_batches(v), "{v}");
+        }
+        for v in ["2.9.25", "2.11.9", "", "dev"] {
+            assert!(!supports_atomic_batches(v), "{v}");
+        }
+    }
 
     #[test]
     fn every_mismatch_is_named() {

@@ -1213,3 +1213,235 @@ async fn rows_written_after_the_seq_sequence_went_back_are_published_at_once() {
     assert!(after.iter().all(|r| ids.contains(&r.0.to_string())));
     assert_increasing_per_subject(&messages, "n");
 }
+
+// ---------------------------------------------------------------------------
+// 8. One hot entity: its rows go out in atomic batches, and nothing that
+// fails in the middle of one lets a later row be stored before an earlier.
+
+/// Checks, for a stream written only by the relay (from sequence 1, nothing
+/// deleted), that every row marked published names the stream and its
+/// message's sequence there.
+async fn assert_positions(pool: &PgPool, stream: &str, messages: &[Received]) {
+    let marked: Vec<(Uuid, Option<String>, Option<i64>)> = sqlx::query_as(
+        "select id, published_stream, published_seq from outbox_events where published_at is not null",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let at: HashMap<&str, i64> = messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (m.id(), i64::try_from(i).unwrap() + 1))
+        .collect();
+    let wrong: Vec<String> = marked
+        .iter()
+        .filter(|(id, s, seq)| {
+            s.as_deref() != Some(stream) || *seq != at.get(id.to_string().as_str()).copied()
+        })
+        .map(|(id, s, seq)| {
+            format!(
+                "{id}: marked {s:?} {seq:?}, stored at {:?}",
+                at.get(id.to_string().as_str())
+            )
+        })
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "{} of {} rows name another position than their message's, e.g.:\n{}",
+        wrong.len(),
+        marked.len(),
+        wrong[..wrong.len().min(5)].join("\n")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hot_entity_is_stored_once_and_in_order_through_broker_kills_mid_pipeline() {
+    let db = TestDb::new().await.unwrap();
+    let mut broker = blocking(NatsServer::start).unwrap();
+    let url = broker.url();
+    let relays = Relays::new(&db, &url, "HOT", "hot.>");
+    let mut relay = relays
+        .start("hot", 1, &["--publish-timeout", "1s"])
+        .await
+        .remove(0);
+    // The relay creates the stream, with atomic batches on this server.
+    wait_until("the stream created", Duration::from_secs(30), || async {
+        jetstream_client(&url)
+            .await
+            .get_stream(&relays.stream)
+            .await
+            .is_ok()
+    })
+    .await
+    .unwrap_or_else(|e| relays.fail(e, std::slice::from_mut(&mut relay)));
+    let config = jetstream_client(&url)
+        .await
+        .get_stream(&relays.stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .config
+        .clone();
+    assert!(config.allow_atomic_publish, "created with allow_atomic");
+
+    const ROWS: i64 = 5_000;
+    let rows = rows_for("acct-hot", 0, ROWS);
+    insert_events(&db.pool, "hot.charged", &rows).await;
+    // Killed (SIGKILL) and started again three times while the backlog
+    // drains: each kill lands after rows were published and before all were.
+    let mut killed_at = Vec::new();
+    for _ in 0..3 {
+        let before = count_where(&db.pool, "published_at is not null").await;
+        wait_until("more rows published", Duration::from_secs(60), || async {
+            count_where(&db.pool, "published_at is not null").await > before
+        })
+        .await
+        .unwrap_or_else(|e| relays.fail(e, std::slice::from_mut(&mut relay)));
+        blocking(|| broker.kill()).unwrap();
+        killed_at.push(count_where(&db.pool, "published_at is not null").await);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        blocking(|| broker.start_again()).unwrap();
+    }
+    assert!(
+        killed_at[0] < ROWS,
+        "the broker was killed in the middle of the backlog (published at the kills: {killed_at:?})"
+    );
+    wait_until(
+        "all 5,000 published after the kills",
+        Duration::from_secs(120),
+        || async {
+            count_where(&db.pool, "published_at is null").await == 0
+                && stream_count(&url, &relays.stream).await >= 5_000
+        },
+    )
+    .await
+    .unwrap_or_else(|e| relays.fail(e, std::slice::from_mut(&mut relay)));
+    relays.assert_running(&mut relay);
+    assert_eq!(
+        count_where(&db.pool, "attempts > 0").await,
+        0,
+        "broker faults cost no attempts"
+    );
+    let messages = read_stream(&url, &relays.stream).await;
+    let ids = ids_once(&messages);
+    assert_eq!(messages.len(), rows.len(), "every row once");
+    assert!(rows.iter().all(|r| ids.contains(&r.0.to_string())));
+    let n = assert_increasing_per_subject(&messages, "n");
+    assert_eq!(n["acct-hot"], (0..ROWS).collect::<Vec<_>>(), "in seq order");
+    assert_sequences(&messages);
+    assert_positions(&db.pool, &relays.stream, &messages).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_full_in_the_middle_of_a_hot_entity_stores_no_later_row() {
+    use async_nats::jetstream::stream::{Config, DiscardPolicy};
+
+    let db = TestDb::new().await.unwrap();
+    let nats = nats().unwrap();
+    let relays = Relays::new(&db, nats.url(), "FULL", "full.>");
+    // Room for about a hundred of the rows below: the stream refuses the
+    // rest (discard new) until its limit is raised.
+    let js = jetstream_client(nats.url()).await;
+    let mut config = Config {
+        name: relays.stream.clone(),
+        subjects: vec!["full.>".into()],
+        max_bytes: 60_000,
+        discard: DiscardPolicy::New,
+        duplicate_window: Duration::from_secs(120),
+        allow_atomic_publish: true,
+        ..Default::default()
+    };
+    js.create_stream(config.clone()).await.unwrap();
+    let mut relay = relays
+        .start(
+            "full",
+            1,
+            &[
+                "--max-attempts",
+                "1000",
+                "--backoff-base",
+                "20ms",
+                "--max-backoff",
+                "200ms",
+            ],
+        )
+        .await
+        .remove(0);
+
+    // Every fifth row is large: when one of them does not fit, the smaller
+    // rows after it still would, and must not be stored before it.
+    const ROWS: i64 = 1_000;
+    let rows: Vec<(Uuid, String, Value)> = (0..ROWS)
+        .map(|i| {
+            let pad = "x".repeat(if i % 5 == 4 { 2_000 } else { 50 });
+            (
+                Uuid::now_v7(),
+                "acct-full".to_owned(),
+                serde_json::json!({ "n": i, "pad": pad }),
+            )
+        })
+        .collect();
+    insert_events(&db.pool, "full.charged", &rows).await;
+    // The stream fills up; the first row that does not fit is refused
+    // (nats-server answers 503 for a full stream: the relay waits for room,
+    // as for a broker fault, without counting attempts) again and again.
+    let mut last = 0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let now = stream_count(nats.url(), &relays.stream).await;
+        if now > 0 && now == last {
+            break;
+        }
+        if std::time::Instant::now() > deadline {
+            relays.fail(
+                format!("the stream did not fill up and stay ({now} messages)"),
+                std::slice::from_mut(&mut relay),
+            );
+        }
+        last = now;
+    }
+    let stored = stream_count(nats.url(), &relays.stream).await;
+    let messages = read_stream(nats.url(), &relays.stream).await;
+    assert!(
+        stored > 10 && stored < 500,
+        "{stored} stored under the limit"
+    );
+    // Nothing after the refused row is stored, nothing before it is missing.
+    let n = assert_increasing_per_subject(&messages, "n");
+    let stored_i64 = i64::try_from(stored).unwrap();
+    assert_eq!(
+        n["acct-full"],
+        (0..stored_i64).collect::<Vec<_>>(),
+        "exactly the first rows are stored, in order"
+    );
+    assert_eq!(
+        count_where(&db.pool, "published_at is not null").await,
+        stored_i64,
+        "exactly the stored rows are marked"
+    );
+    assert_positions(&db.pool, &relays.stream, &messages).await;
+    assert_eq!(count_where(&db.pool, "attempts > 0").await, 0);
+
+    // The limit raised: the rest follows, each once, in order.
+    config.max_bytes = -1;
+    js.update_stream(&config).await.unwrap();
+    wait_until(
+        "all 1,000 published after the limit is raised",
+        Duration::from_secs(60),
+        || async { count_where(&db.pool, "published_at is null").await == 0 },
+    )
+    .await
+    .unwrap_or_else(|e| relays.fail(e, std::slice::from_mut(&mut relay)));
+    relays.assert_running(&mut relay);
+    let messages = read_stream(nats.url(), &relays.stream).await;
+    let ids = ids_once(&messages);
+    assert_eq!(messages.len(), rows.len());
+    assert!(rows.iter().all(|r| ids.contains(&r.0.to_string())));
+    let n = assert_increasing_per_subject(&messages, "n");
+    assert_eq!(n["acct-full"], (0..ROWS).collect::<Vec<_>>());
+    assert_sequences(&messages);
+    assert_positions(&db.pool, &relays.stream, &messages).await;
+}
