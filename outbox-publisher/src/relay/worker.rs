@@ -95,8 +95,8 @@ impl<S: Sink> Relay<S> {
     /// no row that was due is left anywhere.
     ///
     /// # Errors
-    /// [`ErrorKind::Database`](crate::ErrorKind::Database) if a claim or mark
-    /// fails; [`ErrorKind::Stalled`](crate::ErrorKind::Stalled) when rows were
+    /// [`ErrorKind::Database`] if a claim or mark
+    /// fails; [`ErrorKind::Stalled`] when rows were
     /// left for 60 s without one of them getting published (the message
     /// counts them and names their shards).
     pub async fn drain(&self) -> Result<BatchReport> {
