@@ -4,9 +4,17 @@
 //! horizon, is a configuration error naming what to run, never an outage to
 //! retry.
 
+use std::future::Future;
+use std::time::{Duration, Instant};
+
 use sqlx::PgPool;
 
 use crate::error::{Error, ErrorKind, Result};
+
+/// How long [`check_outbox_layout_at_start`] and [`check_inbox_layout_at_start`]
+/// wait for a schema that is not there yet (a component started beside the
+/// service that migrates) before they refuse.
+pub const SCHEMA_WAIT: Duration = Duration::from_secs(20);
 
 /// The columns of `outbox_events` a relay reads or writes.
 const COLUMNS: &[&str] = &[
@@ -196,6 +204,71 @@ pub async fn check_inbox_layout(pool: &PgPool, ordered: bool) -> Result<()> {
             missing.join(", ")
         ),
     ))
+}
+
+/// [`check_outbox_layout`] at a relay's start-up, where the database may not
+/// answer yet and the migrations may still be running: each try bounded by
+/// `timeout`, a schema not there yet tried again for [`SCHEMA_WAIT`]
+/// (`waiting` is called once, with the reason, when the wait begins). A check
+/// that cannot run passes with the reason, for the caller to log.
+///
+/// # Errors
+/// [`ErrorKind::Schema`] once [`SCHEMA_WAIT`] has passed; [`ErrorKind::Config`]
+/// at once, as [`check_outbox_layout`].
+pub async fn check_outbox_layout_at_start(
+    pool: &PgPool,
+    timeout: Duration,
+    waiting: impl FnOnce(&Error),
+) -> Result<Option<String>> {
+    at_start(timeout, waiting, || check_outbox_layout(pool)).await
+}
+
+/// [`check_inbox_layout`] at a consumer's start-up, as
+/// [`check_outbox_layout_at_start`] does for the relay.
+///
+/// # Errors
+/// [`ErrorKind::Schema`] once [`SCHEMA_WAIT`] has passed.
+pub async fn check_inbox_layout_at_start(
+    pool: &PgPool,
+    ordered: bool,
+    timeout: Duration,
+    waiting: impl FnOnce(&Error),
+) -> Result<Option<String>> {
+    at_start(timeout, waiting, || check_inbox_layout(pool, ordered)).await
+}
+
+/// Runs `check` until it passes, refuses for good, or cannot run.
+async fn at_start<F, Fut>(
+    timeout: Duration,
+    waiting: impl FnOnce(&Error),
+    mut check: F,
+) -> Result<Option<String>>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<()>>,
+{
+    let started = Instant::now();
+    let mut waiting = Some(waiting);
+    loop {
+        match tokio::time::timeout(timeout, check()).await {
+            Ok(Ok(())) => return Ok(None),
+            Ok(Err(e)) if e.kind() == ErrorKind::Schema && started.elapsed() < SCHEMA_WAIT => {
+                if let Some(say) = waiting.take() {
+                    say(&e);
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Ok(Err(e)) if matches!(e.kind(), ErrorKind::Schema | ErrorKind::Config) => {
+                return Err(e);
+            }
+            Ok(Err(e)) => return Ok(Some(e.to_string())),
+            Err(_) => {
+                return Ok(Some(format!(
+                    "the database did not answer within {timeout:?}"
+                )));
+            }
+        }
+    }
 }
 
 fn config(message: String) -> Error {

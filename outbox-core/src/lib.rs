@@ -106,12 +106,15 @@ pub use envelope::{
 };
 pub use error::{BoxError, Error, ErrorKind, Result, Violation};
 pub use event::{Event, check_schema_file};
-pub use layout::{check_inbox_layout, check_outbox_layout};
+pub use layout::{
+    SCHEMA_WAIT, check_inbox_layout, check_inbox_layout_at_start, check_outbox_layout,
+    check_outbox_layout_at_start,
+};
 #[cfg(feature = "migrate")]
 pub use migrate::{MIGRATION_LOCK, MIGRATION_TABLE, MIGRATOR, migrate, migrate_with};
 pub use namespace::Namespace;
 pub use outbox::{DEFAULT_MAX_MESSAGE_SIZE, Outbox};
-pub use pooler::require_sessions;
+pub use pooler::{require_sessions, require_sessions_at_start};
 pub use privilege::{
     Privilege, check_privileges, check_privileges_at_start, is_insufficient_privilege,
 };

@@ -23,6 +23,8 @@
 //!   start ([`require_sessions`]) and refuse, naming the pooler, rather than
 //!   run: point them at PostgreSQL itself, or at a pool in session mode.
 
+use std::time::Duration;
+
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgConnection};
 
@@ -64,6 +66,27 @@ pub async fn require_sessions(options: &PgConnectOptions, component: &str) -> Re
     let _ = a.close().await;
     let _ = b.close().await;
     judge(&seen_a, &seen_b, component)
+}
+
+/// [`require_sessions`] at a component's start-up, where the database may not
+/// answer yet: bounded by `timeout`, and only a pooler is an error. A check
+/// that cannot run passes with the reason, for the caller to log.
+///
+/// # Errors
+/// [`ErrorKind::Config`], as [`require_sessions`].
+pub async fn require_sessions_at_start(
+    options: &PgConnectOptions,
+    component: &str,
+    timeout: Duration,
+) -> Result<Option<String>> {
+    match tokio::time::timeout(timeout, require_sessions(options, component)).await {
+        Ok(Ok(())) => Ok(None),
+        Ok(Err(e)) if e.kind() == ErrorKind::Config => Err(e),
+        Ok(Err(e)) => Ok(Some(e.to_string())),
+        Err(_) => Ok(Some(format!(
+            "the database did not answer within {timeout:?}"
+        ))),
+    }
 }
 
 async fn connect(options: &PgConnectOptions) -> Result<PgConnection> {

@@ -230,8 +230,7 @@ const CONSUMER_ROLE: &str = "outbox_consumer";
 const PRIVILEGE_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub(crate) async fn check_privileges(pool: &PgPool, config: &ConsumerConfig) -> Result<()> {
-    check_sessions(pool, config).await?;
-    check_layout(pool, config).await?;
+    check_sessions_and_layout(pool, config).await?;
     let required = required_privileges(config);
     let checked = outbox_pg::check_privileges_at_start(
         pool,
@@ -253,77 +252,47 @@ pub(crate) async fn check_privileges(pool: &PgPool, config: &ConsumerConfig) -> 
     Ok(())
 }
 
-/// Refuses an inbox schema that is not complete
-/// ([`outbox_pg::check_inbox_layout`]): a configuration error, not an outage
-/// to retry message by message. A schema not there yet is waited for
-/// [`SCHEMA_WAIT`] (a consumer started beside the service that migrates), with
-/// one line saying so; then the consumer refuses, naming what is missing and
-/// what to run. A check that cannot run (the database not reachable yet) is
-/// logged and passes.
-async fn check_layout(pool: &PgPool, config: &ConsumerConfig) -> Result<()> {
-    let started = std::time::Instant::now();
-    let mut said = false;
-    loop {
-        let checked = tokio::time::timeout(
-            PRIVILEGE_CHECK_TIMEOUT,
-            outbox_pg::check_inbox_layout(pool, config.ordered),
-        )
-        .await;
-        match checked {
-            Ok(Ok(())) => return Ok(()),
-            Ok(Err(e)) if e.kind() == outbox_pg::ErrorKind::Schema => {
-                if started.elapsed() >= SCHEMA_WAIT {
-                    return Err(Error::new(
-                        crate::ErrorKind::Config,
-                        format!("consumer `{}`: {e}", config.durable),
-                    )
-                    .with_source(e));
-                }
-                if !said {
-                    tracing::warn!(consumer = %config.durable, error = %e, wait = ?SCHEMA_WAIT, "waiting for the inbox migrations");
-                    said = true;
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(consumer = %config.durable, error = %e, "could not check the inbox's schema; going on");
-                return Ok(());
-            }
-            Err(_) => {
-                tracing::warn!(consumer = %config.durable, "could not check the inbox's schema in time; going on");
-                return Ok(());
-            }
-        }
-    }
-}
-
-/// How long a consumer waits at start for an inbox schema that is not there.
-const SCHEMA_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
-
 /// Refuses a database URL that leads to a transaction pooler
-/// ([`outbox_pg::require_sessions`]): the runtime's queries are named
-/// prepared statements, and an ordered consumer's leadership is a session
-/// lock. A check that cannot run (the database not reachable yet) is logged
-/// and passes.
-async fn check_sessions(pool: &PgPool, config: &ConsumerConfig) -> Result<()> {
-    let options = pool.connect_options();
-    let probe = outbox_pg::require_sessions(&options, "the consumer runtime");
-    match tokio::time::timeout(PRIVILEGE_CHECK_TIMEOUT, probe).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) if e.kind() == outbox_pg::ErrorKind::Config => Err(Error::new(
+/// ([`outbox_pg::require_sessions`]: the runtime's queries are named prepared
+/// statements, and an ordered consumer's leadership is a session lock) and an
+/// inbox schema that is not complete ([`outbox_pg::check_inbox_layout`]; one
+/// not there yet is waited for [`outbox_pg::SCHEMA_WAIT`], for a consumer
+/// started beside the service that migrates). Configuration errors, not
+/// outages to retry message by message; a check that cannot run (the
+/// database not reachable yet) is logged and passes.
+async fn check_sessions_and_layout(pool: &PgPool, config: &ConsumerConfig) -> Result<()> {
+    let refused = |e: outbox_pg::Error| {
+        Error::new(
             crate::ErrorKind::Config,
             format!("consumer `{}`: {e}", config.durable),
         )
-        .with_source(e)),
-        Ok(Err(e)) => {
-            tracing::warn!(consumer = %config.durable, error = %e, "could not check the database URL for a transaction pooler; going on");
-            Ok(())
-        }
-        Err(_) => {
-            tracing::warn!(consumer = %config.durable, "could not check the database URL for a transaction pooler in time; going on");
-            Ok(())
-        }
+        .with_source(e)
+    };
+    let options = pool.connect_options();
+    let sessions = outbox_pg::require_sessions_at_start(
+        &options,
+        "the consumer runtime",
+        PRIVILEGE_CHECK_TIMEOUT,
+    )
+    .await
+    .map_err(refused)?;
+    if let Some(why) = sessions {
+        tracing::warn!(consumer = %config.durable, error = %why, "could not check the database URL for a transaction pooler; going on");
     }
+    let layout = outbox_pg::check_inbox_layout_at_start(
+        pool,
+        config.ordered,
+        PRIVILEGE_CHECK_TIMEOUT,
+        |e| {
+            tracing::warn!(consumer = %config.durable, error = %e, wait = ?outbox_pg::SCHEMA_WAIT, "waiting for the inbox migrations");
+        },
+    )
+    .await
+    .map_err(refused)?;
+    if let Some(why) = layout {
+        tracing::warn!(consumer = %config.durable, error = %why, "could not check the inbox's schema; going on");
+    }
+    Ok(())
 }
 
 /// A message and its decoded delivery.

@@ -212,9 +212,34 @@ const RELAY_ROLE: &str = "outbox_relay";
 /// the relay's loops, not here).
 const PRIVILEGE_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The start-up checks: no transaction pooler
+/// ([`outbox_pg::require_sessions`]), a complete outbox schema whose sequence
+/// keeps the settled horizon ([`outbox_pg::check_outbox_layout`]; a schema not
+/// there yet is waited for [`outbox_pg::SCHEMA_WAIT`], for a relay started
+/// beside the services that migrate), and the role's privileges. Each is a
+/// configuration error, not an outage; a check that cannot run (the database
+/// not reachable yet) is logged and passes, and each new shard ownership
+/// session checks for a pooler again.
 async fn check_privileges(pool: &PgPool, config: &RelayConfig) -> Result<()> {
-    check_sessions(pool).await?;
-    check_layout(pool).await?;
+    let options = pool.connect_options();
+    if let Some(why) =
+        outbox_pg::require_sessions_at_start(&options, "the relay", PRIVILEGE_CHECK_TIMEOUT).await?
+    {
+        warn!(error = %why, "could not check the database URL for a transaction pooler; going on");
+    }
+    let waited = std::sync::atomic::AtomicBool::new(false);
+    let layout = outbox_pg::check_outbox_layout_at_start(pool, PRIVILEGE_CHECK_TIMEOUT, |e| {
+        waited.store(true, std::sync::atomic::Ordering::Relaxed);
+        warn!(error = %e, wait = ?outbox_pg::SCHEMA_WAIT, "waiting for the outbox migrations");
+    })
+    .await?;
+    match layout {
+        Some(why) => warn!(error = %why, "could not check the outbox's schema; going on"),
+        None if waited.load(std::sync::atomic::Ordering::Relaxed) => {
+            info!("the outbox schema is in place")
+        }
+        None => {}
+    }
     let required = required_privileges(config);
     let unchecked =
         outbox_pg::check_privileges_at_start(pool, &required, RELAY_ROLE, PRIVILEGE_CHECK_TIMEOUT)
@@ -223,76 +248,6 @@ async fn check_privileges(pool: &PgPool, config: &RelayConfig) -> Result<()> {
         warn!(error = %why, "could not check the relay's database privileges; going on");
     }
     Ok(())
-}
-
-/// Refuses an outbox schema that is not complete or whose sequence would
-/// break the settled horizon ([`outbox_pg::check_outbox_layout`]): a
-/// configuration error, not an outage. A schema not there yet is waited for
-/// [`SCHEMA_WAIT`] (a relay started beside the services that migrate),
-/// with one line saying so; then the relay refuses, naming what is missing
-/// and what to run. A check that cannot run (the database not reachable yet)
-/// is logged and passes.
-async fn check_layout(pool: &PgPool) -> Result<()> {
-    let started = std::time::Instant::now();
-    let mut said = false;
-    loop {
-        let checked = tokio::time::timeout(
-            PRIVILEGE_CHECK_TIMEOUT,
-            outbox_pg::check_outbox_layout(pool),
-        )
-        .await;
-        match checked {
-            Ok(Ok(())) => {
-                if said {
-                    info!("the outbox schema is in place");
-                }
-                return Ok(());
-            }
-            Ok(Err(e)) if e.kind() == outbox_pg::ErrorKind::Schema => {
-                if started.elapsed() >= SCHEMA_WAIT {
-                    return Err(e.into());
-                }
-                if !said {
-                    warn!(error = %e, wait = ?SCHEMA_WAIT, "waiting for the outbox migrations");
-                    said = true;
-                }
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
-            Ok(Err(e)) if e.kind() == outbox_pg::ErrorKind::Config => return Err(e.into()),
-            Ok(Err(e)) => {
-                warn!(error = %e, "could not check the outbox's schema; going on");
-                return Ok(());
-            }
-            Err(_) => {
-                warn!("could not check the outbox's schema in time; going on");
-                return Ok(());
-            }
-        }
-    }
-}
-
-/// How long a relay waits at start for an outbox schema that is not there.
-const SCHEMA_WAIT: Duration = Duration::from_secs(20);
-
-/// Refuses a database URL that leads to a transaction pooler
-/// ([`outbox_pg::require_sessions`]). A check that cannot run (the database
-/// not reachable yet) is logged and passes: each new shard ownership session
-/// checks again before it takes a shard.
-async fn check_sessions(pool: &PgPool) -> Result<()> {
-    let options = pool.connect_options();
-    let probe = outbox_pg::require_sessions(&options, "the relay");
-    match tokio::time::timeout(PRIVILEGE_CHECK_TIMEOUT, probe).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) if e.kind() == outbox_pg::ErrorKind::Config => Err(e.into()),
-        Ok(Err(e)) => {
-            warn!(error = %e, "could not check the database URL for a transaction pooler; going on");
-            Ok(())
-        }
-        Err(_) => {
-            warn!("could not check the database URL for a transaction pooler in time; going on");
-            Ok(())
-        }
-    }
 }
 
 impl Relay<JetStreamSink> {
