@@ -51,7 +51,6 @@ use outbox_testkit::{NatsServer, Program, TestDb, wait_until};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sqlx::PgTransaction;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -88,29 +87,11 @@ impl Handler for Apply {
     }
 }
 
-fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
-
-/// A plain HTTP/1.0 GET of `/metrics`.
+/// The body of `GET /metrics`.
 async fn scrape(addr: SocketAddr) -> Option<String> {
-    let exchange = async {
-        let mut conn = tokio::net::TcpStream::connect(addr).await.ok()?;
-        conn.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-            .await
-            .ok()?;
-        let mut response = Vec::new();
-        conn.read_to_end(&mut response).await.ok()?;
-        let response = String::from_utf8_lossy(&response).into_owned();
-        Some(response.split_once("\r\n\r\n")?.1.to_owned())
-    };
-    tokio::time::timeout(Duration::from_secs(10), exchange)
+    support::http::get(addr, "/metrics", Duration::from_secs(10))
         .await
-        .ok()
-        .flatten()
+        .map(|(_, body)| body)
 }
 
 fn sample(text: &str, name: &str) -> f64 {
@@ -132,7 +113,7 @@ impl Relay {
     async fn start(db: &TestDb, nats_url: &str, stream: &str, name: &str, audit: bool) -> Self {
         let dir = std::env::temp_dir().join("audit-tests").join(db.name());
         std::fs::create_dir_all(&dir).unwrap();
-        let metrics = free_addr();
+        let metrics = support::http::free_addr();
         let mut program = Program::new(name, support::bin_dir().join("outbox-relay"), &dir)
             .env("DATABASE_URL", db.url())
             .env("NATS_URL", nats_url)

@@ -33,7 +33,6 @@ use outbox_pg::{Envelope, Outbox};
 use outbox_testkit::{NatsServer, TestDb};
 use serde_json::{Value, json};
 use sqlx::Connection;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 
 /// Bound on every wait.
@@ -57,7 +56,7 @@ impl Proc {
         env: &[(&str, &str)],
         args: &[&str],
     ) -> Self {
-        let metrics = free_addr();
+        let metrics = support::http::free_addr();
         let log = dir.join(format!("{name}.log"));
         let file = std::fs::File::create(&log).unwrap();
         let child = Command::new(support::bin_dir().join(bin))
@@ -92,7 +91,7 @@ impl Proc {
 
     /// `GET path` on the metrics address: status and body.
     async fn get(&self, path: &str) -> Option<(u16, String)> {
-        http_get(self.metrics, path).await
+        support::http::get(self.metrics, path, Duration::from_secs(10)).await
     }
 
     /// Waits (bounded) until `GET path` satisfies `done`, failing early if
@@ -121,33 +120,6 @@ impl Proc {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
-}
-
-fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
-
-/// A plain HTTP/1.0 GET, as a scraper or a probe sends it.
-async fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
-    let exchange = async {
-        let mut conn = tokio::net::TcpStream::connect(addr).await.ok()?;
-        conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-            .await
-            .ok()?;
-        let mut response = Vec::new();
-        conn.read_to_end(&mut response).await.ok()?;
-        let response = String::from_utf8_lossy(&response).into_owned();
-        let (head, body) = response.split_once("\r\n\r\n")?;
-        let status = head.split_whitespace().nth(1)?.parse().ok()?;
-        Some((status, body.to_owned()))
-    };
-    tokio::time::timeout(Duration::from_secs(10), exchange)
-        .await
-        .ok()
-        .flatten()
 }
 
 /// Exported metric names (without `_bucket`/`_sum`/`_count` of histograms)

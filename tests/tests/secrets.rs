@@ -38,7 +38,6 @@ use std::time::{Duration, Instant};
 use outbox_testkit::{NatsServer, TestDb};
 use serde_json::Value;
 use sqlx::postgres::PgConnectOptions;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 
 /// Every character a URL parser or a splitter could stop at.
@@ -248,7 +247,7 @@ impl Proc {
     async fn wait_for(&mut self, path: &str, status: u16) -> String {
         let deadline = Instant::now() + WAIT;
         loop {
-            let answer = http_get(self.metrics, path).await;
+            let answer = support::http::get(self.metrics, path, Duration::from_secs(5)).await;
             if let Some((got, body)) = &answer
                 && *got == status
             {
@@ -298,26 +297,6 @@ impl Proc {
         );
         assert_clean(&format!("{}'s output", self.name), &log);
     }
-}
-
-/// A plain HTTP/1.0 GET, as a scraper or a probe sends it.
-async fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
-    let exchange = async {
-        let mut conn = tokio::net::TcpStream::connect(addr).await.ok()?;
-        conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-            .await
-            .ok()?;
-        let mut response = Vec::new();
-        conn.read_to_end(&mut response).await.ok()?;
-        let response = String::from_utf8_lossy(&response).into_owned();
-        let (head, body) = response.split_once("\r\n\r\n")?;
-        let status = head.split_whitespace().nth(1)?.parse().ok()?;
-        Some((status, body.to_owned()))
-    };
-    tokio::time::timeout(Duration::from_secs(5), exchange)
-        .await
-        .ok()
-        .flatten()
 }
 
 #[test]

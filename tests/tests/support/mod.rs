@@ -1,5 +1,8 @@
 //! Runs the workspace's binaries as a user would.
 
+#[allow(dead_code)] // each test binary uses what it needs
+pub(crate) mod http;
+
 use std::path::PathBuf;
 use std::process::Command;
 
