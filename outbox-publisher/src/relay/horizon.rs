@@ -171,6 +171,8 @@ async fn name_holders(store: &Store, writers: &[i64], waited: Duration) {
                 );
             }
         }
-        Err(e) => tracing::debug!(error = %e, "reading who holds the horizon"),
+        Err(e) => {
+            tracing::warn!(error = %e, held_for = ?waited, "the settled horizon is held, and reading who holds it failed")
+        }
     }
 }
