@@ -29,7 +29,9 @@
 --                    FOR UPDATE SKIP LOCKED row locks need UPDATE on some
 --                    column; no statement updates either), USAGE on
 --                    inbox_dead_letters_id_seq; SELECT, INSERT, UPDATE on
---                    inbox_leases (ordered consumers).
+--                    inbox_leases (ordered consumers); SELECT, INSERT, UPDATE
+--                    on inbox_consumers (where each consumer stands on its
+--                    stream, recorded by the runtime).
 --
 -- Each may also read outbox_schema_migrations, so outbox_pg::migrate at
 -- start-up can see the schema is up to date and change nothing. None may
@@ -99,3 +101,4 @@ grant select, insert, delete on inbox_dead_letters to outbox_consumer;
 grant update (created_at) on inbox_dead_letters to outbox_consumer;
 grant usage on sequence inbox_dead_letters_id_seq to outbox_consumer;
 grant select, insert, update on inbox_leases to outbox_consumer;
+grant select, insert, update on inbox_consumers to outbox_consumer;

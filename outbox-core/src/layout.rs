@@ -166,6 +166,17 @@ const INBOX: &[(&str, &[&str])] = &[
             "created_at",
         ],
     ),
+    (
+        "inbox_consumers",
+        &[
+            "consumer",
+            "stream",
+            "filter_subjects",
+            "ack_floor",
+            "created_at",
+            "updated_at",
+        ],
+    ),
 ];
 
 /// The table an ordered consumer's leadership is recorded in.

@@ -184,7 +184,8 @@ fn stream_error(stream: &str, e: jetstream::context::GetStreamError) -> Error {
 
 /// The privileges a consumer with `config` needs: SELECT and INSERT on
 /// `inbox_events` and `inbox_dead_letters`, USAGE on
-/// `inbox_dead_letters_id_seq`; DELETE, and UPDATE on a column (the
+/// `inbox_dead_letters_id_seq`; SELECT, INSERT and UPDATE on
+/// `inbox_consumers` (where the consumer stands on its stream); DELETE, and UPDATE on a column (the
 /// pruning's row locks), on `inbox_events` when this process prunes, and on
 /// `inbox_dead_letters` when it prunes dead letters too;
 /// SELECT, INSERT and UPDATE on `inbox_leases` when ordered. Advisory locks
@@ -196,6 +197,9 @@ pub fn required_privileges(config: &ConsumerConfig) -> Vec<Privilege> {
         Privilege::table("inbox_dead_letters", "SELECT"),
         Privilege::table("inbox_dead_letters", "INSERT"),
         Privilege::sequence("inbox_dead_letters_id_seq", "USAGE"),
+        Privilege::table("inbox_consumers", "SELECT"),
+        Privilege::table("inbox_consumers", "INSERT"),
+        Privilege::table("inbox_consumers", "UPDATE"),
     ];
     // Pruning deletes in batches locked FOR UPDATE SKIP LOCKED, and a row
     // lock needs UPDATE on a column of the table.
