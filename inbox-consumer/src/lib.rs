@@ -179,7 +179,7 @@ pub use poison::{Poison, Reason};
 pub use retention::Retention;
 pub use retry::RetryPolicy;
 pub use router::{Routable, Router};
-pub use runtime::{Consumer, ConsumerConfig, Unrouted};
+pub use runtime::{Consumer, ConsumerConfig, Start, Unrouted};
 pub use service::{HandlerService, typed};
 pub use trace::{Trace, TraceLayer};
 

@@ -213,7 +213,7 @@ async fn a_running_consumer_exports_its_lag() {
             .unwrap();
     }
 
-    // Read every LAG_INTERVAL (10 s): the durable holds 2, 3 wait.
+    // Read every LAG_INTERVAL: the durable holds 2, 3 wait.
     let seen = std::sync::Mutex::new(Vec::new());
     wait_until(
         "the lag gauges to count 2 messages held and 3 waiting",

@@ -19,7 +19,7 @@
 //! the stream (their [`REPLAY_CONSUMER_HEADER`](crate::dead_letter::REPLAY_CONSUMER_HEADER)
 //! names it), acked without being handled. The runtime also reports the
 //! durable's lag, read from JetStream every
-//! [`LAG_INTERVAL`](crate::runtime::LAG_INTERVAL) (10 s) on a task of its own,
+//! [`LAG_INTERVAL`](crate::runtime::LAG_INTERVAL) (1 s) on a task of its own,
 //! as gauges labelled `consumer` and `stream`:
 //!
 //! | name | kind | what |

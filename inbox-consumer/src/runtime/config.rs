@@ -2,8 +2,9 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::{AckPolicy, pull};
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
 
+use super::position::Start;
 use crate::retention::Retention;
 use crate::retry::RetryPolicy;
 
@@ -33,6 +34,7 @@ pub struct ConsumerConfig {
     pub(crate) lease_timeout: Duration,
     pub(crate) unrouted: Unrouted,
     pub(crate) max_batch: usize,
+    pub(crate) start: Start,
 }
 
 /// What the runtime does with a message whose event type no route handles
@@ -75,6 +77,7 @@ impl ConsumerConfig {
             lease_timeout: Duration::from_secs(15),
             unrouted: Unrouted::Ack,
             max_batch: 64,
+            start: Start::Auto,
         }
     }
 
@@ -278,6 +281,17 @@ impl ConsumerConfig {
         self
     }
 
+    /// Where the durable starts if the runtime has to create it (it does not
+    /// exist: new, or deleted by an operator). Default: [`Start::Auto`], after
+    /// where the inbox records this consumer (or the consumer it renames) to
+    /// stand, so that no event past the inbox window is applied again; see
+    /// [`runtime::position`](super::position). An existing durable keeps its
+    /// own start.
+    pub fn start(mut self, start: Start) -> Self {
+        self.start = start;
+        self
+    }
+
     /// The durable consumer name (the inbox namespace).
     pub fn durable(&self) -> &str {
         &self.durable
@@ -294,10 +308,11 @@ impl ConsumerConfig {
             .max(Duration::from_millis(10))
     }
 
-    /// The JetStream consumer configuration.
-    pub(crate) fn pull_config(&self) -> pull::Config {
+    /// The JetStream consumer configuration, delivering from `deliver_policy`.
+    pub(crate) fn pull_config(&self, deliver_policy: DeliverPolicy) -> pull::Config {
         let mut config = pull::Config {
             durable_name: Some(self.durable.clone()),
+            deliver_policy,
             ack_policy: AckPolicy::Explicit,
             ack_wait: self.ack_wait,
             // Unlimited: the runtime counts deliveries itself (see `max_deliver`).

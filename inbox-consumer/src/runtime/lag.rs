@@ -7,36 +7,59 @@
 //! - `inbox_consumer_ack_pending_messages`: delivered, not yet acked
 //!   (`num_ack_pending`).
 //!
+//! The same read records the durable's ack floor in `inbox_consumers`
+//! ([`position`](super::position)), where a durable created again starts;
+//! [`record_floor`] records it once more when the runtime stops.
+//!
 //! It runs on a task of its own beside message handling, never in its way: a
 //! slow or failed request leaves the gauges at their last values. The first
 //! failure after a success is a warning (the lag alerts then judge a stale
 //! number), later ones are logged at debug level, and the first success
 //! after them at info.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
 
+use super::position;
+use super::process::Shared;
 use crate::metrics::names;
 
 /// How often the lag is read.
-pub const LAG_INTERVAL: Duration = Duration::from_secs(10);
+pub const LAG_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Bound on one consumer-info request.
 pub const LAG_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Reads the durable's lag every [`LAG_INTERVAL`] until dropped.
-pub(super) async fn poll(consumer: PullConsumer, durable: String, stream: String) {
-    let labels = [("consumer", durable), ("stream", stream)];
+/// Reads the durable's lag every [`LAG_INTERVAL`] until dropped, and records
+/// its ack floor when it rose.
+pub(super) async fn poll(consumer: PullConsumer, shared: Arc<Shared>) {
+    let config = &shared.config;
+    let labels = [
+        ("consumer", config.durable.clone()),
+        ("stream", config.stream.clone()),
+    ];
     let mut ticks = tokio::time::interval(LAG_INTERVAL);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;
+    let mut recorded = None;
     loop {
         ticks.tick().await;
         let error = match tokio::time::timeout(LAG_TIMEOUT, consumer.get_info()).await {
             Ok(Ok(info)) => {
                 metrics::gauge!(names::PENDING, &labels).set(info.num_pending as f64);
                 metrics::gauge!(names::ACK_PENDING, &labels).set(info.num_ack_pending as f64);
+                let floor = info.ack_floor.stream_sequence;
+                if recorded != Some(floor) {
+                    match position::record(&shared.pool, config, floor).await {
+                        Ok(()) => recorded = Some(floor),
+                        Err(e) => tracing::debug!(
+                            consumer = %labels[0].1, error = %e,
+                            "recording the consumer's ack floor failed; tried again next time",
+                        ),
+                    }
+                }
                 if std::mem::take(&mut failing) {
                     tracing::info!(consumer = %labels[0].1, "reading the consumer's lag again");
                 }
@@ -53,5 +76,23 @@ pub(super) async fn poll(consumer: PullConsumer, durable: String, stream: String
                 "reading the consumer's lag failed; its gauges keep their last values until it succeeds",
             );
         }
+    }
+}
+
+/// Reads the durable's ack floor once (bounded by [`LAG_TIMEOUT`]) and records
+/// it: the runtime's last word on where it stands, after a drain.
+pub(super) async fn record_floor(consumer: &PullConsumer, shared: &Shared) {
+    let config = &shared.config;
+    let recorded = async {
+        let info = tokio::time::timeout(LAG_TIMEOUT, consumer.get_info())
+            .await
+            .map_err(|_| format!("no answer within {LAG_TIMEOUT:?}"))?
+            .map_err(|e| e.to_string())?;
+        position::record(&shared.pool, config, info.ack_floor.stream_sequence)
+            .await
+            .map_err(|e| e.to_string())
+    };
+    if let Err(error) = recorded.await {
+        tracing::debug!(consumer = %config.durable, %error, "recording the ack floor at stop failed");
     }
 }

@@ -56,6 +56,11 @@
 //!   transaction (inbox rows written set-based, handlers in order, one
 //!   commit), then their acks. A delivery whose handler fails is left out of
 //!   the commit and handled alone afterwards.
+//! - **Where a durable starts.** A durable the runtime has to create (new,
+//!   or deleted by an operator) starts after the ack floor the inbox records
+//!   for the consumer, or for the consumer it renames, so no event the inbox
+//!   can no longer recognise (past its retention window) is applied again;
+//!   see [`position`] and [`ConsumerConfig::start`].
 //! - **Lag** is read from JetStream every [`LAG_INTERVAL`] on a task of its
 //!   own (each request bounded by [`LAG_TIMEOUT`]) and exported as the gauges
 //!   `inbox_consumer_pending_messages` and
@@ -134,6 +139,7 @@ mod config;
 mod dispatch;
 mod lag;
 pub(crate) mod lease;
+pub mod position;
 mod process;
 mod runner;
 mod session;
@@ -156,6 +162,7 @@ use crate::retention;
 pub use crate::retry::RetryPolicy;
 pub use config::{ConsumerConfig, Unrouted};
 pub use lag::{LAG_INTERVAL, LAG_TIMEOUT};
+pub use position::Start;
 
 use lease::Tenure;
 use process::Shared;
@@ -348,23 +355,35 @@ impl Consumer {
         pool: PgPool,
         config: ConsumerConfig,
     ) -> Result<Self> {
-        let stream = js
+        let mut stream = js
             .get_stream(&config.stream)
             .await
             .map_err(|e| stream_error(&config.stream, e))?;
-        let consumer: PullConsumer =
-            stream
-                .create_consumer(config.pull_config())
-                .await
-                .map_err(|e| {
-                    Error::nats(
-                        &format!(
-                            "creating durable consumer `{}` on `{}`",
-                            config.durable, config.stream
-                        ),
-                        e,
-                    )
-                })?;
+        let durable = position::durable(&pool, &config, &mut stream).await?;
+        let consumer: PullConsumer = stream
+            .create_consumer(config.pull_config(durable.policy()))
+            .await
+            .map_err(|e| {
+                Error::nats(
+                    &format!(
+                        "creating durable consumer `{}` on `{}`",
+                        config.durable, config.stream
+                    ),
+                    e,
+                )
+            })?;
+        if let position::Durable::Create { policy, why, .. } = &durable {
+            tracing::info!(
+                consumer = %config.durable, stream = %config.stream, deliver_policy = ?policy,
+                "created the durable consumer: it delivers from {why}",
+            );
+        }
+        if let Err(e) = position::record(&pool, &config, durable.floor()).await {
+            tracing::warn!(
+                consumer = %config.durable, error = %e,
+                "could not record where the consumer stands; the lag task records it when it can",
+            );
+        }
         let redelivery = retention::redelivery_window(
             config.ack_wait,
             config.max_deliver,
@@ -450,8 +469,7 @@ impl Consumer {
             .then(|| AbortOnDrop(tokio::spawn(prune_periodically(Arc::clone(&shared)))));
         let _lag = AbortOnDrop(tokio::spawn(lag::poll(
             self.consumer.clone(),
-            config.durable.clone(),
-            config.stream.clone(),
+            Arc::clone(&shared),
         )));
         let mut shutdown = std::pin::pin!(shutdown);
         tracing::info!(
@@ -461,6 +479,7 @@ impl Consumer {
         if !config.ordered {
             let session = Session::new(&shared, &self.consumer, runner, None, Backlog::default());
             session.run(shutdown.as_mut()).await;
+            lag::record_floor(&self.consumer, &shared).await;
             tracing::info!(consumer = %config.durable, "inbox consumer stopped");
             return Ok(());
         }
@@ -480,6 +499,7 @@ impl Consumer {
                 Served::Deposed => {}
             }
         }
+        lag::record_floor(&self.consumer, &shared).await;
         tracing::info!(consumer = %config.durable, "inbox consumer stopped");
         Ok(())
     }
