@@ -122,7 +122,7 @@ impl Consumer {
             router: Router::new(),
             timeouts: Timeouts::default(),
             whole_stream: false,
-            batched: false,
+            batched: true,
             stream_patience: None,
         }
     }
@@ -196,11 +196,13 @@ impl ConsumerBuilder {
         self
     }
 
-    /// Handles up to [`ConsumerConfig::max_batch`] deliveries of distinct
-    /// subjects in one transaction ([`Consumer::run_batched`]). Off by
-    /// default: each delivery has its own transaction.
+    /// Handles up to `max_batch` deliveries of distinct subjects in one
+    /// transaction ([`Consumer::run_batched`]); 1 gives each delivery a
+    /// transaction of its own ([`Consumer::run`]). Default: batched, up to
+    /// [`ConsumerConfig::max_batch`] (64). A batch is what has already
+    /// arrived: the runtime never waits to fill one.
     pub fn batched(mut self, max_batch: usize) -> Self {
-        self.batched = true;
+        self.batched = max_batch > 1;
         self.config = self.config.max_batch(max_batch);
         self
     }

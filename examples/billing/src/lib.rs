@@ -32,7 +32,8 @@
 //! | `--nats-user`/`--nats-password`, `--nats-token`, `--nats-nkey` (each secret also as `--*-file`), `--nats-creds`, `--nats-tls-ca`, `--nats-tls-cert`/`--nats-tls-key` | | credentials and TLS, as for `outbox-relay` (README, "Production connections") |
 //! | `--consumer` | `billing` | durable name and inbox dedupe namespace |
 //! | `--concurrency` | 16 | deliveries (or batches) handled at once by the leading replica (never two of one subscription) |
-//! | `--batch` | 1 | deliveries handled in one transaction: above 1, up to N of distinct subscriptions share one inbox insert and one commit, then their acks; one whose handler fails is handled alone after it |
+//! | `--batch` | 64 | most deliveries handled in one transaction (what has arrived, never waiting to fill one): up to N of distinct subscriptions share one inbox insert and one commit, then their acks; one whose handler fails is handled alone after it; 1: each in its own |
+//! | `--start` | auto | where the durable starts if billing creates it: after the position the inbox records (nothing past the inbox window applied again), `all` (a replay), `new`, or a stream sequence |
 //! | `--unordered` | | every replica consumes at once; a subscription's events may then be handled out of order across replicas (the handlers stay right, through retries) |
 //! | `--lease-timeout` | 15s | how long a silent leader keeps the lead before a standby takes over (a dead process is replaced at once) |
 //! | `--stream` | `OUTBOX` | |

@@ -17,8 +17,8 @@ use example_billing::{
     CrashAfterCommitLayer, StackOptions, batch_service, connect_consumer, consumer_config,
     default_schemas_dir, service,
 };
-use inbox_consumer::Readiness;
 use inbox_consumer::connect::{DatabaseArgs, NatsArgs, cancel_on_signal};
+use inbox_consumer::{Readiness, Start};
 use outbox_pg::{Outbox, SchemaRegistry};
 use outbox_publisher::cli::{LogFormat, init_logging, parse_ops_addr, serve_ops};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
@@ -50,12 +50,21 @@ struct Args {
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
 
-    /// Deliveries handled in one transaction (1: each in its own). Above 1,
-    /// up to N deliveries of distinct subscriptions share one transaction,
-    /// one set-based inbox insert and one commit, then their acks; one whose
+    /// Most deliveries handled in one transaction (1: each in its own). What
+    /// has arrived is handled at once, never waiting to fill a batch: up to N
+    /// deliveries of distinct subscriptions share one transaction, one
+    /// set-based inbox insert and one commit, then their acks; one whose
     /// handler fails is handled alone afterwards.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=4096))]
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=4096))]
     batch: u16,
+
+    /// Where the durable starts if billing creates it (it does not exist):
+    /// `auto` (after where the inbox records billing, or the consumer it
+    /// renames, to stand: nothing past the inbox window is applied again; a
+    /// consumer that never ran here reads the whole stream), `all` (a replay
+    /// of the whole stream), `new`, or a stream sequence.
+    #[arg(long, default_value = "auto", value_parser = parse_start)]
+    start: Start,
 
     /// JetStream stream to consume from (and the relay publishes into).
     #[arg(long, default_value = "OUTBOX")]
@@ -120,6 +129,18 @@ struct Args {
     /// handled again.
     #[arg(long, hide = true)]
     no_dedupe: bool,
+}
+
+fn parse_start(s: &str) -> Result<Start, String> {
+    match s {
+        "auto" => Ok(Start::Auto),
+        "all" => Ok(Start::All),
+        "new" => Ok(Start::New),
+        n => n
+            .parse()
+            .map(Start::Sequence)
+            .map_err(|_| format!("`{n}` is not auto, all, new or a stream sequence")),
+    }
 }
 
 fn probability(s: &str) -> Result<f64, String> {
@@ -192,7 +213,12 @@ async fn main() -> Result<(), Box<dyn Error>> {
         })
     });
 
-    let batch = usize::from(args.batch);
+    // Without the inbox (a test mode) deliveries go one at a time.
+    let batch = if args.no_dedupe {
+        1
+    } else {
+        usize::from(args.batch)
+    };
     // Room for every slot to fill its batch, and for the next batches.
     let buffered = (concurrency * batch * 2).max(256);
     let config = consumer_config(&args.stream, &args.consumer)
@@ -203,7 +229,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
         .max_deliver(args.max_deliver)
         .ack_wait(args.ack_wait)
         .ordered(!args.unordered)
-        .lease_timeout(args.lease_timeout);
+        .lease_timeout(args.lease_timeout)
+        .start(args.start);
     let js = async_nats::jetstream::new(nats);
     let consumer = tokio::select! {
         () = shutdown.cancelled() => None,
