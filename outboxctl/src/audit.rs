@@ -52,8 +52,15 @@ pub(crate) struct Args {
     stream: String,
 
     /// Make each lost row unpublished again, for the relay to publish again.
+    /// Refused when `--since` reaches past `--inbox-window`: a consumer whose
+    /// inbox row of such an event is pruned would apply it again.
     #[arg(long)]
     republish: bool,
+
+    /// The shortest inbox retention window of the stream's consumers (the
+    /// inbox's default is 14 days): `--republish` never reaches further back.
+    #[arg(long, value_name = "D", default_value = "14d", value_parser = parse_duration)]
+    inbox_window: Duration,
 
     /// Message reads in flight at once.
     #[arg(long, value_name = "N", default_value_t = 16)]
@@ -160,9 +167,29 @@ impl Report for Audited {
     }
 }
 
+/// Refuses `--republish` reaching past the consumers' inbox window: an event
+/// republished after its inbox rows were pruned is applied again.
+fn check_window(args: &Args) -> Result<()> {
+    if args.republish && args.since > args.inbox_window {
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!(
+                "--republish with --since {} reaches past the consumers' inbox window ({}): a \
+                 consumer whose inbox no longer holds such an event would apply it again. Audit \
+                 a shorter window, or give --inbox-window the shortest retention of the \
+                 stream's consumers",
+                humantime::format_duration(args.since),
+                humantime::format_duration(args.inbox_window)
+            ),
+        ));
+    }
+    Ok(())
+}
+
 pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
     // Checked before connecting: a window out of the calendar is a flag error.
     cutoff(args.since, "--since")?;
+    check_window(args)?;
     let pool = db.connect(&["outbox_events"]).await?;
     let js = crate::nats::jetstream(&args.nats, args.timeout).await?;
     let audit = Audit::new(pool, js, &args.stream)

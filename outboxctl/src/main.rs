@@ -8,7 +8,7 @@
 //! outboxctl prune [--dry-run]                         # outbox retention
 //! outboxctl inbox status | prune                      # per consumer
 //! outboxctl dead-letters list | show <id> | replay <id>… | purge --older-than 30d
-//! outboxctl audit [--since 1h] [--stream OUTBOX] [--republish]   # messages the stream lost after acking
+//! outboxctl audit [--since 1h] [--stream OUTBOX] [--republish] [--inbox-window 14d]   # messages the stream lost after acking
 //! ```
 //!
 //! Every command prints JSON with `--json`. A wrong URL, a missing table or

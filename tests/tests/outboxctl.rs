@@ -856,6 +856,20 @@ async fn errors_are_one_line_exit_1_and_json_and_change_nothing() {
         started.elapsed()
     );
 
+    // A republish reaching past the consumers' inbox window: refused before
+    // anything is read.
+    let (kind, message) = ctl(
+        &closed,
+        &["--json", "audit", "--since", "15d", "--republish"],
+    )
+    .await
+    .error();
+    assert_eq!(kind, "config", "{message}");
+    assert!(
+        message.contains("inbox window") && message.contains("apply it again"),
+        "{message}"
+    );
+
     // A database without the tables: the missing table named, every command.
     let db = TestDb::new().await.unwrap();
     let empty_name = format!("{}_empty", db.name());
