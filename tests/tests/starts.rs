@@ -15,6 +15,7 @@
 mod inbox_world;
 
 use inbox_consumer::{Consumer, ErrorKind, Start};
+use outbox_testkit::wait_until;
 use serde_json::json;
 
 use inbox_world::*;
@@ -93,6 +94,15 @@ async fn a_durable_created_again_resumes_after_the_recorded_floor_and_applies_no
         .wait_count("50 effects", "select count(*) from effects", 50)
         .await;
     world.wait_settled("billing").await;
+    // While running, the recorded floor follows the acks closely (a process
+    // killed now would leave it there).
+    wait_until(
+        "the ack floor recorded while running",
+        std::time::Duration::from_secs(3),
+        || async { ack_floor(&world, "billing").await == 50 },
+    )
+    .await
+    .unwrap();
     running.shutdown().await;
     assert_eq!(
         ack_floor(&world, "billing").await,

@@ -9,7 +9,8 @@
 //!
 //! The same read records the durable's ack floor in `inbox_consumers`
 //! ([`position`](super::position)), where a durable created again starts;
-//! [`record_floor`] records it once more when the runtime stops.
+//! while messages are being settled the read comes sooner (at most every
+//! 100 ms), and [`record_floor`] records it once more when the runtime stops.
 //!
 //! It runs on a task of its own beside message handling, never in its way: a
 //! slow or failed request leaves the gauges at their last values. The first
@@ -29,6 +30,11 @@ use crate::metrics::names;
 /// How often the lag is read.
 pub const LAG_INTERVAL: Duration = Duration::from_secs(1);
 
+/// The least time between two reads when messages are being settled: the
+/// recorded ack floor trails the acks by about this much under load, by
+/// [`LAG_INTERVAL`] at most.
+const FLOOR_SPACING: Duration = Duration::from_millis(100);
+
 /// Bound on one consumer-info request.
 pub const LAG_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -44,8 +50,17 @@ pub(super) async fn poll(consumer: PullConsumer, shared: Arc<Shared>) {
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;
     let mut recorded = None;
+    let mut last_read = tokio::time::Instant::now();
     loop {
-        ticks.tick().await;
+        // Every interval, and soon after messages were settled (at most every
+        // FLOOR_SPACING), so the recorded floor trails the acks by little.
+        tokio::select! {
+            _ = ticks.tick() => {}
+            () = shared.settled.notified() => {
+                tokio::time::sleep_until(last_read + FLOOR_SPACING).await;
+            }
+        }
+        last_read = tokio::time::Instant::now();
         let error = match tokio::time::timeout(LAG_TIMEOUT, consumer.get_info()).await {
             Ok(Ok(info)) => {
                 metrics::gauge!(names::PENDING, &labels).set(info.num_pending as f64);

@@ -400,7 +400,12 @@ impl Consumer {
             );
         }
         Ok(Self {
-            shared: Arc::new(Shared { js, pool, config }),
+            shared: Arc::new(Shared {
+                js,
+                pool,
+                config,
+                settled: tokio::sync::Notify::new(),
+            }),
             consumer,
         })
     }

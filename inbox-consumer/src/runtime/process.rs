@@ -23,6 +23,8 @@ pub(crate) struct Shared {
     pub(crate) js: jetstream::Context,
     pub(crate) pool: PgPool,
     pub(crate) config: ConsumerConfig,
+    /// Told when messages were settled: the ack floor may have risen.
+    pub(crate) settled: tokio::sync::Notify,
 }
 
 /// Handles one decoded delivery: service (→ commit) → ack, or nak, or dead

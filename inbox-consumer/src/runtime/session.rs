@@ -351,6 +351,9 @@ impl<'a, R: Runner> Session<'a, R> {
         let Some(keys) = self.tracked.remove(&id) else {
             return;
         };
+        if finished.iter().any(|done| *done) {
+            self.shared.settled.notify_one();
+        }
         // A poison task holds one message and no subject.
         self.held = self.held.saturating_sub(keys.len().max(1));
         for (index, (key, event)) in keys.into_iter().enumerate() {
