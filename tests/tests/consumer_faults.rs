@@ -439,3 +439,89 @@ async fn ordered_batches_void_every_invoice_in_order_through_a_leader_killed_mid
     assert_eq!(w.scalar("select count(*) from inbox_dead_letters").await, 0);
     survivor.terminate().await;
 }
+
+// ---------------------------------------------------------------------------
+// 3. The durable deleted and the inbox rows pruned past retention.
+
+/// Billing killed after handling 50 events, its inbox rows aged past the
+/// 14-day window and deleted as retention deletes them, the durable removed
+/// by an operator, billing started again: the new durable starts after the
+/// recorded ack floor, so no subscription is invoiced twice. A deployment
+/// under a new durable name reads on from there too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_deleted_after_retention_invoices_nothing_twice() {
+    let w = world().await;
+    let mut billing = w.start("billing", &[]).await;
+    let first: Vec<_> = (0..50).map(|i| created(&format!("sub-{i}"))).collect();
+    w.publish_all(&first).await;
+    wait_until("50 invoices", Duration::from_secs(60), || async {
+        w.scalar("select count(*) from invoices").await == 50
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}; billing's log:\n{}", w.log_tail("billing")));
+    wait_until(
+        "the ack floor recorded",
+        Duration::from_secs(10),
+        || async {
+            w.scalar("select ack_floor from inbox_consumers where consumer = 'billing'")
+                .await
+                >= 50
+        },
+    )
+    .await
+    .unwrap();
+    billing.kill9().await;
+
+    sqlx::raw_sql(
+        "update inbox_events set handled_at = handled_at - interval '15 days';
+         delete from inbox_events where handled_at < now() - interval '14 days';",
+    )
+    .execute(&w.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(w.scalar("select count(*) from inbox_events").await, 0);
+    w.js.get_stream(STREAM)
+        .await
+        .unwrap()
+        .delete_consumer(DURABLE)
+        .await
+        .unwrap();
+
+    let mut billing = w.start("billing-again", &[]).await;
+    w.publish_all(&[created("sub-50")]).await;
+    wait_until(
+        "the new event invoiced",
+        Duration::from_secs(60),
+        || async {
+            w.scalar("select count(*) from invoices where subscription_id = 'sub-50'")
+                .await
+                == 1
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}; billing's log:\n{}", w.log_tail("billing-again")));
+    wait_until("every message settled", Duration::from_secs(30), || async {
+        w.outstanding().await == 0
+    })
+    .await
+    .unwrap();
+    w.assert_running(&mut billing);
+    assert_eq!(
+        w.scalar("select count(*) from invoices").await,
+        51,
+        "one invoice per subscription; billing's log:\n{}",
+        w.log_tail("billing-again")
+    );
+    assert_eq!(
+        w.scalar("select count(distinct subscription_id) from invoices")
+            .await,
+        51
+    );
+    assert!(
+        w.log("billing-again")
+            .contains("after its recorded ack floor"),
+        "billing says where the durable starts:\n{}",
+        w.log_tail("billing-again")
+    );
+    billing.terminate().await;
+}
