@@ -206,6 +206,7 @@ mod tests {
     #[test]
     fn reasons_have_stable_codes() {
         assert_eq!(Reason::MaxDeliveries.as_str(), "max_deliveries");
+        assert_eq!(Reason::Panic.as_str(), "panic");
         assert_eq!(
             Reason::UndecodablePayload.to_string(),
             "undecodable_payload"

@@ -25,6 +25,10 @@ pub enum Reason {
     Rejected,
     /// The last allowed delivery (the consumer's `max_deliver`) failed.
     MaxDeliveries,
+    /// The handler (or a layer) panicked on the last allowed delivery; every
+    /// attempt before rolled back and was retried like a failure (see
+    /// [`runtime`](crate::runtime#a-panicking-handler)).
+    Panic,
 }
 
 impl Reason {
@@ -38,6 +42,7 @@ impl Reason {
             Self::Unroutable => "unroutable",
             Self::Rejected => "rejected",
             Self::MaxDeliveries => "max_deliveries",
+            Self::Panic => "panic",
         }
     }
 }

@@ -28,7 +28,7 @@ pub(crate) struct Args {
     consumer: Option<String>,
 
     /// Only this reason: not_json, not_cloudevent, invalid_id,
-    /// undecodable_payload, unroutable, rejected, max_deliveries.
+    /// undecodable_payload, unroutable, rejected, max_deliveries, panic.
     #[arg(long, value_name = "R")]
     reason: Option<String>,
 
