@@ -18,6 +18,15 @@ use crate::error::HandlerError;
 /// and never does outside work (email, HTTP) that cannot roll back: write the
 /// intent to a table instead.
 ///
+/// A handler that panics (an `unwrap` on a field, an index out of range)
+/// fails its event, not the consumer: the runtime catches the panic, the
+/// transaction rolls back, the event is retried like a retryable error and
+/// dead-lettered with reason `panic` once its budget is spent (see
+/// [`runtime`](crate::runtime#a-panicking-handler)). Only the transaction is
+/// undone, so state the handler keeps outside it (shared between its clones)
+/// must not be left half-updated where it may panic. Return a
+/// [`HandlerError`] rather than panic where the failure is foreseen.
+///
 /// ```
 /// use inbox_consumer::{Handler, HandlerError};
 /// use outbox_pg::Envelope;

@@ -17,7 +17,14 @@
 //! `inbox_unrouted_total` by the runtime, as is `inbox_replays_ignored_total`
 //! (labelled `consumer`): replayed dead letters meant for another consumer of
 //! the stream (their [`REPLAY_CONSUMER_HEADER`](crate::dead_letter::REPLAY_CONSUMER_HEADER)
-//! names it), acked without being handled. The runtime also reports the
+//! names it), acked without being handled. `inbox_handler_panics_total`
+//! (labelled `consumer` and `event_type`) counts the attempts whose handler,
+//! or a layer, panicked: the runtime catches the panic, rolls the delivery
+//! back and retries it, then dead-letters it (reason `panic`) once the
+//! budget is spent (see [`runtime`](crate::runtime#a-panicking-handler)).
+//! Such an attempt is not in `inbox_failed_total` nor in the duration
+//! histogram: this layer's future never finished. The counter starts at zero
+//! for each event type the durable is filtered to. The runtime also reports the
 //! durable's lag, read from JetStream every
 //! [`LAG_INTERVAL`](crate::runtime::LAG_INTERVAL) (1 s) on a task of its own,
 //! as gauges labelled `consumer` and `stream`:
@@ -62,6 +69,10 @@ pub mod names {
     /// Counter: replayed dead letters meant for another consumer, acked
     /// without being handled (label `consumer` only).
     pub const REPLAYS_IGNORED: &str = "inbox_replays_ignored_total";
+    /// Counter: attempts of a delivery whose handler (or a layer) panicked,
+    /// caught by the runtime and rolled back (see
+    /// [`runtime`](crate::runtime#a-panicking-handler)).
+    pub const HANDLER_PANICS: &str = "inbox_handler_panics_total";
     /// Histogram: seconds from the start of a delivery's handling to its commit or failure.
     pub const HANDLER_DURATION: &str = "inbox_handler_duration_seconds";
     /// Gauge: messages not yet delivered to the durable (labels `consumer`, `stream`).
@@ -78,6 +89,7 @@ pub mod names {
         DEAD_LETTERED,
         UNROUTED,
         REPLAYS_IGNORED,
+        HANDLER_PANICS,
         HANDLER_DURATION,
         PENDING,
         ACK_PENDING,
@@ -106,6 +118,10 @@ pub fn describe() {
     describe_counter!(
         names::REPLAYS_IGNORED,
         "Replayed dead letters meant for another consumer, acked without being handled"
+    );
+    describe_counter!(
+        names::HANDLER_PANICS,
+        "Delivery attempts whose handler panicked (caught, rolled back, retried or dead-lettered)"
     );
     describe_histogram!(
         names::HANDLER_DURATION,

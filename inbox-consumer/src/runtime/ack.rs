@@ -6,6 +6,8 @@
 //! | the database unreachable, a lock wait timed out, or a privilege the role lacks (rolled back) | `-NAK {delay}`, whatever the delivery count: never dead-lettered |
 //! | other retryable error (rolled back) | `-NAK {delay}`, delay from [`RetryPolicy`](crate::RetryPolicy) or [`HandlerError::retry_after`] |
 //! | other retryable error once the delivery budget is spent | dead letter (`max_deliveries`), then `+TERM` |
+//! | the handler or a layer panicked (caught, rolled back) | `-NAK {delay}`, delay from [`RetryPolicy`](crate::RetryPolicy) |
+//! | a panic once the delivery budget is spent | dead letter (`panic`), then `+TERM` |
 //! | reject, undecodable payload | dead letter, then `+TERM` |
 //! | no route for the event type | `+ACK`, counted (`inbox_unrouted_total`); or dead letter, by [`Unrouted`] |
 //! | [`ErrorKind::LeaseLost`] (an ordered consumer's deposed leader) | nothing: the new leader gets it |
@@ -23,6 +25,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, AckKind};
 
 use super::config::{ConsumerConfig, Unrouted};
+use super::panics::Panicked;
 use crate::delivery::Outcome;
 use crate::error::{Action, BoxError, Error, ErrorKind, HandlerError};
 use crate::poison::Reason;
@@ -63,16 +66,20 @@ pub(crate) fn decide(
         Classified::Unavailable => {
             Decision::Nak(config.retry.delay(delivered).min(UNAVAILABLE_MAX_DELAY))
         }
-        Classified::Retry(after) => {
-            let budget = config.max_deliver;
-            let spent = u64::try_from(budget).is_ok_and(|max| max > 0 && delivered >= max);
-            if spent {
-                Decision::DeadLetter(Reason::MaxDeliveries)
-            } else {
-                Decision::Nak(after.unwrap_or_else(|| config.retry.delay(delivered)))
-            }
+        Classified::Retry(_) if spent(delivered, config) => {
+            Decision::DeadLetter(Reason::MaxDeliveries)
         }
+        Classified::Retry(after) => {
+            Decision::Nak(after.unwrap_or_else(|| config.retry.delay(delivered)))
+        }
+        Classified::Panic if spent(delivered, config) => Decision::DeadLetter(Reason::Panic),
+        Classified::Panic => Decision::Nak(config.retry.delay(delivered)),
     }
+}
+
+/// Whether the `delivered`-th delivery is the last the budget allows.
+fn spent(delivered: u64, config: &ConsumerConfig) -> bool {
+    u64::try_from(config.max_deliver).is_ok_and(|max| max > 0 && delivered >= max)
 }
 
 enum Classified {
@@ -81,11 +88,16 @@ enum Classified {
     Unavailable,
     Reject(Reason),
     Abandon,
+    /// The handler or a layer panicked ([`Panicked`]).
+    Panic,
 }
 
 fn classify(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Classified {
     if lease_lost(error) {
         return Classified::Abandon;
+    }
+    if error.is::<Panicked>() {
+        return Classified::Panic;
     }
     if let Some(handler) = error.downcast_ref::<HandlerError>() {
         return match handler.action() {
@@ -262,6 +274,39 @@ mod tests {
         assert_eq!(
             decide(&other, 3, &c),
             Decision::DeadLetter(Reason::MaxDeliveries)
+        );
+    }
+
+    #[test]
+    fn a_panic_is_retried_with_backoff_then_dead_lettered_as_a_panic() {
+        let c = config(3);
+        let panicked = || {
+            let payload: Box<dyn std::any::Any + Send> = Box::new("index out of range");
+            let caught = futures::executor::block_on(crate::runtime::panics::catch(async move {
+                std::panic::resume_unwind(payload)
+            }));
+            err(caught.unwrap_err())
+        };
+        assert_eq!(
+            decide(&panicked(), 1, &c),
+            Decision::Nak(Duration::from_secs(1))
+        );
+        assert_eq!(
+            decide(&panicked(), 2, &c),
+            Decision::Nak(Duration::from_secs(2))
+        );
+        assert_eq!(
+            decide(&panicked(), 3, &c),
+            Decision::DeadLetter(Reason::Panic)
+        );
+        assert_eq!(
+            decide(&panicked(), 9, &c),
+            Decision::DeadLetter(Reason::Panic)
+        );
+        let unlimited = config(-1);
+        assert_eq!(
+            decide(&panicked(), 99, &unlimited),
+            Decision::Nak(unlimited.retry.delay(99))
         );
     }
 

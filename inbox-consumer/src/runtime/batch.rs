@@ -10,7 +10,11 @@
 //! or an ordered consumer's in-place retry). A batch that could not reach the
 //! database is nak'ed as a whole (or, ordered, retried in place); one that
 //! failed as a whole for any other reason is retried one delivery at a time,
-//! which isolates the culprit.
+//! which isolates the culprit. So is a batch in which a handler (or a layer)
+//! panicked: the panic is caught ([`panics`]), the batch's
+//! transaction is dropped and rolls back, and each delivery is handled
+//! alone, where only the one that panics again fails (counted, nak'ed, or
+//! dead-lettered with reason `panic` once its budget is spent).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -24,6 +28,7 @@ use tower::{Service, ServiceExt};
 
 use super::Job;
 use super::ack::{self, UNAVAILABLE_MAX_DELAY};
+use super::panics;
 use super::process::{self, Shared, with_progress_all};
 use crate::delivery::{BatchResults, Delivery, Outcome};
 use crate::error::{BoxError, Error, ErrorKind};
@@ -54,7 +59,19 @@ where
                 .await
                 .map_err(Into::<BoxError>::into)
         };
-        let result = with_progress_all(call, &messages, config).await;
+        let result = match with_progress_all(panics::catch(call), &messages, config).await {
+            Ok(result) => result,
+            Err(panicked) => {
+                // Which delivery panicked is not known: each is handled
+                // alone, where the panic is pinned on its own event.
+                let events: Vec<String> = jobs.iter().map(|(_, d)| d.id().to_string()).collect();
+                tracing::error!(
+                    consumer = %config.durable, deliveries = count, ?events, panic = %panicked.message(),
+                    "a handler panicked in a batch: the batch rolled back; its deliveries are handled one at a time",
+                );
+                return alone(&shared, service, jobs, &stopping).await;
+            }
+        };
         let error: BoxError = match result {
             Ok(results) if results.len() == count => {
                 return settle(&shared, service, jobs, results, stopping).await;

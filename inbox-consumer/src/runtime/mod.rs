@@ -15,10 +15,15 @@
 //!   | `Ok(Handled / Duplicate / Stale)` (committed) | `+ACK`, confirmed (`double_ack`) |
 //!   | retryable error (rolled back) | `-NAK {delay}` |
 //!   | retryable error on the last allowed delivery | dead letter (`max_deliveries`), `+TERM` |
+//!   | the handler or a layer panicked (caught, rolled back) | `-NAK {delay}`, counted (`inbox_handler_panics_total`) |
+//!   | a panic on the last allowed delivery | dead letter (`panic`), `+TERM` |
 //!   | reject, undecodable payload, no route | dead letter, `+TERM` |
 //!   | an error type this crate does not know (a third-party layer) | retried |
+//!
+//!   An ordered consumer retries a nak'ed failure (a panic too) in place
+//!   instead, holding its subject; see [below](#a-panicking-handler).
 //! - **Poison** (not JSON, not a CloudEvent, no valid id, undecodable payload,
-//!   a reject, or a failure once the delivery budget is spent) is written to
+//!   a reject, or a failure or panic once the delivery budget is spent) is written to
 //!   `inbox_dead_letters` (and the DLQ subject, if configured) and terminated.
 //!   The consumer goes on; nothing is dropped silently. A type no route
 //!   handles is acked and counted, or dead-lettered
@@ -78,6 +83,49 @@
 //!   future instead aborts everything in flight without acking, like a
 //!   crash: those messages are redelivered after `ack_wait` and the inbox
 //!   turns any committed one into a duplicate.
+//!
+//! # A panicking handler
+//!
+//! A panic in a handler or a layer (an `unwrap` on a field, an index out of
+//! range; in `poll_ready`, `call` or the response future) is the event's
+//! failure, not the runtime's. Each service call runs inside
+//! `catch_unwind` (see `runtime/panics.rs`); a panic is counted
+//! (`inbox_handler_panics_total{consumer,event_type}`), logged once per
+//! attempt at `error` with the event id, subject, stream sequence, attempt
+//! and the panic's message, and handled as a failed delivery:
+//!
+//! - the transaction is dropped before its commit, so it rolls back: no
+//!   effect and no inbox row remain;
+//! - the message is nak'ed with the [`RetryPolicy`] delay; an ordered
+//!   consumer retries it in place, and its subject stays held, so no later
+//!   event of the entity runs before it is settled;
+//! - once the budget ([`ConsumerConfig::max_deliver`]) is spent it is
+//!   dead-lettered with reason [`Panic`](crate::Reason::Panic) (`panic`);
+//! - in a batch ([`Consumer::run_batched`]) the whole batch rolls back (which
+//!   delivery panicked is not known) and is handled one delivery at a time,
+//!   as a batch that failed as a whole; only the delivery that panics again
+//!   fails, and only its attempts alone are counted.
+//!
+//! The task running the delivery goes on; the session never sees it end by
+//! a panic. (A task that does end without answering, by a panic of the
+//! runtime itself, is logged as an error with its subjects and events; its
+//! unfinished messages are not acked and come back after `ack_wait`, and an
+//! ordered consumer holds the later events of those subjects until they do.)
+//!
+//! This is sound because the caught future owns everything a panic can
+//! leave half-done (its service clone, the delivery, the transaction) and is
+//! dropped, never polled again. What it cannot undo is a handler's own state
+//! outside the transaction: a handler must not leave state shared between
+//! its clones (a cache behind an `Arc<Mutex<…>>`; a `std::sync::Mutex` held
+//! while panicking is poisoned) half-updated where it may panic, must not
+//! count on outside work (HTTP, files) being undone, and must not spawn
+//! tasks that go on writing for it.
+//!
+//! Catching needs `panic = "unwind"`, Rust's default: under
+//! `panic = "abort"` the process dies at the first panic and every replica
+//! that gets the message again dies on it too. The process's panic hook still
+//! runs first (the default one prints `thread '…' panicked at <file>:<line>`
+//! to stderr); the runtime's log line is the one that names the event.
 //!
 //! # Ordering guarantee
 //!
@@ -139,6 +187,7 @@ mod config;
 mod dispatch;
 mod lag;
 pub(crate) mod lease;
+mod panics;
 pub mod position;
 mod process;
 mod runner;
@@ -481,6 +530,7 @@ impl Consumer {
             consumer = %config.durable, stream = %config.stream, concurrency = config.concurrency,
             max_batch = runner.max_jobs(), ordered = config.ordered, "inbox consumer started",
         );
+        panics::register(config);
         if !config.ordered {
             let session = Session::new(&shared, &self.consumer, runner, None, Backlog::default());
             session.run(shutdown.as_mut()).await;

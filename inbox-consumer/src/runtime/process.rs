@@ -12,6 +12,7 @@ use tower::{Service, ServiceExt};
 
 use super::ack::{self, Decision};
 use super::config::ConsumerConfig;
+use super::panics::{self, Panicked};
 use crate::dead_letter::{DeadLetter, Poison, Reason};
 use crate::delivery::{Delivery, DeliveryInfo, Outcome};
 use crate::error::BoxError;
@@ -30,8 +31,10 @@ pub(crate) struct Shared {
 /// Handles one decoded delivery: service (→ commit) → ack, or nak, or dead
 /// letter. An ordered consumer retries in place instead of nak'ing, so that
 /// nothing later of the subject overtakes it; once `stopping` turns true it
-/// stops retrying and leaves the message to the next leader. Returns whether
-/// the message is finished (acked, or dead-lettered and terminated).
+/// stops retrying and leaves the message to the next leader. A panic of the
+/// service call (ready, call or future) is caught and fails the attempt like
+/// an error ([`panics`]). Returns whether the message is finished (acked, or
+/// dead-lettered and terminated).
 pub(crate) async fn deliver<S>(
     shared: Arc<Shared>,
     service: S,
@@ -55,19 +58,27 @@ where
                 .await
                 .map_err(Into::into)
         };
-        let result = with_progress(call, &message, &shared.config).await;
+        let result = match with_progress(panics::catch(call), &message, &shared.config).await {
+            Ok(result) => result,
+            Err(panicked) => {
+                panics::count(&info.consumer, &event_type);
+                Err(BoxError::from(panicked))
+            }
+        };
         let decision = ack::decide(&result, attempt, &shared.config);
         match decision {
             Decision::Nak(delay) if shared.config.ordered => {
-                let refused = refused(&result);
-                let error = result.err().map(|e| e.to_string()).unwrap_or_default();
-                if refused {
+                if let Some(panicked) = panicked(&result) {
+                    log_panic(&delivery, attempt, panicked, Next::InPlace(delay));
+                } else if refused(&result) {
+                    let error = result.err().map(|e| e.to_string()).unwrap_or_default();
                     tracing::error!(
                         consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
                         stream_sequence = info.stream_sequence, attempt, retry_in = ?delay, error = %error,
                         "the consumer's database role lacks a privilege: rolled back, retried in place until it is granted (never dead-lettered)",
                     );
                 } else {
+                    let error = result.err().map(|e| e.to_string()).unwrap_or_default();
                     tracing::warn!(
                         consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
                         subject = delivery.subject(), stream_sequence = info.stream_sequence,
@@ -125,6 +136,11 @@ where
             true
         }
         Decision::Nak(delay) => {
+            if let Some(panicked) = panicked(&result) {
+                log_panic(&delivery, attempt, panicked, Next::Redelivery(delay));
+                nak(&message, &info, delay, &shared.config).await;
+                return false;
+            }
             let refused = refused(&result);
             let error = result.err().map(|e| e.to_string()).unwrap_or_default();
             if refused {
@@ -146,6 +162,9 @@ where
             false
         }
         Decision::DeadLetter(reason) => {
+            if let Some(panicked) = panicked(&result) {
+                log_panic(&delivery, attempt, panicked, Next::DeadLetter);
+            }
             let error = result
                 .err()
                 .map(|e| error_chain(e.as_ref()))
@@ -296,6 +315,50 @@ pub(crate) async fn with_progress_all<F: Future>(
                 }
             }
         }
+    }
+}
+
+/// The panic a failed delivery stands for, if its service call panicked.
+fn panicked(result: &Result<Outcome, BoxError>) -> Option<&Panicked> {
+    result.as_ref().err()?.downcast_ref::<Panicked>()
+}
+
+/// What follows a panicked attempt.
+#[derive(Debug, Clone, Copy)]
+enum Next {
+    /// Retried in place after the delay (ordered).
+    InPlace(Duration),
+    /// Nak'ed, redelivered after the delay.
+    Redelivery(Duration),
+    /// The budget is spent: dead-lettered.
+    DeadLetter,
+}
+
+/// The runtime's one line for a panicked attempt: the event, the attempt,
+/// the panic's message and what happens next. (The process's panic hook
+/// printed its own, to stderr, without the event.)
+fn log_panic(delivery: &Delivery, attempt: u64, panicked: &Panicked, next: Next) {
+    let info = delivery.info();
+    let (event_id, event_type) = (delivery.id(), delivery.event_type());
+    match next {
+        Next::InPlace(delay) => tracing::error!(
+            consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
+            subject = delivery.subject(), stream_sequence = info.stream_sequence,
+            attempt, retry_in = ?delay, panic = %panicked.message(),
+            "the handler panicked: rolled back, retried in place, its subject waits",
+        ),
+        Next::Redelivery(delay) => tracing::error!(
+            consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
+            subject = delivery.subject(), stream_sequence = info.stream_sequence,
+            attempt, retry_in = ?delay, panic = %panicked.message(),
+            "the handler panicked: rolled back, nak'ed for redelivery",
+        ),
+        Next::DeadLetter => tracing::error!(
+            consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
+            subject = delivery.subject(), stream_sequence = info.stream_sequence,
+            attempt, panic = %panicked.message(),
+            "the handler panicked on the last delivery its budget allows: rolled back, dead-lettered (reason panic)",
+        ),
     }
 }
 
