@@ -28,6 +28,7 @@ use tokio::time::Instant;
 
 use super::dispatch::Dispatcher;
 use super::lease::{self, Tenure};
+use super::panics;
 use super::process::{self, Shared};
 use super::runner::Runner;
 use super::takeover::Backlog;
@@ -336,21 +337,30 @@ impl<'a, R: Runner> Session<'a, R> {
     }
 
     /// A task ended: its subjects free up (or pass to their next job) and its
-    /// messages are no longer held.
+    /// messages are no longer held. A task that ended without answering
+    /// (a panic of the runtime itself: a handler's panic is caught and fails
+    /// its delivery, see [`panics`]) acked none of the messages
+    /// it did not finish, and they come back after `ack_wait`; it is logged
+    /// with its subjects and events, and a leader holds the later events of
+    /// those subjects until they do ([`Backlog::block`]).
     fn task_ended(&mut self, joined: Result<(Id, Vec<bool>), JoinError>) {
-        let (id, finished) = match joined {
-            Ok(ended) => ended,
+        let (id, finished, lost) = match joined {
+            Ok((id, finished)) => (id, finished, None),
             Err(e) => {
-                tracing::error!(
-                    consumer = %self.shared.config.durable, error = %e,
-                    "a delivery task failed without acking; its messages will be redelivered",
-                );
-                (e.id(), Vec::new())
+                let id = e.id();
+                let why = match e.try_into_panic() {
+                    Ok(payload) => format!("panicked: {}", panics::message(&*payload)),
+                    Err(e) => e.to_string(),
+                };
+                (id, Vec::new(), Some(why))
             }
         };
         let Some(keys) = self.tracked.remove(&id) else {
             return;
         };
+        if let Some(why) = &lost {
+            self.report_lost(&keys, why);
+        }
         if finished.iter().any(|done| *done) {
             self.shared.settled.notify_one();
         }
@@ -367,12 +377,62 @@ impl<'a, R: Runner> Session<'a, R> {
                 self.abandoned.insert(key);
                 continue;
             }
+            if lost.is_some() && self.tenure.is_some() {
+                self.hold_behind(&key, event);
+                continue;
+            }
             if let Some(job) = self.dispatcher.finish(&key) {
                 self.cleared.push_back(job);
             }
             if done {
                 self.ready.extend(self.backlog.finished(&key, event));
             }
+        }
+    }
+
+    /// Logs a task that ended without answering, naming what it held.
+    fn report_lost(&self, keys: &[(String, EventId)], why: &str) {
+        let consumer = &self.shared.config.durable;
+        let subjects: Vec<&str> = keys.iter().map(|(subject, _)| subject.as_str()).collect();
+        let events: Vec<String> = keys.iter().map(|(_, event)| event.to_string()).collect();
+        if self.tenure.is_some() {
+            tracing::error!(
+                consumer = %consumer, ?subjects, ?events, error = %why,
+                "a delivery task ended without finishing (a fault of the runtime, not of a handler): \
+                 its messages are not acked and come back after ack_wait; later events of its subjects wait for them",
+            );
+        } else {
+            tracing::error!(
+                consumer = %consumer, ?subjects, ?events, error = %why,
+                "a delivery task ended without finishing (a fault of the runtime, not of a handler): \
+                 its messages are not acked and come back after ack_wait; later events of its subjects may run first",
+            );
+        }
+    }
+
+    /// A leader's task lost `event` of `subject` unacked: the subject's later
+    /// jobs, queued behind it or not yet dispatched, wait in the backlog
+    /// until JetStream redelivers it and it finishes (or the backlog gives up
+    /// on it, after twice the longest redelivery wait plus 10 s).
+    fn hold_behind(&mut self, subject: &str, event: EventId) {
+        let config = &self.shared.config;
+        let longest = config
+            .backoff
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or_default()
+            .max(config.ack_wait);
+        let deadline = Instant::now() + longest * 2 + Duration::from_secs(10);
+        self.backlog.block(subject, event, deadline);
+        let queued = self.dispatcher.abandon(subject);
+        let (undispatched, others): (VecDeque<Job>, VecDeque<Job>) =
+            std::mem::take(&mut self.ready)
+                .into_iter()
+                .partition(|job| job.1.subject() == subject);
+        self.ready = others;
+        for job in queued.into_iter().chain(undispatched) {
+            self.ready.extend(self.backlog.admit(job));
         }
     }
 

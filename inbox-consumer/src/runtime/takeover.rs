@@ -131,6 +131,19 @@ impl<J: Pending> Backlog<J> {
     pub(crate) fn held(&self) -> impl Iterator<Item = &J> {
         self.held.values().flatten()
     }
+
+    /// Makes event `id` the next of `subject` to run: a task of this leader
+    /// ended without finishing it (a panic of the runtime itself). Later jobs
+    /// of the subject [`admit`](Self::admit)ted from now on wait until it comes
+    /// back and finishes, or until [`expire`](Self::expire) gives up on it
+    /// after `deadline`.
+    pub(crate) fn block(&mut self, subject: &str, id: EventId, deadline: Instant) {
+        let queue = self.blocked.entry(subject.to_owned()).or_default();
+        if !queue.contains(&id) {
+            queue.push_front(id);
+        }
+        self.deadline = Some(self.deadline.map_or(deadline, |d| d.max(deadline)));
+    }
 }
 
 /// Finds the events that earlier leaders of `consumer` left unfinished.
@@ -315,6 +328,27 @@ mod tests {
         assert_eq!(b.expire("c", later), vec![J("s", e2, 1)]);
         assert!(b.is_empty());
         assert_eq!(b.held().count(), 0);
+    }
+
+    #[test]
+    fn an_event_a_task_lost_runs_before_the_later_events_of_its_subject() {
+        let (lost, later, other) = (EventId::new(), EventId::new(), EventId::new());
+        let mut b: Backlog<J> = Backlog::default();
+        b.block("s", lost, Instant::now() + Duration::from_secs(60));
+        assert_eq!(b.admit(J("s", later, 1)), None);
+        assert_eq!(b.admit(J("t", other, 2)), Some(J("t", other, 2)));
+        // The lost event comes back, runs, finishes: the later one goes.
+        assert_eq!(b.admit(J("s", lost, 3)), Some(J("s", lost, 3)));
+        assert_eq!(b.finished("s", lost), vec![J("s", later, 1)]);
+        assert!(b.is_empty());
+        // Blocked again behind one that never comes back: released at the deadline.
+        b.block("s", lost, Instant::now() + Duration::from_secs(60));
+        b.block("s", lost, Instant::now());
+        assert_eq!(b.unfinished(), 1);
+        assert_eq!(b.admit(J("s", later, 4)), None);
+        assert_eq!(b.expire("c", Instant::now()), vec![]);
+        let after = Instant::now() + Duration::from_secs(61);
+        assert_eq!(b.expire("c", after), vec![J("s", later, 4)]);
     }
 
     #[test]
