@@ -263,7 +263,13 @@ pub(crate) enum Mode {
     Stall,
     /// Swallow a failed statement and return Ok (a handler bug).
     SwallowError,
+    /// Panic after writing the effect: an `expect` on a field the event
+    /// lacks (a handler bug), with [`PANIC_MESSAGE`].
+    Panic,
 }
+
+/// The message of [`Mode::Panic`]'s panic.
+pub(crate) const PANIC_MESSAGE: &str = "the event has a plan";
 
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Payload {
@@ -351,6 +357,11 @@ impl Record {
             }
             Mode::SwallowError => {
                 let _ = sqlx::query("select 1/0").execute(&mut **tx).await;
+                Ok(())
+            }
+            Mode::Panic => {
+                let plan: Option<&str> = std::hint::black_box(None);
+                let _ = plan.expect(PANIC_MESSAGE);
                 Ok(())
             }
             Mode::FailOnce if attempt == 1 => Err(HandlerError::retry("first attempt fails")),
