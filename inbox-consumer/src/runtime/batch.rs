@@ -101,21 +101,32 @@ where
         }
         attempt = attempt.saturating_add(1);
         let delay = config.retry.delay(attempt).min(UNAVAILABLE_MAX_DELAY);
-        if !config.ordered {
-            tracing::warn!(
+        let refused = outbox_pg::is_insufficient_privilege(error.as_ref());
+        if refused {
+            tracing::error!(
                 consumer = %config.durable, deliveries = count, retry_in = ?delay, error = %error,
-                "the batch could not reach the database; its messages are nak'ed",
+                "the consumer's database role lacks a privilege: the batch rolled back, retried until it is granted (never dead-lettered)",
             );
+        }
+        if !config.ordered {
+            if !refused {
+                tracing::warn!(
+                    consumer = %config.durable, deliveries = count, retry_in = ?delay, error = %error,
+                    "the batch could not reach the database; its messages are nak'ed",
+                );
+            }
             let naks = jobs
                 .iter()
                 .map(|(message, delivery)| process::nak(message, delivery.info(), delay, config));
             join_all(naks).await;
             return vec![false; count];
         }
-        tracing::warn!(
-            consumer = %config.durable, deliveries = count, retry_in = ?delay, error = %error,
-            "the batch could not reach the database; retried in place, its subjects wait",
-        );
+        if !refused {
+            tracing::warn!(
+                consumer = %config.durable, deliveries = count, retry_in = ?delay, error = %error,
+                "the batch could not reach the database; retried in place, its subjects wait",
+            );
+        }
         let wait = async {
             tokio::select! {
                 () = tokio::time::sleep(delay) => true,
