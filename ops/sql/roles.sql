@@ -100,5 +100,6 @@ grant update (handled_at) on inbox_events to outbox_consumer;
 grant select, insert, delete on inbox_dead_letters to outbox_consumer;
 grant update (created_at) on inbox_dead_letters to outbox_consumer;
 grant usage on sequence inbox_dead_letters_id_seq to outbox_consumer;
+-- (UPDATE covers the takeover checkpoint columns, 20260101000015.)
 grant select, insert, update on inbox_leases to outbox_consumer;
 grant select, insert, update on inbox_consumers to outbox_consumer;

@@ -182,7 +182,15 @@ const INBOX: &[(&str, &[&str])] = &[
 /// The table an ordered consumer's leadership is recorded in.
 const LEASES: (&str, &[&str]) = (
     "inbox_leases",
-    &["consumer", "epoch", "holder", "acquired_at", "released"],
+    &[
+        "consumer",
+        "epoch",
+        "holder",
+        "acquired_at",
+        "released",
+        "checkpoint_seq",
+        "checkpoint_pending",
+    ],
 );
 
 /// Checks that the inbox the pool's `search_path` leads to has the tables and
