@@ -35,6 +35,7 @@ pub struct ConsumerConfig {
     pub(crate) unrouted: Unrouted,
     pub(crate) max_batch: usize,
     pub(crate) start: Start,
+    pub(crate) takeover_scan: (usize, Duration),
 }
 
 /// What the runtime does with a message whose event type no route handles
@@ -78,6 +79,7 @@ impl ConsumerConfig {
             unrouted: Unrouted::Ack,
             max_batch: 64,
             start: Start::Auto,
+            takeover_scan: (1_000_000, Duration::from_secs(5)),
         }
     }
 
@@ -292,6 +294,22 @@ impl ConsumerConfig {
         self
     }
 
+    /// The bound of an ordered consumer's takeover scan: at most
+    /// `max_messages` stream messages read, for at most `max_time`. The scan
+    /// reads from where the previous leader's checkpoint stands (about a
+    /// second of traffic behind it) and is normally far inside both. When one
+    /// is hit, the new leader lets the unfinished events it found go first
+    /// and holds every other message until the previous leader's messages
+    /// have had time to come back (twice the longest redelivery delay, plus
+    /// 10 s), then releases them in stream order: a slower failover, never a
+    /// reordering. See [`runtime`](crate::runtime#ordered-consumption).
+    /// Default: 1,000,000 messages, 5 s.
+    #[must_use]
+    pub fn takeover_scan(mut self, max_messages: usize, max_time: Duration) -> Self {
+        self.takeover_scan = (max_messages, max_time);
+        self
+    }
+
     /// The durable consumer name (the inbox namespace).
     pub fn durable(&self) -> &str {
         &self.durable
@@ -300,6 +318,11 @@ impl ConsumerConfig {
     /// The stream name.
     pub fn stream(&self) -> &str {
         &self.stream
+    }
+
+    /// The takeover scan's bound: messages and time.
+    pub(crate) fn takeover_scan_bounds(&self) -> (usize, Duration) {
+        self.takeover_scan
     }
 
     pub(crate) fn progress_every(&self) -> Duration {

@@ -183,6 +183,7 @@
 
 pub(crate) mod ack;
 mod batch;
+mod checkpoint;
 mod config;
 mod dispatch;
 mod lag;
@@ -532,7 +533,14 @@ impl Consumer {
         );
         panics::register(config);
         if !config.ordered {
-            let session = Session::new(&shared, &self.consumer, runner, None, Backlog::default());
+            let session = Session::new(
+                &shared,
+                &self.consumer,
+                runner,
+                None,
+                Backlog::default(),
+                None,
+            );
             session.run(shutdown.as_mut()).await;
             lag::record_floor(&self.consumer, &shared).await;
             tracing::info!(consumer = %config.durable, "inbox consumer stopped");
@@ -576,7 +584,7 @@ impl Consumer {
                 () = tokio::time::sleep(lease::takeover_wait()) => {}
             }
         }
-        let backlog = loop {
+        let taken = loop {
             tokio::select! {
                 biased;
                 () = shutdown.as_mut() => return Served::Shutdown(Some(tenure)),
@@ -590,9 +598,17 @@ impl Consumer {
             }
             tokio::time::sleep(RESCAN_DELAY).await;
         };
-        Session::new(shared, &self.consumer, runner, Some(tenure), backlog)
-            .run(shutdown)
-            .await
+        let checkpoint = Some(taken.checkpoint);
+        Session::new(
+            shared,
+            &self.consumer,
+            runner,
+            Some(tenure),
+            taken.backlog,
+            checkpoint,
+        )
+        .run(shutdown)
+        .await
     }
 }
 

@@ -12,6 +12,10 @@
 //! running gets an in-progress ack each [`progress_interval`](super::ConsumerConfig::progress_interval)
 //! (running ones get theirs from their task), so none is redelivered while
 //! it waits.
+//!
+//! A leader also keeps its takeover [`Checkpoint`] (every message received,
+//! and each finished) and records it every [`checkpoint::SAVE_EVERY`], and a
+//! last time before it lets go at shutdown.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
@@ -26,6 +30,7 @@ use tokio::sync::watch;
 use tokio::task::{Id, JoinError, JoinSet};
 use tokio::time::Instant;
 
+use super::checkpoint::{self, Checkpoint, Position};
 use super::dispatch::Dispatcher;
 use super::lease::{self, Tenure};
 use super::panics;
@@ -52,8 +57,16 @@ pub(crate) enum Served {
     Deposed,
 }
 
-/// What a running task holds: one entry per job (subject, event), in order.
-type Tracked = HashMap<Id, Vec<(String, EventId)>>;
+/// What a running task holds: one entry per job (subject, event), in order,
+/// and the stream sequence of each message (a poison message, a replay for
+/// another consumer or a message handed back holds one and no job).
+#[derive(Default)]
+struct Holding {
+    jobs: Vec<(String, EventId)>,
+    sequences: Vec<u64>,
+}
+
+type Tracked = HashMap<Id, Holding>;
 
 /// The state of one session. See the [module docs](self).
 pub(crate) struct Session<'a, R> {
@@ -69,6 +82,10 @@ pub(crate) struct Session<'a, R> {
     cleared: VecDeque<Job>,
     dispatcher: Dispatcher<Job>,
     backlog: Backlog<Job>,
+    /// A leader's takeover checkpoint, and the recording of it in flight.
+    checkpoint: Option<Checkpoint>,
+    recording: Option<tokio::task::JoinHandle<Option<Position>>>,
+    checkpoint_at: Instant,
     /// A leader's subjects with an event left unfinished while shutting down:
     /// none of their later events runs in this session, so none overtakes
     /// it. They go back unacked to the next leader.
@@ -90,6 +107,7 @@ impl<'a, R: Runner> Session<'a, R> {
         runner: R,
         tenure: Option<Tenure>,
         backlog: Backlog<Job>,
+        checkpoint: Option<Checkpoint>,
     ) -> Self {
         let now = Instant::now();
         Self {
@@ -102,6 +120,9 @@ impl<'a, R: Runner> Session<'a, R> {
             cleared: VecDeque::new(),
             dispatcher: Dispatcher::new(),
             backlog,
+            checkpoint,
+            recording: None,
+            checkpoint_at: now + checkpoint::SAVE_EVERY,
             abandoned: HashSet::new(),
             tasks: JoinSet::new(),
             tracked: HashMap::new(),
@@ -118,6 +139,7 @@ impl<'a, R: Runner> Session<'a, R> {
         loop {
             self.start_jobs();
             if self.stopping && self.tasks.is_empty() && self.pull.is_none() {
+                self.record_last_checkpoint().await;
                 return Served::Shutdown(self.tenure.take());
             }
             let retry_pull = self.open_pull().await;
@@ -131,6 +153,9 @@ impl<'a, R: Runner> Session<'a, R> {
                 next = next_message(&mut self.pull), if self.pull.is_some() => self.received(next),
                 () = tokio::time::sleep_until(self.pull_at), if retry_pull => {}
                 () = tokio::time::sleep_until(self.progress_at) => self.keep_alive(),
+                () = tokio::time::sleep_until(self.checkpoint_at), if self.checkpoint.is_some() => {
+                    self.record_checkpoint();
+                }
             }
         }
     }
@@ -160,10 +185,13 @@ impl<'a, R: Runner> Session<'a, R> {
             if jobs.is_empty() {
                 return;
             }
-            let keys = jobs
-                .iter()
-                .map(|(_, d)| (d.subject().to_owned(), d.id()))
-                .collect();
+            let keys = Holding {
+                jobs: jobs
+                    .iter()
+                    .map(|(_, d)| (d.subject().to_owned(), d.id()))
+                    .collect(),
+                sequences: jobs.iter().map(|(_, d)| d.info().stream_sequence).collect(),
+            };
             let stopping = self.stop.subscribe();
             let id = self
                 .runner
@@ -274,6 +302,10 @@ impl<'a, R: Runner> Session<'a, R> {
             }
         };
         self.held += 1;
+        if let Some(checkpoint) = &mut self.checkpoint {
+            let consumer = &self.shared.config.durable;
+            checkpoint.received(consumer, info.stream_sequence, info.consumer_sequence);
+        }
         if let Some(target) =
             crate::dead_letter::replay_for_another(message.headers.as_ref(), &info.consumer)
         {
@@ -290,9 +322,10 @@ impl<'a, R: Runner> Session<'a, R> {
                 self.ready.extend(self.backlog.admit((message, delivery)));
             }
             Err(poison) => {
+                let sequence = info.stream_sequence;
                 let task = process::poison(Arc::clone(self.shared), message, info, poison);
                 let handle = self.tasks.spawn(async move { vec![task.await] });
-                self.tracked.insert(handle.id(), Vec::new());
+                self.tracked.insert(handle.id(), Holding::one(sequence));
             }
         }
     }
@@ -308,6 +341,7 @@ impl<'a, R: Runner> Session<'a, R> {
             "a replayed dead letter for another consumer: acked without being handled",
         );
         let timeout = self.shared.config.ack_timeout;
+        let sequence = info.stream_sequence;
         let handle = self.tasks.spawn(async move {
             if let Err(e) = ack::send(&message, AckKind::Ack, timeout).await {
                 tracing::debug!(
@@ -317,7 +351,7 @@ impl<'a, R: Runner> Session<'a, R> {
             }
             vec![true]
         });
-        self.tracked.insert(handle.id(), Vec::new());
+        self.tracked.insert(handle.id(), Holding::one(sequence));
     }
 
     /// Naks, for immediate redelivery to whoever pulls next, a message that
@@ -325,6 +359,18 @@ impl<'a, R: Runner> Session<'a, R> {
     /// out `ack_wait`. Held (as a task with no subject) until the nak is sent.
     fn hand_back(&mut self, message: jetstream::Message) {
         self.held += 1;
+        let meta = message
+            .info()
+            .map(|i| (i.stream_sequence, i.consumer_sequence));
+        let holding = match meta {
+            Ok((stream, delivery)) => {
+                if let Some(checkpoint) = &mut self.checkpoint {
+                    checkpoint.received(&self.shared.config.durable, stream, delivery);
+                }
+                Holding::one(stream)
+            }
+            Err(_) => Holding::default(),
+        };
         let timeout = self.shared.config.ack_timeout;
         let durable = self.shared.config.durable.clone();
         let handle = self.tasks.spawn(async move {
@@ -333,7 +379,7 @@ impl<'a, R: Runner> Session<'a, R> {
             }
             Vec::new()
         });
-        self.tracked.insert(handle.id(), Vec::new());
+        self.tracked.insert(handle.id(), holding);
     }
 
     /// A task ended: its subjects free up (or pass to their next job) and its
@@ -355,18 +401,25 @@ impl<'a, R: Runner> Session<'a, R> {
                 (id, Vec::new(), Some(why))
             }
         };
-        let Some(keys) = self.tracked.remove(&id) else {
+        let Some(Holding { jobs, sequences }) = self.tracked.remove(&id) else {
             return;
         };
         if let Some(why) = &lost {
-            self.report_lost(&keys, why);
+            self.report_lost(&jobs, why);
         }
         if finished.iter().any(|done| *done) {
             self.shared.settled.notify_one();
         }
+        if let Some(checkpoint) = &mut self.checkpoint {
+            for (index, sequence) in sequences.iter().enumerate() {
+                if finished.get(index).copied().unwrap_or(false) {
+                    checkpoint.finished(*sequence);
+                }
+            }
+        }
         // A poison task holds one message and no subject.
-        self.held = self.held.saturating_sub(keys.len().max(1));
-        for (index, (key, event)) in keys.into_iter().enumerate() {
+        self.held = self.held.saturating_sub(jobs.len().max(1));
+        for (index, (key, event)) in jobs.into_iter().enumerate() {
             let done = finished.get(index).copied().unwrap_or(false);
             if !done && self.stopping && self.tenure.is_some() {
                 // A leader shutting down left this subject's event unfinished
@@ -378,7 +431,8 @@ impl<'a, R: Runner> Session<'a, R> {
                 continue;
             }
             if lost.is_some() && self.tenure.is_some() {
-                self.hold_behind(&key, event);
+                let sequence = sequences.get(index).copied().unwrap_or_default();
+                self.hold_behind(&key, event, sequence);
                 continue;
             }
             if let Some(job) = self.dispatcher.finish(&key) {
@@ -414,7 +468,7 @@ impl<'a, R: Runner> Session<'a, R> {
     /// jobs, queued behind it or not yet dispatched, wait in the backlog
     /// until JetStream redelivers it and it finishes (or the backlog gives up
     /// on it, after twice the longest redelivery wait plus 10 s).
-    fn hold_behind(&mut self, subject: &str, event: EventId) {
+    fn hold_behind(&mut self, subject: &str, event: EventId, sequence: u64) {
         let config = &self.shared.config;
         let longest = config
             .backoff
@@ -424,7 +478,7 @@ impl<'a, R: Runner> Session<'a, R> {
             .unwrap_or_default()
             .max(config.ack_wait);
         let deadline = Instant::now() + longest * 2 + Duration::from_secs(10);
-        self.backlog.block(subject, event, deadline);
+        self.backlog.block(subject, event, sequence, deadline);
         let queued = self.dispatcher.abandon(subject);
         let (undispatched, others): (VecDeque<Job>, VecDeque<Job>) =
             std::mem::take(&mut self.ready)
@@ -457,11 +511,57 @@ impl<'a, R: Runner> Session<'a, R> {
                 }
             });
         }
-        let released = self
+        let (released, given_up) = self
             .backlog
             .expire(&self.shared.config.durable, Instant::now());
+        if let Some(checkpoint) = &mut self.checkpoint {
+            checkpoint.given_up(&given_up);
+        }
         self.ready.extend(released);
         self.progress_at = Instant::now() + self.shared.config.progress_every();
+    }
+
+    /// Records the leader's checkpoint if it changed, unless a recording is
+    /// still under way.
+    fn record_checkpoint(&mut self) {
+        self.checkpoint_at = Instant::now() + checkpoint::SAVE_EVERY;
+        let (Some(checkpoint), Some(tenure)) = (&mut self.checkpoint, &self.tenure) else {
+            return;
+        };
+        if let Some(recording) = &mut self.recording {
+            match recording.now_or_never() {
+                None => return,
+                Some(Ok(Some(recorded))) => checkpoint.recorded(recorded),
+                Some(_) => {}
+            }
+            self.recording = None;
+        }
+        let Some(current) = checkpoint.to_record() else {
+            return;
+        };
+        let pool = self.shared.pool.clone();
+        let consumer = self.shared.config.durable.clone();
+        let epoch = tenure.epoch();
+        self.recording = Some(tokio::spawn(async move {
+            record(&pool, &consumer, epoch, current).await
+        }));
+    }
+
+    /// Records the checkpoint once more before a leader lets go.
+    async fn record_last_checkpoint(&mut self) {
+        if let Some(recording) = self.recording.take() {
+            let _ = tokio::time::timeout(checkpoint::SAVE_TIMEOUT, recording).await;
+        }
+        if let (Some(checkpoint), Some(tenure)) = (&self.checkpoint, &self.tenure) {
+            let consumer = &self.shared.config.durable;
+            record(
+                &self.shared.pool,
+                consumer,
+                tenure.epoch(),
+                checkpoint.current(),
+            )
+            .await;
+        }
     }
 
     fn begin_shutdown(&mut self) {
@@ -492,6 +592,34 @@ impl<'a, R: Runner> Session<'a, R> {
             Served::Deposed
         }
     }
+}
+
+impl Holding {
+    /// One message and no job.
+    fn one(sequence: u64) -> Self {
+        Self {
+            jobs: Vec::new(),
+            sequences: vec![sequence],
+        }
+    }
+}
+
+/// Records `current` as `consumer`'s checkpoint, within
+/// [`checkpoint::SAVE_TIMEOUT`]; returns it once recorded.
+async fn record(
+    pool: &sqlx::PgPool,
+    consumer: &str,
+    epoch: i64,
+    current: Position,
+) -> Option<Position> {
+    let saving = checkpoint::save(pool, consumer, epoch, current.clone());
+    let error = match tokio::time::timeout(checkpoint::SAVE_TIMEOUT, saving).await {
+        Ok(Ok(())) => return Some(current),
+        Ok(Err(e)) => e.to_string(),
+        Err(elapsed) => elapsed.to_string(),
+    };
+    tracing::warn!(consumer, %error, "cannot record the takeover checkpoint; the last one recorded stands");
+    None
 }
 
 async fn next_message(

@@ -7,24 +7,81 @@
 //! necessarily in stream order (a message that waited in a queue got no
 //! in-progress acks and expires first). Meanwhile the new leader fetches
 //! later messages of the same subjects. So before it fetches anything, a new
-//! leader [`scan`]s the stream between the consumer's ack floor and its last
-//! delivered sequence, keeps the events its inbox has neither handled nor
-//! dead-lettered, and lets each such subject run only its oldest unfinished
-//! event next ([`Backlog`]); every other message of the subject waits, in
-//! arrival order. Subjects with nothing unfinished are not held at all.
+//! leader [`scan`]s the stream for the events its inbox has neither handled
+//! nor dead-lettered, and lets each such subject run only its oldest
+//! unfinished event next ([`Backlog`]); every other message of the subject
+//! waits, in arrival order. Subjects with nothing unfinished are not held at
+//! all.
+//!
+//! # A bounded scan
+//!
+//! The messages to look at are those between the consumer's ack floor and
+//! its last delivered message. One message left unacked for a long time (a
+//! handler that hangs on it, or fails it in place for hours) keeps the floor
+//! where it is while everything after it is handled, so that range grows
+//! with all traffic since. The scan is therefore bounded three ways:
+//!
+//! 1. **It starts from the previous leader's checkpoint**, not from the ack
+//!    floor: each leader records, about once a second, the stream sequence
+//!    below which every message it has to handle is finished except a short
+//!    list of sequences (see [`super::checkpoint`]). The scan re-reads that
+//!    list (one request each, at most
+//!    [`MAX_LISTED`](super::checkpoint::MAX_LISTED)) and the stream from the
+//!    checkpoint on, so it reads about one second of traffic and what was
+//!    in flight, whatever the stream holds below. A checkpoint below the ack
+//!    floor is moved up to it: everything at or below the floor is acked.
+//! 2. **It reads in bulk.** The range is read through an ephemeral ordered
+//!    consumer with the durable's filter subjects, headers only: the relay
+//!    sends the event id as `Nats-Msg-Id`, which is all the inbox check
+//!    needs, and a replay's `Inbox-Replay-Consumer` header tells a replay for
+//!    another consumer (finished by definition: it is acked unhandled). The
+//!    inbox is asked one `= any($2)` query per [`CHUNK`] messages, and only
+//!    the unfinished ones are kept; only their bodies are then read (one
+//!    request each), for the envelope subject, which no header carries.
+//!    A message whose `Nats-Msg-Id` is not an event id (a replay, another
+//!    publisher) is read whole, and the id in its body counts; so does an
+//!    unfinished one whose body names another id than its header.
+//! 3. **A hard bound**, in messages and in time
+//!    ([`ConsumerConfig::takeover_scan`](super::ConsumerConfig::takeover_scan)),
+//!    and on the unfinished events kept. When it is hit, the sequences past
+//!    the last chunk classified are not known: any subject may have an
+//!    unfinished event there. Then the backlog is *unsettled*: the
+//!    unfinished events found still go first, each when it comes back, and
+//!    every other message (of every subject) is held, with in-progress
+//!    acks, until the backlog's deadline (twice the longest redelivery
+//!    delay, plus 10 s), by when every message the previous leader held has
+//!    come back; then they all go, in stream order per subject. Slower, and
+//!    logged as a warning, but nothing is reordered. The next leader's
+//!    checkpoint starts where this scan stopped.
+//!
+//! What the scan does not do: stop early once it has found as many
+//! unfinished events as the consumer has messages pending
+//! (`num_ack_pending`). That would be sound only if every event the inbox
+//! does not know were pending, and it is not so: a type no route handles is
+//! acked with no inbox row ([`Unrouted::Ack`](super::Unrouted::Ack)), and
+//! would count as unfinished; the stop would then leave a real one unread.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::PullConsumer;
-use async_nats::jetstream::stream::LastRawMessageErrorKind;
+use async_nats::HeaderMap;
+use async_nats::jetstream::consumer::{DeliverPolicy, PullConsumer, pull};
+use async_nats::jetstream::stream::{LastRawMessageErrorKind, Stream};
+use futures::StreamExt;
 use outbox_pg::{Envelope, EventId};
 use serde_json::Value;
 use tokio::time::Instant;
 use uuid::Uuid;
 
+use super::checkpoint::{self, Checkpoint};
 use super::process::Shared;
 use crate::error::Error;
+
+/// Messages classified per inbox query.
+pub(crate) const CHUNK: usize = 1_000;
+
+/// The header the relay sends the event id in.
+const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 
 /// A job the backlog can hold: it knows its event.
 pub(crate) trait Pending {
@@ -32,6 +89,8 @@ pub(crate) trait Pending {
     fn subject(&self) -> &str;
     /// The event id.
     fn event_id(&self) -> EventId;
+    /// The message's sequence in the stream.
+    fn stream_sequence(&self) -> u64;
 }
 
 impl Pending for super::Job {
@@ -42,14 +101,28 @@ impl Pending for super::Job {
     fn event_id(&self) -> EventId {
         self.1.id()
     }
+
+    fn stream_sequence(&self) -> u64 {
+        self.1.info().stream_sequence
+    }
+}
+
+/// An event a previous leader left unfinished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Unfinished {
+    id: EventId,
+    sequence: u64,
 }
 
 /// Events left unfinished by earlier leaders, per subject in stream order, and
 /// the jobs held behind them.
 #[derive(Debug)]
 pub(crate) struct Backlog<J> {
-    blocked: HashMap<String, VecDeque<EventId>>,
+    blocked: HashMap<String, VecDeque<Unfinished>>,
     held: HashMap<String, Vec<J>>,
+    /// The scan did not classify every message: every job that is not a
+    /// known unfinished event waits for the deadline.
+    unsettled: bool,
     deadline: Option<Instant>,
 }
 
@@ -58,15 +131,16 @@ impl<J> Default for Backlog<J> {
         Self {
             blocked: HashMap::new(),
             held: HashMap::new(),
+            unsettled: false,
             deadline: None,
         }
     }
 }
 
 impl<J: Pending> Backlog<J> {
-    /// Whether nothing is blocked (every job passes straight through).
+    /// Whether nothing is blocked or held back (every job passes straight through).
     pub(crate) fn is_empty(&self) -> bool {
-        self.blocked.is_empty()
+        self.blocked.is_empty() && !self.unsettled
     }
 
     /// Unfinished events, over all subjects.
@@ -75,15 +149,16 @@ impl<J: Pending> Backlog<J> {
     }
 
     /// Returns `job` if it may go to the dispatcher now: its subject has
-    /// nothing unfinished, or it is that subject's oldest unfinished event.
-    /// Otherwise holds it.
+    /// nothing unfinished (and the backlog is settled), or it is that
+    /// subject's oldest unfinished event. Otherwise holds it.
     pub(crate) fn admit(&mut self, job: J) -> Option<J> {
         let subject = job.subject();
-        let Some(queue) = self.blocked.get(subject) else {
-            return Some(job);
-        };
-        if queue.front() == Some(&job.event_id()) {
-            return Some(job);
+        match self.blocked.get(subject) {
+            Some(queue) if queue.front().map(|u| u.id) == Some(job.event_id()) => {
+                return Some(job);
+            }
+            None if !self.unsettled => return Some(job),
+            _ => {}
         }
         self.held.entry(subject.to_owned()).or_default().push(job);
         None
@@ -95,11 +170,11 @@ impl<J: Pending> Backlog<J> {
         let Some(queue) = self.blocked.get_mut(subject) else {
             return Vec::new();
         };
-        if queue.front() != Some(&id) {
+        if queue.front().map(|u| u.id) != Some(id) {
             return Vec::new();
         }
         queue.pop_front();
-        if let Some(next) = queue.front().copied() {
+        if let Some(next) = queue.front().map(|u| u.id) {
             let held = self.held.entry(subject.to_owned()).or_default();
             return match held.iter().position(|job| job.event_id() == next) {
                 Some(at) => vec![held.remove(at)],
@@ -107,24 +182,43 @@ impl<J: Pending> Backlog<J> {
             };
         }
         self.blocked.remove(subject);
+        if self.unsettled {
+            // What else the subject holds may come after an event the scan
+            // did not reach: it waits for the deadline.
+            return Vec::new();
+        }
         self.held.remove(subject).unwrap_or_default()
     }
 
     /// Once the deadline has passed, gives up on the events that never came
     /// back (JetStream stopped redelivering them), logging each, and returns
-    /// every held job, in arrival order per subject.
-    pub(crate) fn expire(&mut self, consumer: &str, now: Instant) -> Vec<J> {
-        if self.deadline.is_none_or(|deadline| now < deadline) || self.blocked.is_empty() {
-            return Vec::new();
+    /// every held job, in stream order, with the stream sequences given up on.
+    pub(crate) fn expire(&mut self, consumer: &str, now: Instant) -> (Vec<J>, Vec<u64>) {
+        let idle = self.blocked.is_empty() && !self.unsettled;
+        if self.deadline.is_none_or(|deadline| now < deadline) || idle {
+            return (Vec::new(), Vec::new());
         }
+        let mut given_up = Vec::new();
         for (subject, events) in self.blocked.drain() {
-            let events: Vec<String> = events.iter().map(ToString::to_string).collect();
+            given_up.extend(events.iter().map(|u| u.sequence));
+            let events: Vec<String> = events.iter().map(|u| u.id.to_string()).collect();
             tracing::error!(
                 consumer, %subject, ?events,
                 "events left by an earlier leader never came back; later events of the subject go on without them",
             );
         }
-        self.held.drain().flat_map(|(_, jobs)| jobs).collect()
+        if self.unsettled {
+            tracing::info!(
+                consumer,
+                held = self.held.values().map(Vec::len).sum::<usize>(),
+                "takeover: the previous leader's messages have had time to come back; \
+                 every held message goes on, in stream order",
+            );
+            self.unsettled = false;
+        }
+        let mut held: Vec<J> = self.held.drain().flat_map(|(_, jobs)| jobs).collect();
+        held.sort_by_key(Pending::stream_sequence);
+        (held, given_up)
     }
 
     /// The jobs held back.
@@ -132,96 +226,180 @@ impl<J: Pending> Backlog<J> {
         self.held.values().flatten()
     }
 
-    /// Makes event `id` the next of `subject` to run: a task of this leader
+    /// Makes event `id` (at stream `sequence`) the next of `subject` to run: a task of this leader
     /// ended without finishing it (a panic of the runtime itself). Later jobs
     /// of the subject [`admit`](Self::admit)ted from now on wait until it comes
     /// back and finishes, or until [`expire`](Self::expire) gives up on it
     /// after `deadline`.
-    pub(crate) fn block(&mut self, subject: &str, id: EventId, deadline: Instant) {
+    pub(crate) fn block(&mut self, subject: &str, id: EventId, sequence: u64, deadline: Instant) {
         let queue = self.blocked.entry(subject.to_owned()).or_default();
-        if !queue.contains(&id) {
-            queue.push_front(id);
+        if !queue.iter().any(|u| u.id == id) {
+            queue.push_front(Unfinished { id, sequence });
         }
         self.deadline = Some(self.deadline.map_or(deadline, |d| d.max(deadline)));
     }
 }
 
-/// Finds the events that earlier leaders of `consumer` left unfinished.
+/// What a new leader starts with: the backlog, and the checkpoint it goes on
+/// from.
+#[derive(Debug)]
+pub(crate) struct Takeover<J> {
+    pub(crate) backlog: Backlog<J>,
+    pub(crate) checkpoint: Checkpoint,
+}
+
+/// One message of the range, from its headers.
+struct Candidate {
+    sequence: u64,
+    /// The id its `Nats-Msg-Id` names, if that is an event id.
+    id: Option<EventId>,
+}
+
+/// An unfinished event: where it is, its id and subject.
+struct Found {
+    sequence: u64,
+    id: EventId,
+    subject: String,
+}
+
+/// How a scan of the range ended.
+enum Ended {
+    /// Every message up to the end was classified.
+    Complete,
+    /// A bound was hit: messages after this sequence are not classified.
+    Bounded { classified_to: u64, why: String },
+}
+
+/// The scan's limits (see the [module docs](self)).
+struct Bounds {
+    deadline: Instant,
+    max_messages: usize,
+    max_unfinished: usize,
+}
+
+/// Finds the events that earlier leaders of `consumer` left unfinished,
+/// within the bounds of [`ConsumerConfig::takeover_scan`](super::ConsumerConfig::takeover_scan).
 ///
 /// # Errors
 /// [`ErrorKind::Nats`](crate::ErrorKind::Nats) if the consumer or a stream
 /// message cannot be read; [`ErrorKind::Database`](crate::ErrorKind::Database)
-/// if the inbox cannot.
+/// if the inbox or the checkpoint cannot.
 pub(crate) async fn scan<J: Pending>(
     shared: &Shared,
     consumer: &PullConsumer,
-) -> Result<Backlog<J>, Error> {
-    let durable = &shared.config.durable;
+) -> Result<Takeover<J>, Error> {
+    let started = Instant::now();
+    let config = &shared.config;
+    let durable = &config.durable;
+    let (max_messages, max_time) = config.takeover_scan_bounds();
+    let bounds = Bounds {
+        deadline: started + max_time,
+        max_messages,
+        max_unfinished: max_unfinished(config.max_ack_pending),
+    };
     let info = consumer
         .get_info()
         .await
         .map_err(|e| Error::nats(&format!("reading consumer `{durable}`"), e))?;
-    if info.num_ack_pending == 0 {
-        return Ok(Backlog::default());
-    }
     let (floor, delivered) = (
         info.ack_floor.stream_sequence,
         info.delivered.stream_sequence,
     );
-    let filters: Vec<&str> = if info.config.filter_subjects.is_empty() {
-        [info.config.filter_subject.as_str()]
+    let next_delivery = info.delivered.consumer_sequence.saturating_add(1);
+    if info.num_ack_pending == 0 {
+        // Everything delivered is acked: nothing to wait for.
+        return Ok(Takeover {
+            backlog: Backlog::default(),
+            checkpoint: Checkpoint::new(delivered, Some(next_delivery), []),
+        });
+    }
+    let filters: Vec<String> = if info.config.filter_subjects.is_empty() {
+        [info.config.filter_subject.clone()]
             .into_iter()
             .filter(|f| !f.is_empty())
             .collect()
     } else {
-        info.config
-            .filter_subjects
-            .iter()
-            .map(String::as_str)
-            .collect()
+        info.config.filter_subjects.clone()
     };
     let stream = shared
         .js
-        .get_stream(&shared.config.stream)
+        .get_stream(&config.stream)
         .await
-        .map_err(|e| Error::nats(&format!("looking up stream `{}`", shared.config.stream), e))?;
-    let mut events: Vec<(EventId, String)> = Vec::new();
-    for sequence in floor.saturating_add(1)..=delivered {
-        let message = match stream.get_raw_message(sequence).await {
-            Ok(message) => message,
-            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => continue,
-            Err(e) => {
-                return Err(Error::nats(
-                    &format!("reading stream message {sequence}"),
-                    e,
-                ));
-            }
-        };
-        if !filters.is_empty() && !filters.iter().any(|f| matches(f, &message.subject)) {
-            continue;
+        .map_err(|e| Error::nats(&format!("looking up stream `{}`", config.stream), e))?;
+
+    // 1. Where the previous leader's checkpoint says to start.
+    let saved = checkpoint::load(&shared.pool, durable).await?;
+    let (start, listed) = match saved {
+        Some(saved) if saved.sequence <= delivered => {
+            let listed: Vec<u64> = saved
+                .pending
+                .into_iter()
+                .filter(|s| *s > floor && *s <= delivered)
+                .collect();
+            (saved.sequence.max(floor), listed)
         }
-        // A replay for another consumer is acked unhandled when it comes back.
-        if crate::dead_letter::replay_for_another(Some(&message.headers), durable).is_some() {
-            continue;
+        Some(saved) => {
+            tracing::warn!(
+                consumer = %durable, checkpoint = saved.sequence, delivered,
+                "the takeover checkpoint is past the consumer's last delivered message \
+                 (the stream or the durable was created again?): scanning from the ack floor",
+            );
+            (floor, Vec::new())
         }
-        // Poison has no subject to hold back; it is dead-lettered wherever it lands.
-        if let Ok(envelope) = Envelope::<Value>::from_json(&message.payload) {
-            events.push((envelope.id(), envelope.subject().to_owned()));
-        }
+        None => (floor, Vec::new()),
+    };
+    let mut found = Vec::new();
+    let mut listed_candidates = Vec::with_capacity(listed.len());
+    for sequence in &listed {
+        listed_candidates.push(Candidate {
+            sequence: *sequence,
+            id: None,
+        });
     }
-    let ids: Vec<Uuid> = events.iter().map(|(id, _)| *id.as_uuid()).collect();
-    let done: HashSet<Uuid> = sqlx::query_file_scalar!("queries/done_events.sql", durable, &ids)
-        .fetch_all(&shared.pool)
-        .await
-        .map_err(|e| Error::database("reading which pending events are done", e))?
-        .into_iter()
-        .collect();
+    // Listed sequences are read whole (their headers alone would need a
+    // request each as well).
+    classify(
+        shared,
+        &stream,
+        &filters,
+        &mut listed_candidates,
+        &mut found,
+    )
+    .await?;
+
+    // 2. The range from the checkpoint on, in bulk, within the bounds.
+    let (ended, scanned) = if start < delivered {
+        scan_range(
+            shared,
+            &stream,
+            &filters,
+            (start, delivered),
+            &bounds,
+            &mut found,
+        )
+        .await?
+    } else {
+        (Ended::Complete, 0)
+    };
+
     let mut backlog = Backlog::default();
-    for (id, subject) in events {
-        if !done.contains(id.as_uuid()) {
-            backlog.blocked.entry(subject).or_default().push_back(id);
-        }
+    let (classified_to, next_delivery) = match &ended {
+        Ended::Complete => (delivered, Some(next_delivery)),
+        Ended::Bounded { classified_to, .. } => (*classified_to, None),
+    };
+    found.sort_by_key(|f| f.sequence);
+    let open: Vec<u64> = found.iter().map(|f| f.sequence).collect();
+    for f in found {
+        backlog
+            .blocked
+            .entry(f.subject)
+            .or_default()
+            .push_back(Unfinished {
+                id: f.id,
+                sequence: f.sequence,
+            });
     }
+    backlog.unsettled = matches!(ended, Ended::Bounded { .. });
     if !backlog.is_empty() {
         let longest_wait = info
             .config
@@ -232,13 +410,239 @@ pub(crate) async fn scan<J: Pending>(
             .unwrap_or_default()
             .max(info.config.ack_wait);
         backlog.deadline = Some(Instant::now() + longest_wait * 2 + Duration::from_secs(10));
-        tracing::info!(
-            consumer = %durable, events = backlog.unfinished(), subjects = backlog.blocked.len(),
-            ack_floor = floor, delivered,
-            "taking over: earlier leaders left events unfinished; later events of their subjects wait for them",
-        );
     }
-    Ok(backlog)
+    let took = started.elapsed();
+    match &ended {
+        Ended::Complete if backlog.is_empty() => {
+            tracing::info!(
+                consumer = %durable, ack_floor = floor, delivered, start, listed = listed.len(),
+                scanned, ?took, "taking over: earlier leaders left nothing unfinished",
+            );
+        }
+        Ended::Complete => {
+            tracing::info!(
+                consumer = %durable, events = backlog.unfinished(), subjects = backlog.blocked.len(),
+                ack_floor = floor, delivered, start, listed = listed.len(), scanned, ?took,
+                "taking over: earlier leaders left events unfinished; later events of their subjects wait for them",
+            );
+        }
+        Ended::Bounded { classified_to, why } => {
+            tracing::warn!(
+                consumer = %durable, events = backlog.unfinished(), ack_floor = floor, delivered,
+                start, classified_to, listed = listed.len(), scanned, ?took, bound = %why,
+                wait = ?backlog.deadline.map(|d| d.saturating_duration_since(Instant::now())),
+                "taking over: the scan of what earlier leaders left hit its bound; the unfinished \
+                 events found go first, and every other message waits until the earlier leaders' \
+                 messages have had time to come back",
+            );
+        }
+    }
+    Ok(Takeover {
+        backlog,
+        checkpoint: Checkpoint::new(classified_to, next_delivery, open),
+    })
+}
+
+/// The most unfinished events a scan keeps before it stops: a few times the
+/// messages JetStream lets be pending at once.
+fn max_unfinished(max_ack_pending: i64) -> usize {
+    let pending = usize::try_from(max_ack_pending)
+        .ok()
+        .filter(|n| *n > 0)
+        .unwrap_or(1_000);
+    pending.saturating_mul(4).max(4 * CHUNK)
+}
+
+/// Reads the stream over `(after, to]`, headers only, classifying a chunk at
+/// a time into `found`, until `to` or a bound. Returns how it ended and how
+/// many messages it read.
+async fn scan_range(
+    shared: &Shared,
+    stream: &Stream,
+    filters: &[String],
+    (after, to): (u64, u64),
+    bounds: &Bounds,
+    found: &mut Vec<Found>,
+) -> Result<(Ended, usize), Error> {
+    let reader = stream
+        .create_consumer(pull::OrderedConfig {
+            filter_subjects: filters.to_vec(),
+            deliver_policy: DeliverPolicy::ByStartSequence {
+                start_sequence: after.saturating_add(1),
+            },
+            headers_only: true,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| Error::nats("creating the takeover's stream reader", e))?;
+    let name = reader.cached_info().name.clone();
+    let read = if reader.cached_info().num_pending == 0 {
+        Ok((Ended::Complete, 0))
+    } else {
+        read_range(shared, stream, filters, reader, (after, to), bounds, found).await
+    };
+    // Left alone, the reader would go after 30 s idle; best effort.
+    if let Err(e) = stream.delete_consumer(&name).await {
+        tracing::debug!(consumer = %shared.config.durable, error = %e, "could not delete the takeover's stream reader");
+    }
+    read
+}
+
+/// [`scan_range`] once its reader is created.
+async fn read_range(
+    shared: &Shared,
+    stream: &Stream,
+    filters: &[String],
+    reader: async_nats::jetstream::consumer::Consumer<pull::OrderedConfig>,
+    (after, to): (u64, u64),
+    bounds: &Bounds,
+    found: &mut Vec<Found>,
+) -> Result<(Ended, usize), Error> {
+    let mut messages = reader
+        .messages()
+        .await
+        .map_err(|e| Error::nats("reading the stream for the takeover", e))?;
+    let durable = &shared.config.durable;
+    let mut chunk: Vec<Candidate> = Vec::with_capacity(CHUNK);
+    let mut classified_to = after;
+    let mut scanned = 0usize;
+    let bounded = |classified_to: u64, why: String| Ended::Bounded { classified_to, why };
+    loop {
+        if scanned >= bounds.max_messages {
+            let why = format!("{} messages", bounds.max_messages);
+            return Ok((bounded(classified_to, why), scanned));
+        }
+        let next = match tokio::time::timeout_at(bounds.deadline, messages.next()).await {
+            Ok(Some(next)) => next,
+            Ok(None) => {
+                return Err(Error::new(
+                    crate::ErrorKind::Nats,
+                    "the takeover's stream reader ended early",
+                ));
+            }
+            Err(_) => {
+                let why = format!("time, after {scanned} messages");
+                return Ok((bounded(classified_to, why), scanned));
+            }
+        };
+        let message = next.map_err(|e| Error::nats("reading the stream for the takeover", e))?;
+        let meta = message
+            .info()
+            .map_err(|e| Error::nats("a takeover read carries no JetStream metadata", e))?;
+        let (sequence, left) = (meta.stream_sequence, meta.pending);
+        if sequence > to {
+            break;
+        }
+        scanned += 1;
+        let last = sequence == to || left == 0;
+        let headers = message.headers.as_ref();
+        // A replay for another consumer is acked unhandled when it comes back.
+        if crate::dead_letter::replay_for_another(headers, durable).is_none() {
+            chunk.push(Candidate {
+                sequence,
+                id: headers.and_then(header_id),
+            });
+        }
+        if chunk.len() >= CHUNK || last {
+            classify(shared, stream, filters, &mut chunk, found).await?;
+            classified_to = sequence;
+            if found.len() > bounds.max_unfinished {
+                let why = format!("{} unfinished events", bounds.max_unfinished);
+                return Ok((bounded(classified_to, why), scanned));
+            }
+        }
+        if last {
+            break;
+        }
+    }
+    if !chunk.is_empty() {
+        classify(shared, stream, filters, &mut chunk, found).await?;
+    }
+    Ok((Ended::Complete, scanned))
+}
+
+/// The event id a message's `Nats-Msg-Id` names, if it is one.
+fn header_id(headers: &HeaderMap) -> Option<EventId> {
+    headers.get(MSG_ID_HEADER)?.as_str().parse().ok()
+}
+
+/// Classifies (and empties) `chunk`: asks the inbox about the ids the headers
+/// name, reads the bodies of the unfinished ones and of those without an id,
+/// and appends the unfinished events to `found`.
+async fn classify(
+    shared: &Shared,
+    stream: &Stream,
+    filters: &[String],
+    chunk: &mut Vec<Candidate>,
+    found: &mut Vec<Found>,
+) -> Result<(), Error> {
+    let durable = &shared.config.durable;
+    let ids: Vec<Uuid> = chunk
+        .iter()
+        .filter_map(|c| c.id.map(|id| *id.as_uuid()))
+        .collect();
+    let done = done_events(shared, &ids).await?;
+    let mut unfinished = Vec::new();
+    for candidate in chunk.drain(..) {
+        if candidate.id.is_some_and(|id| done.contains(id.as_uuid())) {
+            continue;
+        }
+        let message = match stream.get_raw_message(candidate.sequence).await {
+            Ok(message) => message,
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => continue,
+            Err(e) => {
+                return Err(Error::nats(
+                    &format!("reading stream message {}", candidate.sequence),
+                    e,
+                ));
+            }
+        };
+        if !filters.is_empty() && !filters.iter().any(|f| matches(f, &message.subject)) {
+            continue;
+        }
+        if crate::dead_letter::replay_for_another(Some(&message.headers), durable).is_some() {
+            continue;
+        }
+        // Poison has no subject to hold back; it is dead-lettered wherever it lands.
+        let Ok(envelope) = Envelope::<Value>::from_json(&message.payload) else {
+            continue;
+        };
+        unfinished.push((candidate, envelope.id(), envelope.subject().to_owned()));
+    }
+    // A body naming another id than its header (or a message with none) is
+    // asked about by the id in its body.
+    let recheck: Vec<Uuid> = unfinished
+        .iter()
+        .filter(|(c, id, _)| c.id != Some(*id))
+        .map(|(_, id, _)| *id.as_uuid())
+        .collect();
+    let done = done_events(shared, &recheck).await?;
+    found.extend(
+        unfinished
+            .into_iter()
+            .filter(|(_, id, _)| !done.contains(id.as_uuid()))
+            .map(|(c, id, subject)| Found {
+                sequence: c.sequence,
+                id,
+                subject,
+            }),
+    );
+    Ok(())
+}
+
+/// Of `ids`, the events the consumer has handled or dead-lettered.
+async fn done_events(shared: &Shared, ids: &[Uuid]) -> Result<HashSet<Uuid>, Error> {
+    if ids.is_empty() {
+        return Ok(HashSet::new());
+    }
+    Ok(
+        sqlx::query_file_scalar!("queries/done_events.sql", &shared.config.durable, ids)
+            .fetch_all(&shared.pool)
+            .await
+            .map_err(|e| Error::database("reading which pending events are done", e))?
+            .into_iter()
+            .collect(),
+    )
 }
 
 /// NATS subject matching: `*` is one token, a final `>` one or more.
@@ -260,6 +664,7 @@ mod tests {
     use super::*;
 
     #[derive(Debug, Clone, PartialEq)]
+    /// A job: subject, event, stream sequence.
     struct J(&'static str, EventId, u8);
 
     impl Pending for J {
@@ -269,13 +674,16 @@ mod tests {
         fn event_id(&self) -> EventId {
             self.1
         }
+        fn stream_sequence(&self) -> u64 {
+            u64::from(self.2)
+        }
     }
 
     fn backlog(blocked: &[(&str, &[EventId])]) -> Backlog<J> {
         let mut b = Backlog::default();
         for (subject, ids) in blocked {
-            b.blocked
-                .insert((*subject).to_owned(), ids.iter().copied().collect());
+            let queue = ids.iter().map(|&id| Unfinished { id, sequence: 0 });
+            b.blocked.insert((*subject).to_owned(), queue.collect());
         }
         b.deadline = Some(Instant::now() + Duration::from_secs(60));
         b
@@ -323,9 +731,9 @@ mod tests {
         let (e1, e2) = (EventId::new(), EventId::new());
         let mut b = backlog(&[("s", &[e1])]);
         assert_eq!(b.admit(J("s", e2, 1)), None);
-        assert_eq!(b.expire("c", Instant::now()), vec![]);
+        assert_eq!(b.expire("c", Instant::now()), (vec![], vec![]));
         let later = Instant::now() + Duration::from_secs(61);
-        assert_eq!(b.expire("c", later), vec![J("s", e2, 1)]);
+        assert_eq!(b.expire("c", later), (vec![J("s", e2, 1)], vec![0]));
         assert!(b.is_empty());
         assert_eq!(b.held().count(), 0);
     }
@@ -334,7 +742,7 @@ mod tests {
     fn an_event_a_task_lost_runs_before_the_later_events_of_its_subject() {
         let (lost, later, other) = (EventId::new(), EventId::new(), EventId::new());
         let mut b: Backlog<J> = Backlog::default();
-        b.block("s", lost, Instant::now() + Duration::from_secs(60));
+        b.block("s", lost, 7, Instant::now() + Duration::from_secs(60));
         assert_eq!(b.admit(J("s", later, 1)), None);
         assert_eq!(b.admit(J("t", other, 2)), Some(J("t", other, 2)));
         // The lost event comes back, runs, finishes: the later one goes.
@@ -342,13 +750,47 @@ mod tests {
         assert_eq!(b.finished("s", lost), vec![J("s", later, 1)]);
         assert!(b.is_empty());
         // Blocked again behind one that never comes back: released at the deadline.
-        b.block("s", lost, Instant::now() + Duration::from_secs(60));
-        b.block("s", lost, Instant::now());
+        b.block("s", lost, 7, Instant::now() + Duration::from_secs(60));
+        b.block("s", lost, 7, Instant::now());
         assert_eq!(b.unfinished(), 1);
         assert_eq!(b.admit(J("s", later, 4)), None);
-        assert_eq!(b.expire("c", Instant::now()), vec![]);
+        assert_eq!(b.expire("c", Instant::now()), (vec![], vec![]));
         let after = Instant::now() + Duration::from_secs(61);
-        assert_eq!(b.expire("c", after), vec![J("s", later, 4)]);
+        assert_eq!(b.expire("c", after), (vec![J("s", later, 4)], vec![7]));
+    }
+
+    #[test]
+    fn an_unsettled_backlog_lets_only_known_unfinished_events_go_until_the_deadline() {
+        let (e1, e2, e3, e4, e5) = (
+            EventId::new(),
+            EventId::new(),
+            EventId::new(),
+            EventId::new(),
+            EventId::new(),
+        );
+        let mut b = backlog(&[("s", &[e1])]);
+        b.unsettled = true;
+        assert!(!b.is_empty());
+        // Another subject waits too: it may have an event the scan did not reach.
+        assert_eq!(b.admit(J("t", e2, 9)), None);
+        assert_eq!(b.admit(J("s", e3, 8)), None);
+        assert_eq!(b.admit(J("s", e1, 2)), Some(J("s", e1, 2)));
+        // s's known event done: what s holds still waits.
+        assert_eq!(b.finished("s", e1), vec![]);
+        // A redelivery from the part not scanned, older than what waits.
+        assert_eq!(b.admit(J("t", e4, 5)), None);
+        assert_eq!(b.admit(J("u", e5, 7)), None);
+        assert_eq!(b.expire("c", Instant::now()), (vec![], vec![]));
+        let later = Instant::now() + Duration::from_secs(61);
+        let (released, given_up) = b.expire("c", later);
+        assert_eq!(
+            released,
+            vec![J("t", e4, 5), J("u", e5, 7), J("s", e3, 8), J("t", e2, 9)],
+            "everything goes, in stream order"
+        );
+        assert!(given_up.is_empty());
+        assert!(b.is_empty());
+        assert_eq!(b.admit(J("t", e2, 10)), Some(J("t", e2, 10)));
     }
 
     #[test]
