@@ -504,13 +504,13 @@ async fn read_range(
         .map_err(|e| Error::nats("reading the stream for the takeover", e))?;
     let durable = &shared.config.durable;
     let mut chunk: Vec<Candidate> = Vec::with_capacity(CHUNK);
-    let mut classified_to = after;
+    let mut read_to = after;
     let mut scanned = 0usize;
-    let bounded = |classified_to: u64, why: String| Ended::Bounded { classified_to, why };
+    let mut bound = None;
     loop {
         if scanned >= bounds.max_messages {
-            let why = format!("{} messages", bounds.max_messages);
-            return Ok((bounded(classified_to, why), scanned));
+            bound = Some(format!("{} messages", bounds.max_messages));
+            break;
         }
         let next = match tokio::time::timeout_at(bounds.deadline, messages.next()).await {
             Ok(Some(next)) => next,
@@ -521,8 +521,8 @@ async fn read_range(
                 ));
             }
             Err(_) => {
-                let why = format!("time, after {scanned} messages");
-                return Ok((bounded(classified_to, why), scanned));
+                bound = Some(format!("time, after {scanned} messages"));
+                break;
             }
         };
         let message = next.map_err(|e| Error::nats("reading the stream for the takeover", e))?;
@@ -534,7 +534,7 @@ async fn read_range(
             break;
         }
         scanned += 1;
-        let last = sequence == to || left == 0;
+        read_to = sequence;
         let headers = message.headers.as_ref();
         // A replay for another consumer is acked unhandled when it comes back.
         if crate::dead_letter::replay_for_another(headers, durable).is_none() {
@@ -543,22 +543,27 @@ async fn read_range(
                 id: headers.and_then(header_id),
             });
         }
-        if chunk.len() >= CHUNK || last {
+        if chunk.len() >= CHUNK {
             classify(shared, stream, filters, &mut chunk, found).await?;
-            classified_to = sequence;
             if found.len() > bounds.max_unfinished {
-                let why = format!("{} unfinished events", bounds.max_unfinished);
-                return Ok((bounded(classified_to, why), scanned));
+                bound = Some(format!("{} unfinished events", bounds.max_unfinished));
+                break;
             }
         }
-        if last {
+        if sequence == to || left == 0 {
             break;
         }
     }
-    if !chunk.is_empty() {
-        classify(shared, stream, filters, &mut chunk, found).await?;
-    }
-    Ok((Ended::Complete, scanned))
+    // What was read is classified, bound or not (at most one chunk more).
+    classify(shared, stream, filters, &mut chunk, found).await?;
+    let ended = match bound {
+        Some(why) => Ended::Bounded {
+            classified_to: read_to,
+            why,
+        },
+        None => Ended::Complete,
+    };
+    Ok((ended, scanned))
 }
 
 /// The event id a message's `Nats-Msg-Id` names, if it is one.
