@@ -162,14 +162,34 @@
 //!   and only while its session was confirmed (pinged every 250 ms) in the
 //!   last second.
 //! - **Takeover.** A new leader whose predecessor did not let go cleanly waits
-//!   1.75 s for the predecessor's last pull to expire. Then it reads the stream
-//!   between the consumer's ack floor and its last delivered message, keeps
-//!   the events its inbox has neither handled nor dead-lettered, and, per
-//!   subject, handles those first, in stream order, as JetStream redelivers
-//!   them (after `ack_wait`), holding later events of the same subject back
-//!   (with in-progress acks). Other subjects go on at once. If an unfinished
-//!   event never comes back (twice the longest redelivery delay, plus 10 s),
-//!   its subject goes on without it and an error names it.
+//!   1.75 s for the predecessor's last pull to expire. Then it finds the
+//!   events earlier leaders left unfinished (neither handled nor
+//!   dead-lettered) and, per subject, handles those first, in stream order,
+//!   as JetStream redelivers them (after `ack_wait`), holding later events of
+//!   the same subject back (with in-progress acks). Other subjects go on at
+//!   once. If an unfinished event never comes back (twice the longest
+//!   redelivery delay, plus 10 s), its subject goes on without it and an
+//!   error names it.
+//! - **A bounded takeover, whatever the stream holds.** The events to look
+//!   at lie between the consumer's ack floor and its last delivered message,
+//!   and one message left unacked for hours keeps the floor below everything
+//!   handled since. So each leader records a *checkpoint* in `inbox_leases`
+//!   about once a second: the stream sequence at or below which every
+//!   message is finished except a short list (at most 1,024), kept from
+//!   what it receives and finishes (its delivery sequence tells it that it
+//!   saw every delivery). A new leader reads that list and the stream from
+//!   the checkpoint on, about a second of traffic, not from the ack floor;
+//!   in bulk (an ephemeral ordered consumer, headers only: the id is the
+//!   relay's `Nats-Msg-Id`; bodies only of the unfinished ones, for their
+//!   subject) and one inbox query per 1,000 messages, keeping only the
+//!   unfinished ones. Its reads are bounded
+//!   ([`ConsumerConfig::takeover_scan`]: 1,000,000 messages, 5 s): past the
+//!   bound, the unfinished events found still go first and every other
+//!   message waits until the previous leader's messages have had time to
+//!   come back, then all go in stream order: slower, logged, never
+//!   reordered. See `takeover.rs` and `checkpoint.rs` for why each step is
+//!   sound, and the crate's `BENCHMARKS.md` ("Ordered takeover with a stuck
+//!   message") for what it takes.
 //! - **In-place retries.** A failed delivery is retried by the leader after
 //!   the [`RetryPolicy`] delay, keeping its subject busy, instead of being
 //!   nak'ed past; the last allowed attempt is dead-lettered as usual.
@@ -177,8 +197,9 @@
 //! The cost is throughput: one process handles the whole consumer (up to
 //! `concurrency` subjects at once), however many replicas run; the others are
 //! hot standbys. A crashed leader's subjects in flight resume after the
-//! failover (up to 250 ms to notice, 1.75 s, then `ack_wait` for the
-//! unfinished events to come back); the other subjects after the first two. All replicas of a durable must agree on
+//! failover (up to 250 ms to notice, 1.75 s, the scan, then `ack_wait` for
+//! the unfinished events to come back); the other subjects after the first
+//! three. All replicas of a durable must agree on
 //! the setting; it needs PostgreSQL 14 or later (`idle_session_timeout`).
 
 pub(crate) mod ack;

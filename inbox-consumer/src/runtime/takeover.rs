@@ -331,12 +331,16 @@ pub(crate) async fn scan<J: Pending>(
     let saved = checkpoint::load(&shared.pool, durable).await?;
     let (start, listed) = match saved {
         Some(saved) if saved.sequence <= delivered => {
-            let listed: Vec<u64> = saved
+            let start = saved.sequence.max(floor);
+            // At or below the floor: acked. Above the start: read with the range.
+            let mut listed: Vec<u64> = saved
                 .pending
                 .into_iter()
-                .filter(|s| *s > floor && *s <= delivered)
+                .filter(|s| *s > floor && *s <= start)
                 .collect();
-            (saved.sequence.max(floor), listed)
+            listed.sort_unstable();
+            listed.dedup();
+            (start, listed)
         }
         Some(saved) => {
             tracing::warn!(
