@@ -953,7 +953,10 @@ async fn takeover_behind_a_stuck_message(stream: &str, n: usize, scan: Scan) -> 
             .collect()
     };
     w.publish_all(&[stuck(0)]).await;
-    w.publish_all(&others(0, n)).await;
+    // In chunks: the client lets 5,000 publish acks be outstanding at once.
+    for chunk in others(0, n).chunks(1_000) {
+        w.publish_all(chunk).await;
+    }
     w.publish_all(&[stuck(1), stuck(2)]).await;
     let n = i64::try_from(n).unwrap();
     wait_until(
@@ -1116,7 +1119,9 @@ async fn reading_100k_stream_messages_one_request_at_a_time() {
             .unwrap()
         })
         .collect();
-    w.publish_all(&events).await;
+    for chunk in events.chunks(1_000) {
+        w.publish_all(chunk).await;
+    }
     let stream = w.js.get_stream("ONE_BY_ONE").await.unwrap();
     let started = std::time::Instant::now();
     let mut ids = Vec::with_capacity(events.len());

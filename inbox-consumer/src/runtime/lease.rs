@@ -19,8 +19,10 @@
 //!   pull, for longer than the lease timeout, sends that pull late; its
 //!   commits are fenced, but the events it then holds come back to the new
 //!   leader only after `ack_wait`, possibly after later events of their
-//!   subjects. Closing it needs the successor to watch the consumer's
-//!   delivery sequence for gaps.
+//!   subjects. The successor does watch the consumer's delivery sequence
+//!   (for its takeover checkpoint, see [`super::checkpoint`]): such a gap
+//!   is logged and stops the checkpoint from moving on, but does not yet
+//!   hold the subjects back.
 //! - **The fence.** Each new leader bumps `inbox_leases.epoch` while holding
 //!   the fence lock exclusively. Each handler transaction of a leader, just
 //!   before its commit, takes the fence lock shared and reads the epoch

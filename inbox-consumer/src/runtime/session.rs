@@ -8,7 +8,9 @@
 //! under [`max_buffered`](super::ConsumerConfig::max_buffered), so `held`
 //! never exceeds it (except for messages held back after a takeover, which
 //! must not stop the pulls that bring their predecessors back; they are
-//! bounded by the backlog's expiry); and every held message that is not
+//! bounded by the backlog's expiry and by the consumer's `max_ack_pending`,
+//! all the more when a takeover scan hit its bound and holds every
+//! subject); and every held message that is not
 //! running gets an in-progress ack each [`progress_interval`](super::ConsumerConfig::progress_interval)
 //! (running ones get theirs from their task), so none is redelivered while
 //! it waits.
