@@ -1033,6 +1033,13 @@ async fn takeover_behind_a_stuck_message(stream: &str, n: usize, scan: Scan) -> 
     .unwrap();
     let all = on_b.handled.lock().unwrap().last().copied().unwrap() - killed;
     w.wait_settled(stream, durable).await;
+    // The new leader's checkpoint reaches the end, nothing listed (after a
+    // bounded scan, through its catch-up).
+    wait_until("b's checkpoint caught up", WAIT, || async {
+        checkpoint().await == (Some(i64::try_from(last).unwrap() + 100), Vec::new())
+    })
+    .await
+    .unwrap();
     let order: Vec<i64> =
         sqlx::query_scalar("select seq from effects where subject = 'stuck' order by n")
             .fetch_all(&w.db.pool)

@@ -32,21 +32,30 @@
 //!   right, only further back.
 //!
 //! A gap in the delivery sequence (a delivery lost on the way, or taken by
-//! a frozen predecessor's late pull) freezes the frontier for the rest of
-//! the tenure, and so does a takeover whose scan hit its bound (the messages
-//! after where it stopped are not known): the leader then records its last
-//! sound checkpoint, and the next takeover reads from there. Each is logged.
+//! a frozen predecessor's late pull) freezes the frontier, and so does a
+//! takeover whose scan hit its bound (the messages after where it stopped
+//! are not known); each is logged. A frozen leader records its last sound
+//! checkpoint, and [`catch_up`](super::takeover::catch_up)s in the
+//! background, within the takeover scan's bounds: it reads the consumer's
+//! delivery and stream sequences at that moment (`D1`, `C1`), classifies
+//! the stream from the frontier to `C1` against the inbox, and then moves
+//! the frontier to `C1`, or beyond along the deliveries received since
+//! `D1` with no gap (it notes every delivery while frozen, at most
+//! [`MAX_NOTED`]). A catch-up that hit its bound moves the frontier as far
+//! as it read, and the next one goes on from there. Messages found
+//! unfinished are listed unless the leader finished them meanwhile.
 //! The list is capped at [`MAX_LISTED`]: past that, the checkpoint is put
 //! just below the first sequence left out.
 //!
 //! The leader records the checkpoint every [`SAVE_EVERY`] (when it changed),
 //! fenced by its epoch, and once more when it lets go at shutdown.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::time::Duration;
 
 use sqlx::PgPool;
 
+use super::takeover::CaughtUp;
 use crate::error::Error;
 
 /// The most stream sequences a checkpoint lists.
@@ -54,6 +63,12 @@ pub(crate) const MAX_LISTED: usize = 1_024;
 
 /// How often a leader records its checkpoint.
 pub(crate) const SAVE_EVERY: Duration = Duration::from_secs(1);
+
+/// The most deliveries a frozen leader notes for its catch-up.
+pub(crate) const MAX_NOTED: usize = 100_000;
+
+/// How long a frozen leader waits before it catches up, and between tries.
+pub(crate) const CATCH_UP_EVERY: Duration = Duration::from_secs(5);
 
 /// How long recording a checkpoint may take before it is given up (the next
 /// one is tried at the next tick).
@@ -73,6 +88,11 @@ pub(crate) struct Checkpoint {
     open: BTreeSet<u64>,
     /// What was last recorded, not to write it again.
     recorded: Option<Position>,
+    /// While frozen: the deliveries received (delivery sequence → stream
+    /// sequence), for the catch-up.
+    noted: BTreeMap<u64, u64>,
+    /// While a catch-up runs: the messages finished meanwhile.
+    finished_meanwhile: Option<HashSet<u64>>,
 }
 
 impl Checkpoint {
@@ -88,6 +108,8 @@ impl Checkpoint {
             next_delivery,
             open: open.into_iter().collect(),
             recorded: None,
+            noted: BTreeMap::new(),
+            finished_meanwhile: None,
         }
     }
 
@@ -96,6 +118,7 @@ impl Checkpoint {
     pub(crate) fn received(&mut self, consumer: &str, stream: u64, delivery: u64) {
         self.open.insert(stream);
         let Some(next) = self.next_delivery else {
+            self.note(delivery, stream);
             return;
         };
         if delivery == next {
@@ -111,12 +134,78 @@ impl Checkpoint {
                  puller): the takeover checkpoint stays where it is for this tenure",
             );
             self.next_delivery = None;
+            self.note(delivery, stream);
+        }
+    }
+
+    /// Notes a delivery received while frozen.
+    fn note(&mut self, delivery: u64, stream: u64) {
+        self.noted.insert(delivery, stream);
+        if self.noted.len() > MAX_NOTED {
+            self.noted.pop_first();
         }
     }
 
     /// The message at stream sequence `stream` is finished.
     pub(crate) fn finished(&mut self, stream: u64) {
         self.open.remove(&stream);
+        if let Some(meanwhile) = &mut self.finished_meanwhile {
+            meanwhile.insert(stream);
+        }
+    }
+
+    /// Where a catch-up should start: the frontier, while frozen and no
+    /// catch-up runs.
+    pub(crate) fn needs_catch_up(&self) -> Option<u64> {
+        let frozen = self.next_delivery.is_none() && self.finished_meanwhile.is_none();
+        frozen.then_some(self.frontier)
+    }
+
+    /// A catch-up starts.
+    pub(crate) fn catching_up(&mut self) {
+        self.finished_meanwhile = Some(HashSet::new());
+    }
+
+    /// A catch-up failed: the frontier stays.
+    pub(crate) fn catch_up_failed(&mut self) {
+        self.finished_meanwhile = None;
+    }
+
+    /// A catch-up ended with `caught`: moves the frontier (see the
+    /// [module docs](self)).
+    pub(crate) fn caught_up(&mut self, consumer: &str, caught: CaughtUp) {
+        let finished = self.finished_meanwhile.take().unwrap_or_default();
+        self.open.extend(
+            caught
+                .unfinished
+                .iter()
+                .filter(|s| !finished.contains(s))
+                .copied(),
+        );
+        self.frontier = self.frontier.max(caught.classified_to);
+        self.noted = self.noted.split_off(&caught.next_delivery);
+        if caught.classified_to < caught.delivered {
+            tracing::info!(
+                consumer,
+                checkpoint = self.frontier,
+                delivered = caught.delivered,
+                "takeover checkpoint: catching up, the rest next time",
+            );
+            return;
+        }
+        let mut next = caught.next_delivery;
+        while let Some(stream) = self.noted.remove(&next) {
+            self.frontier = self.frontier.max(stream);
+            next = next.saturating_add(1);
+        }
+        if self.noted.is_empty() {
+            tracing::info!(
+                consumer,
+                checkpoint = self.frontier,
+                "takeover checkpoint: caught up"
+            );
+            self.next_delivery = Some(next);
+        }
     }
 
     /// The runtime gave up waiting for these messages (see
@@ -273,6 +362,67 @@ mod tests {
         assert_eq!(pending.len(), MAX_LISTED);
         assert_eq!(pending.last(), Some(&(MAX_LISTED as u64 * 2)));
         assert_eq!(sequence, (MAX_LISTED as u64 + 1) * 2 - 1);
+    }
+
+    #[test]
+    fn a_catch_up_moves_a_frozen_frontier_along_the_deliveries_since() {
+        // Frozen at 40 (a bounded takeover scan); 7 unfinished below.
+        let mut c = Checkpoint::new(40, None, [7]);
+        c.received("c", 90, 10);
+        assert_eq!(c.needs_catch_up(), Some(40));
+        c.catching_up();
+        assert_eq!(c.needs_catch_up(), None, "one at a time");
+        // Meanwhile: 90 finishes; deliveries 12 and 13 arrive.
+        c.finished(90);
+        c.received("c", 101, 12);
+        c.received("c", 102, 13);
+        // The catch-up read delivery 11 / stream 100 as the last, found 55
+        // and 90 unfinished (90 has finished since).
+        c.caught_up(
+            "c",
+            CaughtUp {
+                next_delivery: 12,
+                delivered: 100,
+                classified_to: 100,
+                unfinished: vec![55, 90],
+            },
+        );
+        assert_eq!(c.needs_catch_up(), None, "no longer frozen");
+        assert_eq!(c.current(), (102, vec![7, 55, 101, 102]));
+        c.received("c", 103, 14);
+        assert_eq!(c.current().0, 103);
+    }
+
+    #[test]
+    fn a_bounded_catch_up_moves_the_frontier_as_far_as_it_read() {
+        let mut c = Checkpoint::new(40, None, []);
+        c.catching_up();
+        c.received("c", 300, 50);
+        let caught = CaughtUp {
+            next_delivery: 50,
+            delivered: 200,
+            classified_to: 120,
+            unfinished: vec![111],
+        };
+        c.caught_up("c", caught);
+        assert_eq!(c.current(), (120, vec![111]));
+        assert_eq!(
+            c.needs_catch_up(),
+            Some(120),
+            "still frozen: the next one goes on"
+        );
+        // A gap after the catch-up's snapshot keeps it frozen too.
+        c.catching_up();
+        c.received("c", 302, 53);
+        let caught = CaughtUp {
+            next_delivery: 51,
+            delivered: 300,
+            classified_to: 300,
+            unfinished: vec![],
+        };
+        c.caught_up("c", caught);
+        assert_eq!(c.current().0, 300);
+        assert_eq!(c.needs_catch_up(), Some(300));
     }
 
     #[test]

@@ -38,7 +38,7 @@ use super::lease::{self, Tenure};
 use super::panics;
 use super::process::{self, Shared};
 use super::runner::Runner;
-use super::takeover::Backlog;
+use super::takeover::{self, Backlog, CaughtUp};
 use super::{Job, ack};
 use crate::delivery::{Delivery, DeliveryInfo};
 use crate::metrics::names;
@@ -88,6 +88,9 @@ pub(crate) struct Session<'a, R> {
     checkpoint: Option<Checkpoint>,
     recording: Option<tokio::task::JoinHandle<Option<Position>>>,
     checkpoint_at: Instant,
+    /// A frozen checkpoint's catch-up in flight, and when to try the next.
+    catching_up: Option<tokio::task::JoinHandle<Result<CaughtUp, crate::Error>>>,
+    catch_up_at: Instant,
     /// A leader's subjects with an event left unfinished while shutting down:
     /// none of their later events runs in this session, so none overtakes
     /// it. They go back unacked to the next leader.
@@ -125,6 +128,8 @@ impl<'a, R: Runner> Session<'a, R> {
             checkpoint,
             recording: None,
             checkpoint_at: now + checkpoint::SAVE_EVERY,
+            catching_up: None,
+            catch_up_at: now + checkpoint::CATCH_UP_EVERY,
             abandoned: HashSet::new(),
             tasks: JoinSet::new(),
             tracked: HashMap::new(),
@@ -524,9 +529,10 @@ impl<'a, R: Runner> Session<'a, R> {
     }
 
     /// Records the leader's checkpoint if it changed, unless a recording is
-    /// still under way.
+    /// still under way; takes in a catch-up that ended, or starts one.
     fn record_checkpoint(&mut self) {
         self.checkpoint_at = Instant::now() + checkpoint::SAVE_EVERY;
+        self.catch_up();
         let (Some(checkpoint), Some(tenure)) = (&mut self.checkpoint, &self.tenure) else {
             return;
         };
@@ -549,8 +555,58 @@ impl<'a, R: Runner> Session<'a, R> {
         }));
     }
 
+    /// Takes in the result of a frozen checkpoint's catch-up, or starts one
+    /// when it is time (see [`checkpoint`]).
+    fn catch_up(&mut self) {
+        let Some(checkpoint) = &mut self.checkpoint else {
+            return;
+        };
+        let consumer = &self.shared.config.durable;
+        if let Some(running) = &mut self.catching_up {
+            let ended = match running.now_or_never() {
+                None => return,
+                Some(ended) => ended,
+            };
+            self.catching_up = None;
+            self.catch_up_at = Instant::now() + checkpoint::CATCH_UP_EVERY;
+            match ended {
+                Ok(Ok(caught)) => {
+                    if caught.classified_to < caught.delivered {
+                        // Bounded: go on from there at the next tick.
+                        self.catch_up_at = Instant::now();
+                    }
+                    checkpoint.caught_up(consumer, caught);
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(consumer = %consumer, error = %e, "the takeover checkpoint's catch-up failed; trying again");
+                    checkpoint.catch_up_failed();
+                }
+                Err(e) => {
+                    tracing::warn!(consumer = %consumer, error = %e, "the takeover checkpoint's catch-up ended; trying again");
+                    checkpoint.catch_up_failed();
+                }
+            }
+            return;
+        }
+        if self.stopping || Instant::now() < self.catch_up_at {
+            return;
+        }
+        let Some(after) = checkpoint.needs_catch_up() else {
+            return;
+        };
+        checkpoint.catching_up();
+        let shared = Arc::clone(self.shared);
+        let puller = self.consumer.clone();
+        self.catching_up = Some(tokio::spawn(async move {
+            takeover::catch_up(&shared, &puller, after).await
+        }));
+    }
+
     /// Records the checkpoint once more before a leader lets go.
     async fn record_last_checkpoint(&mut self) {
+        if let Some(running) = self.catching_up.take() {
+            running.abort();
+        }
         if let Some(recording) = self.recording.take() {
             let _ = tokio::time::timeout(checkpoint::SAVE_TIMEOUT, recording).await;
         }
@@ -588,6 +644,9 @@ impl<'a, R: Runner> Session<'a, R> {
         );
         // Dropping the tasks aborts them: their transactions roll back.
         self.tasks.abort_all();
+        if let Some(running) = self.catching_up.take() {
+            running.abort();
+        }
         if self.stopping {
             Served::Shutdown(None)
         } else {

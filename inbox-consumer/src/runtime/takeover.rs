@@ -51,8 +51,10 @@
 //!    acks, until the backlog's deadline (twice the longest redelivery
 //!    delay, plus 10 s), by when every message the previous leader held has
 //!    come back; then they all go, in stream order per subject. Slower, and
-//!    logged as a warning, but nothing is reordered. The next leader's
-//!    checkpoint starts where this scan stopped.
+//!    logged as a warning, but nothing is reordered. The new leader's
+//!    checkpoint starts where this scan stopped, and catches up in the
+//!    background ([`catch_up`], the same reads within the same bounds, a
+//!    round at a time), so the next takeover is short again.
 //!
 //! What the scan does not do: stop early once it has found as many
 //! unfinished events as the consumer has messages pending
@@ -313,14 +315,7 @@ pub(crate) async fn scan<J: Pending>(
             checkpoint: Checkpoint::new(delivered, Some(next_delivery), []),
         });
     }
-    let filters: Vec<String> = if info.config.filter_subjects.is_empty() {
-        [info.config.filter_subject.clone()]
-            .into_iter()
-            .filter(|f| !f.is_empty())
-            .collect()
-    } else {
-        info.config.filter_subjects.clone()
-    };
+    let filters = filters_of(&info.config);
     let stream = shared
         .js
         .get_stream(&config.stream)
@@ -445,6 +440,81 @@ pub(crate) async fn scan<J: Pending>(
         backlog,
         checkpoint: Checkpoint::new(classified_to, next_delivery, open),
     })
+}
+
+/// The durable's filter subjects.
+fn filters_of(config: &async_nats::jetstream::consumer::Config) -> Vec<String> {
+    if config.filter_subjects.is_empty() {
+        [config.filter_subject.clone()]
+            .into_iter()
+            .filter(|f| !f.is_empty())
+            .collect()
+    } else {
+        config.filter_subjects.clone()
+    }
+}
+
+/// What a leader's [`catch_up`] found.
+#[derive(Debug)]
+pub(crate) struct CaughtUp {
+    /// The consumer's next delivery sequence when it started.
+    pub(crate) next_delivery: u64,
+    /// The last delivered stream sequence when it started.
+    pub(crate) delivered: u64,
+    /// Classified up to here (`delivered`, unless a bound was hit).
+    pub(crate) classified_to: u64,
+    /// The unfinished messages found, by stream sequence.
+    pub(crate) unfinished: Vec<u64>,
+}
+
+/// For a leader whose checkpoint is frozen at `after` (its takeover scan hit
+/// its bound, or a delivery did not reach it): classifies the stream from
+/// there to the consumer's last delivered message, as a takeover scan would,
+/// within the same bounds, while the leader goes on serving. See
+/// [`super::checkpoint`].
+///
+/// # Errors
+/// As [`scan`].
+pub(crate) async fn catch_up(
+    shared: &Shared,
+    consumer: &PullConsumer,
+    after: u64,
+) -> Result<CaughtUp, Error> {
+    let config = &shared.config;
+    let (max_messages, max_time) = config.takeover_scan_bounds();
+    let bounds = Bounds {
+        deadline: Instant::now() + max_time,
+        max_messages,
+        max_unfinished: max_unfinished(config.max_ack_pending),
+    };
+    let info = consumer
+        .get_info()
+        .await
+        .map_err(|e| Error::nats(&format!("reading consumer `{}`", config.durable), e))?;
+    let delivered = info.delivered.stream_sequence;
+    let mut caught = CaughtUp {
+        next_delivery: info.delivered.consumer_sequence.saturating_add(1),
+        delivered,
+        classified_to: delivered,
+        unfinished: Vec::new(),
+    };
+    if after >= delivered {
+        return Ok(caught);
+    }
+    let filters = filters_of(&info.config);
+    let stream = shared
+        .js
+        .get_stream(&config.stream)
+        .await
+        .map_err(|e| Error::nats(&format!("looking up stream `{}`", config.stream), e))?;
+    let mut found = Vec::new();
+    let range = (after, delivered);
+    let (ended, _) = scan_range(shared, &stream, &filters, range, &bounds, &mut found).await?;
+    if let Ended::Bounded { classified_to, .. } = ended {
+        caught.classified_to = classified_to;
+    }
+    caught.unfinished = found.into_iter().map(|f| f.sequence).collect();
+    Ok(caught)
 }
 
 /// The most unfinished events a scan keeps before it stops: a few times the
