@@ -348,15 +348,12 @@ pub(crate) async fn scan<J: Pending>(
         None => (floor, Vec::new()),
     };
     let mut found = Vec::new();
-    let mut listed_candidates = Vec::with_capacity(listed.len());
-    for sequence in &listed {
-        listed_candidates.push(Candidate {
-            sequence: *sequence,
-            id: None,
-        });
-    }
     // Listed sequences are read whole (their headers alone would need a
     // request each as well).
+    let mut listed_candidates: Vec<Candidate> = listed
+        .iter()
+        .map(|&sequence| Candidate { sequence, id: None })
+        .collect();
     classify(
         shared,
         &stream,
