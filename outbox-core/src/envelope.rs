@@ -254,6 +254,27 @@ impl<T> Envelope<T> {
         self
     }
 
+    /// Attaches the trace context of the current `tracing` span's
+    /// OpenTelemetry context (see [`crate::trace_context`]), so the event's
+    /// consumers join the writer's trace; leaves the envelope as it is when
+    /// the span has none (no OpenTelemetry layer installed, no span entered).
+    ///
+    /// [`Outbox::enqueue`](crate::Outbox::enqueue) does the same for an
+    /// event that carries no trace context; call this to take the context
+    /// of the span the envelope is built in rather than the one it is
+    /// written in, or to replace a context set before.
+    #[cfg(feature = "opentelemetry")]
+    #[must_use]
+    pub fn with_current_trace_context(self) -> Self {
+        match crate::trace_context::TraceContext::current() {
+            Some(tc) => {
+                let (traceparent, tracestate) = tc.into_parts();
+                self.with_trace_context(traceparent, tracestate)
+            }
+            None => self,
+        }
+    }
+
     /// Sets the CloudEvents `sequence` extension: the event's insert-order
     /// number, written as [`format_sequence`] does. The relay sets it from the
     /// row; an application has no reason to.
@@ -379,9 +400,23 @@ impl<T> Envelope<T> {
 
     /// [`Envelope::message_size`] for a `data` that encodes to `data_len` bytes.
     pub(crate) fn message_size_with_data_len(&self, data_len: usize) -> Result<usize> {
+        self.message_size_with_trace(data_len, self.traceparent(), self.tracestate())
+    }
+
+    /// [`Envelope::message_size_with_data_len`] with `traceparent` and
+    /// `tracestate` in place of the envelope's own (the context an
+    /// [`Outbox`](crate::Outbox) write fills in).
+    pub(crate) fn message_size_with_trace(
+        &self,
+        data_len: usize,
+        traceparent: Option<&str>,
+        tracestate: Option<&str>,
+    ) -> Result<usize> {
         // The attributes around a `null` payload, with the sequence the relay
         // adds (fixed-width, so any value measures the same).
         let mut wire = self.wire(&());
+        wire.traceparent = traceparent;
+        wire.tracestate = tracestate;
         wire.sequence = Some(format_sequence(self.sequence.unwrap_or(u64::MAX)));
         let attributes = serde_json::to_vec(&wire).map_err(|e| {
             Error::new(
@@ -396,10 +431,10 @@ impl<T> Envelope<T> {
             + header("Nats-Msg-Id", self.id.to_string().len())
             + header("Nats-Expected-Stream", MAX_STREAM_NAME_LEN)
             + "\r\n".len();
-        if let Some(tp) = &self.traceparent {
+        if let Some(tp) = traceparent {
             headers += header("traceparent", tp.len());
         }
-        if let Some(ts) = &self.tracestate {
+        if let Some(ts) = tracestate {
             headers += header("tracestate", ts.len());
         }
         Ok(payload + headers)

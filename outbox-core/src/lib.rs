@@ -77,6 +77,12 @@
 //!   binary reaches PostgreSQL and NATS with (secrets from env or files, TLS)
 //!   and shutdown on a signal, shared by the relay and consumer services;
 //!   adds async-nats, clap and tokio's signal handling.
+//! - `opentelemetry` (off): `trace_context`, W3C trace context from and to
+//!   the OpenTelemetry context of `tracing` spans (through
+//!   `tracing-opentelemetry` and the SDK's TraceContext propagator).
+//!   [`Outbox::enqueue`] then writes the current span's context on an event
+//!   that carries none, and `Envelope::with_current_trace_context` sets it
+//!   explicitly, so the spans of the event's handlers join the writer's trace.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(warnings))))]
 
@@ -96,6 +102,8 @@ pub mod pooler;
 pub mod privilege;
 mod schema;
 mod sequence;
+#[cfg(feature = "opentelemetry")]
+pub mod trace_context;
 mod validate;
 
 pub mod prelude;

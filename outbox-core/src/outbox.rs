@@ -87,6 +87,12 @@ impl Outbox {
     /// Appends one event. It becomes visible to the relay when `tx` commits and
     /// disappears if `tx` rolls back.
     ///
+    /// With the `opentelemetry` feature, an event that carries no trace
+    /// context is written with that of the current `tracing` span
+    /// (`trace_context::TraceContext::current`),
+    /// so its consumers' spans join the writer's trace; without an
+    /// OpenTelemetry layer installed there is none, and none is written.
+    ///
     /// Nothing is written, and no statement is sent, if the event cannot be
     /// published or decoded; the error names the event and the reason.
     ///
@@ -115,7 +121,8 @@ impl Outbox {
     }
 
     /// Appends many events in one statement (one round trip, whatever the count).
-    /// All are validated first; if any fails, none is written.
+    /// All are validated first; if any fails, none is written. Events without
+    /// a trace context take the current span's, as in [`Outbox::enqueue`].
     ///
     /// # Errors
     /// As [`Outbox::enqueue`]; a validation error names the failing event type.
@@ -165,7 +172,9 @@ impl Rows {
     /// Validates every event, then lays them out as columns.
     fn build<T: Serialize>(outbox: &Outbox, events: &[Envelope<T>]) -> Result<Self> {
         let mut rows = Rows::default();
+        let fallback = fallback(events);
         for event in events {
+            let (traceparent, tracestate) = trace_of(event, &fallback);
             let event_type = event.event_type().as_str();
             let about = || format!("event {} of type `{event_type}`", event.id());
             event
@@ -185,7 +194,8 @@ impl Rows {
                 .map_err(|e| e.context(about()).with_event_type(event_type))?;
             // Measured as the relay will send it: the jsonb text of `data`
             // (see Envelope::message_size), not the compact text above.
-            let size = event.message_size_with_data_len(rendered_len(&data))?;
+            let size =
+                event.message_size_with_trace(rendered_len(&data), traceparent, tracestate)?;
             if size > outbox.max_message_size {
                 return Err(Error::new(
                     ErrorKind::TooLarge,
@@ -207,11 +217,35 @@ impl Rows {
             rows.subjects.push(event.subject().to_owned());
             rows.times.push(event.time());
             rows.data.push(data);
-            rows.traceparents
-                .push(event.traceparent().map(str::to_owned));
-            rows.tracestates.push(event.tracestate().map(str::to_owned));
+            rows.traceparents.push(traceparent.map(str::to_owned));
+            rows.tracestates.push(tracestate.map(str::to_owned));
         }
         Ok(rows)
+    }
+}
+
+/// The `traceparent` and `tracestate` written on events that carry none: the
+/// current span's (feature `opentelemetry`), read once per write; none
+/// without the feature.
+fn fallback<T>(events: &[Envelope<T>]) -> Option<(String, Option<String>)> {
+    #[cfg(feature = "opentelemetry")]
+    if events.iter().any(|e| e.traceparent().is_none()) {
+        return crate::trace_context::TraceContext::current().map(|tc| tc.into_parts());
+    }
+    let _ = events;
+    None
+}
+
+/// The `traceparent` and `tracestate` an event is written with: its own,
+/// else the [`fallback`].
+fn trace_of<'a, T>(
+    event: &'a Envelope<T>,
+    fallback: &'a Option<(String, Option<String>)>,
+) -> (Option<&'a str>, Option<&'a str>) {
+    match (event.traceparent(), fallback) {
+        (Some(tp), _) => (Some(tp), event.tracestate()),
+        (None, Some((tp, ts))) => (Some(tp.as_str()), ts.as_deref()),
+        (None, None) => (None, None),
     }
 }
 
@@ -248,6 +282,57 @@ mod tests {
         ];
         let rows = Rows::build(&Outbox::unvalidated(), &events).unwrap();
         assert_eq!(rows.ids.len(), 3);
+    }
+
+    #[cfg(feature = "opentelemetry")]
+    #[test]
+    fn an_event_without_a_trace_context_is_written_with_the_current_spans() {
+        use opentelemetry::trace::TracerProvider as _;
+        use tracing_subscriber::layer::SubscriberExt;
+
+        use crate::trace_context::TraceContext;
+
+        let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder().build();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("tests")));
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!("writer");
+            let _entered = span.enter();
+            let current = TraceContext::current().unwrap();
+            let events = [
+                event(json!({})),
+                event(json!({})).with_trace_context(TRACEPARENT.into(), Some("k=v".into())),
+            ];
+            let rows = Rows::build(&Outbox::unvalidated(), &events).unwrap();
+            assert_eq!(
+                rows.traceparents,
+                [
+                    Some(current.traceparent().to_owned()),
+                    Some(TRACEPARENT.to_owned())
+                ]
+            );
+            assert_eq!(rows.tracestates, [None, Some("k=v".to_owned())]);
+            assert_eq!(
+                events[0].clone().with_current_trace_context().traceparent(),
+                Some(current.traceparent())
+            );
+
+            // The size is measured with the context the row is written with.
+            let bare = events[0].message_size().unwrap();
+            let traced = events[0]
+                .clone()
+                .with_current_trace_context()
+                .message_size()
+                .unwrap();
+            assert!(traced > bare, "{traced} vs {bare}");
+            let err = refused(&Outbox::unvalidated().max_message_size(bare), &events[..1]);
+            assert_eq!(err.kind(), ErrorKind::TooLarge);
+        });
+        // Outside any span with an OpenTelemetry context: none is written.
+        let rows = Rows::build(&Outbox::unvalidated(), &[event(json!({}))]).unwrap();
+        assert_eq!(rows.traceparents, [None]);
+        let bare = event(json!({}));
+        assert_eq!(bare.with_current_trace_context().traceparent(), None);
     }
 
     #[test]
