@@ -80,6 +80,9 @@ pub struct Delivery {
     traceparent: Option<String>,
     tracestate: Option<String>,
     leader_epoch: Option<i64>,
+    /// The span to handle the delivery in, when it is not the current one
+    /// (batch mode: see [`crate::trace`]).
+    span: Option<tracing::Span>,
 }
 
 impl Delivery {
@@ -91,6 +94,7 @@ impl Delivery {
             traceparent: None,
             tracestate: None,
             leader_epoch: None,
+            span: None,
         }
     }
 
@@ -124,6 +128,7 @@ impl Delivery {
             envelope,
             info,
             leader_epoch: None,
+            span: None,
         })
     }
 
@@ -140,6 +145,19 @@ impl Delivery {
     /// The leader epoch this delivery is fenced by, if any.
     pub fn leader_epoch(&self) -> Option<i64> {
         self.leader_epoch
+    }
+
+    /// Names the span the delivery's handler runs in (the batch
+    /// [`Trace`](crate::Trace) does, where deliveries are handled inside one
+    /// batch span rather than each inside its own).
+    pub(crate) fn in_span(mut self, span: tracing::Span) -> Self {
+        self.span = Some(span);
+        self
+    }
+
+    /// The span the delivery's handler runs in, if not the current one.
+    pub(crate) fn span(&self) -> Option<&tracing::Span> {
+        self.span.as_ref()
     }
 
     /// Overrides the trace context (normally read from the message headers).

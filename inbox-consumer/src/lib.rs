@@ -137,6 +137,11 @@
 //!   `outbox_pg::connect`: the `--database-url`/`--nats-*` flags with
 //!   secrets from env or files, TLS, and shutdown on a signal, for a consumer
 //!   binary. Add a sqlx TLS backend to the binary for PostgreSQL TLS.
+//! - `opentelemetry` (off): [`TraceLayer`] sets each `inbox.delivery` span's
+//!   OpenTelemetry parent to the writer's span named by the message's
+//!   `traceparent` (through `tracing-opentelemetry`), so a handler's spans
+//!   are in the writer's trace; turns on `outbox-pg/opentelemetry`, so the
+//!   events a handler enqueues carry that trace on. See [`trace`].
 //!
 //! Metrics (through the `metrics` facade, a no-op without a recorder;
 //! see [`metrics`], lag gauges included) and tracing are always compiled in,

@@ -8,6 +8,7 @@ use std::task::{Context, Poll};
 use outbox_pg::Envelope;
 use serde_json::Value;
 use tower::Service;
+use tracing::Instrument;
 
 use crate::delivery::{Delivery, InTx, Outcome};
 use crate::error::{Error, ErrorKind, HandlerError};
@@ -87,26 +88,32 @@ impl<H: Handler> Service<InTx<Delivery>> for HandlerService<H> {
 
     fn call(&mut self, request: InTx<Delivery>) -> Self::Future {
         let handler = self.handler.clone();
-        ResponseFuture {
-            inner: Box::pin(async move {
-                let (mut tx, delivery) = request.into_parts();
-                let result = match typed::<H::Message>(delivery.into_envelope()) {
-                    Ok(event) => handler.handle(event, &mut tx).await,
-                    Err(e) => Err(HandlerError::reject(e)),
-                };
-                match result {
-                    Ok(()) => Ok(InTx::new(tx, Outcome::Handled)),
-                    Err(e) => {
-                        // Release the inbox row's lock now rather than when the
-                        // connection is next used; a failed rollback is moot
-                        // (the connection is discarded and the server rolls back).
-                        if let Err(rollback) = tx.rollback().await {
-                            tracing::debug!(error = %rollback, "rollback after a handler error failed");
-                        }
-                        Err(e)
+        // In batch mode, the delivery's own span (see `crate::trace`).
+        let span = request.get_ref().span().cloned();
+        let handled = async move {
+            let (mut tx, delivery) = request.into_parts();
+            let result = match typed::<H::Message>(delivery.into_envelope()) {
+                Ok(event) => handler.handle(event, &mut tx).await,
+                Err(e) => Err(HandlerError::reject(e)),
+            };
+            match result {
+                Ok(()) => Ok(InTx::new(tx, Outcome::Handled)),
+                Err(e) => {
+                    // Release the inbox row's lock now rather than when the
+                    // connection is next used; a failed rollback is moot
+                    // (the connection is discarded and the server rolls back).
+                    if let Err(rollback) = tx.rollback().await {
+                        tracing::debug!(error = %rollback, "rollback after a handler error failed");
                     }
+                    Err(e)
                 }
-            }),
+            }
+        };
+        ResponseFuture {
+            inner: match span {
+                Some(span) => Box::pin(handled.instrument(span)),
+                None => Box::pin(handled),
+            },
         }
     }
 }

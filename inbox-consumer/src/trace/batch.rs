@@ -1,6 +1,9 @@
 //! [`Trace`] around a batch service: an `inbox.batch` span, and inside it one
-//! `inbox.delivery` span per delivery (linked to its publisher's trace as in
-//! single mode), each closed with its own outcome when the batch resolves.
+//! `inbox.delivery` span per delivery (in its writer's trace as in single
+//! mode), each closed with its own outcome when the batch resolves. Each
+//! delivery carries its span down the stack, and
+//! [`HandlerService`](crate::HandlerService) runs its handler in it. With the
+//! `opentelemetry` feature the batch span is linked to every writer's span.
 
 use std::fmt::Display;
 use std::future::Future;
@@ -32,9 +35,27 @@ where
             consumer = deliveries.first().map(Delivery::consumer),
             deliveries = deliveries.len(),
         );
+        #[cfg(feature = "opentelemetry")]
+        for delivery in &deliveries {
+            if let Some(writer) = super::writer_context(delivery) {
+                use opentelemetry::trace::TraceContextExt;
+                tracing_opentelemetry::OpenTelemetrySpanExt::add_link(
+                    &span,
+                    writer.span().span_context().clone(),
+                );
+            }
+        }
         let (spans, inner) = {
             let _entered = span.enter();
-            let spans = deliveries.iter().map(delivery_span).collect();
+            let mut spans = Vec::with_capacity(deliveries.len());
+            let deliveries = deliveries
+                .into_iter()
+                .map(|delivery| {
+                    let span = delivery_span(&delivery);
+                    spans.push(span.clone());
+                    delivery.in_span(span)
+                })
+                .collect();
             (spans, self.inner.call(deliveries))
         };
         BatchFuture { inner, span, spans }

@@ -8,10 +8,31 @@
 //!
 //! When the message carries a W3C `traceparent` (header, else the envelope's
 //! extension attribute), the span records it as `traceparent`, and its parts as
-//! `trace_id` and `parent_span_id`, so a subscriber can link the delivery to the
-//! publisher's trace: an OpenTelemetry bridge can set the remote parent from
-//! these fields, and log search can join on `trace_id` without one. This crate
-//! deliberately does not depend on OpenTelemetry.
+//! `trace_id` and `parent_span_id`, so log search can join a delivery to the
+//! writer's trace on `trace_id`.
+//!
+//! # OpenTelemetry
+//!
+//! With the `opentelemetry` feature, the span's OpenTelemetry parent is also
+//! set from that `traceparent` and `tracestate`
+//! (`tracing_opentelemetry::OpenTelemetrySpanExt::set_parent`, the W3C
+//! propagator of [`outbox_pg::trace_context`]): the delivery span is a
+//! **child** of the writer's span, and the handler's own spans are children of
+//! the delivery span, so one trace runs from the write through the relay to
+//! every handler. The messaging semantic conventions also allow a *link*
+//! instead (the consumer starting a trace of its own that points at the
+//! producer's); a child is chosen here because a transactional outbox hands
+//! each event to each consumer once per delivery, so the trace stays the
+//! size of its fan-out, and a trace view shows the write and its effects
+//! together. A redelivery is another child of the same writer span. Without an
+//! OpenTelemetry layer in the subscriber, or for a message without a valid
+//! `traceparent`, the span keeps its ordinary parent.
+//!
+//! In batch mode (`Service<Vec<Delivery>>`) each delivery gets its own
+//! `inbox.delivery` span, made a child of its own writer's span as above and
+//! entered while its handler runs ([`HandlerService`](crate::HandlerService)
+//! instruments the handler with it); the `inbox.batch` span around them is
+//! linked to each writer's span.
 
 mod batch;
 pub mod future;
@@ -99,7 +120,8 @@ impl<S> Trace<S> {
     }
 }
 
-/// The span of one delivery.
+/// The span of one delivery (with the `opentelemetry` feature, a child of
+/// the writer's span; see the [module docs](self)).
 pub fn delivery_span(delivery: &Delivery) -> tracing::Span {
     let span = tracing::info_span!(
         "inbox.delivery",
@@ -126,7 +148,20 @@ pub fn delivery_span(delivery: &Delivery) -> tracing::Span {
     if let Some(ts) = delivery.tracestate() {
         span.record("tracestate", ts);
     }
+    #[cfg(feature = "opentelemetry")]
+    if let Some(parent) = writer_context(delivery) {
+        // Fails only without an OpenTelemetry layer, or for a disabled span:
+        // then there is no trace to join.
+        let _ = tracing_opentelemetry::OpenTelemetrySpanExt::set_parent(&span, parent);
+    }
     span
+}
+
+/// The OpenTelemetry context of the span that wrote `delivery`'s event, from
+/// its `traceparent` and `tracestate`; `None` without a valid `traceparent`.
+#[cfg(feature = "opentelemetry")]
+pub(crate) fn writer_context(delivery: &Delivery) -> Option<opentelemetry::Context> {
+    outbox_pg::trace_context::remote_parent(delivery.traceparent()?, delivery.tracestate())
 }
 
 impl<S> Service<Delivery> for Trace<S>
@@ -172,6 +207,150 @@ mod tests {
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x",
         ] {
             assert!(TraceParent::parse(bad).is_none(), "{bad}");
+        }
+    }
+
+    #[cfg(feature = "opentelemetry")]
+    mod opentelemetry {
+        use opentelemetry::trace::{SpanId, TraceId, TracerProvider as _};
+        use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+        use outbox_pg::Envelope;
+        use serde_json::json;
+        use tower::{Service, ServiceExt, service_fn};
+        use tracing_subscriber::layer::SubscriberExt;
+
+        use crate::delivery::{BatchResults, Delivery, DeliveryInfo, Outcome};
+        use crate::error::BoxError;
+        use crate::trace::Trace;
+
+        const WRITER_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+        const WRITER_SPAN: &str = "00f067aa0ba902b7";
+
+        /// Spans exported to memory as they end, and the guard of the
+        /// thread's subscriber that bridges them.
+        fn otel() -> (
+            InMemorySpanExporter,
+            SdkTracerProvider,
+            tracing::subscriber::DefaultGuard,
+        ) {
+            let exporter = InMemorySpanExporter::default();
+            let provider = SdkTracerProvider::builder()
+                .with_simple_exporter(exporter.clone())
+                .build();
+            let subscriber = tracing_subscriber::registry()
+                .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("tests")));
+            let guard = tracing::subscriber::set_default(subscriber);
+            (exporter, provider, guard)
+        }
+
+        fn delivery(writer_span: &str, tracestate: Option<&str>) -> Delivery {
+            let envelope = Envelope::new("a.b", "tests", "s-1", json!({})).unwrap();
+            Delivery::new(envelope, DeliveryInfo::new("c")).with_trace_context(
+                Some(format!("00-{WRITER_TRACE}-{writer_span}-01")),
+                tracestate.map(str::to_owned),
+            )
+        }
+
+        fn named<'a>(spans: &'a [SpanData], name: &str) -> Vec<&'a SpanData> {
+            spans.iter().filter(|s| s.name == name).collect()
+        }
+
+        #[tokio::test]
+        async fn the_delivery_span_is_a_child_of_the_writers_span_and_the_parent_of_the_handlers() {
+            let (exporter, provider, _guard) = otel();
+            let inner = service_fn(|_: Delivery| async {
+                tracing::info_span!("handler").in_scope(|| {});
+                Ok::<_, BoxError>(Outcome::Handled)
+            });
+            let outcome = Trace::new(inner)
+                .oneshot(delivery(WRITER_SPAN, Some("rojo=1")))
+                .await
+                .unwrap();
+            assert_eq!(outcome, Outcome::Handled);
+            provider.force_flush().unwrap();
+
+            let spans = exporter.get_finished_spans().unwrap();
+            let (delivery, handler) = (named(&spans, "inbox.delivery"), named(&spans, "handler"));
+            let (delivery, handler) = (delivery[0], handler[0]);
+            let trace = TraceId::from_hex(WRITER_TRACE).unwrap();
+            assert_eq!(delivery.span_context.trace_id(), trace);
+            assert_eq!(
+                delivery.parent_span_id,
+                SpanId::from_hex(WRITER_SPAN).unwrap()
+            );
+            assert!(delivery.parent_span_is_remote);
+            assert_eq!(delivery.span_context.trace_state().header(), "rojo=1");
+            assert_eq!(handler.span_context.trace_id(), trace);
+            assert_eq!(handler.parent_span_id, delivery.span_context.span_id());
+        }
+
+        #[tokio::test]
+        async fn without_a_valid_traceparent_the_delivery_starts_a_trace_of_its_own() {
+            let (exporter, provider, _guard) = otel();
+            let inner = service_fn(|_: Delivery| async { Ok::<_, BoxError>(Outcome::Handled) });
+            let bad = delivery(WRITER_SPAN, None)
+                .with_trace_context(Some("00-not-a-traceparent".into()), None);
+            Trace::new(inner).oneshot(bad).await.unwrap();
+            provider.force_flush().unwrap();
+
+            let spans = exporter.get_finished_spans().unwrap();
+            let delivery = named(&spans, "inbox.delivery")[0];
+            assert_ne!(
+                delivery.span_context.trace_id(),
+                TraceId::from_hex(WRITER_TRACE).unwrap()
+            );
+            assert_eq!(delivery.parent_span_id, SpanId::INVALID);
+        }
+
+        #[tokio::test]
+        async fn in_a_batch_each_delivery_is_handled_in_its_own_writers_trace() {
+            const OTHER_WRITER: &str = "00f067aa0ba902b8";
+            let (exporter, provider, _guard) = otel();
+            let inner = service_fn(|deliveries: Vec<Delivery>| async move {
+                let results: BatchResults = deliveries
+                    .iter()
+                    .map(|d| {
+                        // As HandlerService runs each handler in the delivery's span.
+                        let span = d.span().cloned().unwrap_or_else(tracing::Span::none);
+                        span.in_scope(|| tracing::info_span!("handler").in_scope(|| {}));
+                        Ok(Outcome::Handled)
+                    })
+                    .collect();
+                Ok::<_, BoxError>(results)
+            });
+            let mut trace = Trace::new(inner);
+            let batch = vec![delivery(WRITER_SPAN, None), delivery(OTHER_WRITER, None)];
+            let results = trace.ready().await.unwrap().call(batch).await.unwrap();
+            assert_eq!(results.len(), 2);
+            provider.force_flush().unwrap();
+
+            let spans = exporter.get_finished_spans().unwrap();
+            let deliveries = named(&spans, "inbox.delivery");
+            let handlers = named(&spans, "handler");
+            assert_eq!((deliveries.len(), handlers.len()), (2, 2));
+            let writers = [WRITER_SPAN, OTHER_WRITER].map(|id| SpanId::from_hex(id).unwrap());
+            for writer in writers {
+                let delivery = deliveries
+                    .iter()
+                    .find(|d| d.parent_span_id == writer)
+                    .unwrap();
+                assert_eq!(
+                    delivery.span_context.trace_id(),
+                    TraceId::from_hex(WRITER_TRACE).unwrap()
+                );
+                assert!(
+                    handlers
+                        .iter()
+                        .any(|h| h.parent_span_id == delivery.span_context.span_id())
+                );
+            }
+            let batch = named(&spans, "inbox.batch")[0];
+            let linked: Vec<SpanId> = batch
+                .links
+                .iter()
+                .map(|l| l.span_context.span_id())
+                .collect();
+            assert_eq!(linked, writers);
         }
     }
 }
