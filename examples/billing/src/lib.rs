@@ -44,6 +44,7 @@
 //! | `--metrics-addr` | | `/metrics` (Prometheus text), `/healthz`, `/readyz` (database, NATS, stream, durable consumer; 503 naming the failed check) |
 //! | `--schemas` | `schemas/events` | where `invoice.created.schema.json` is |
 //! | `--log-format` | `human` | or `json`; logs go to stderr |
+//! | `--otlp-endpoint` (`OTEL_EXPORTER_OTLP_ENDPOINT`) | off | export spans over OTLP/HTTP to `URL/v1/traces` (README, "Tracing"); service name `OTEL_SERVICE_NAME`, default the binary's name |
 //!
 //! # What it does
 //!

@@ -20,7 +20,7 @@ use example_billing::{
 use inbox_consumer::connect::{DatabaseArgs, NatsArgs, cancel_on_signal};
 use inbox_consumer::{Readiness, Start};
 use outbox_pg::{Outbox, SchemaRegistry};
-use outbox_publisher::cli::{LogFormat, init_logging, parse_ops_addr, serve_ops};
+use outbox_publisher::cli::{TelemetryArgs, parse_ops_addr, serve_ops};
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
@@ -112,9 +112,8 @@ struct Args {
     #[arg(long)]
     schemas: Option<PathBuf>,
 
-    /// Log format (logs go to stderr).
-    #[arg(long, value_enum, default_value_t = LogFormat::Human)]
-    log_format: LogFormat,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
 
     /// TEST ONLY: abort the process after a committed delivery, before its
     /// ack, with this probability (0..1).
@@ -155,7 +154,7 @@ fn probability(s: &str) -> Result<f64, String> {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {
     let args = Args::parse();
-    init_logging(args.log_format);
+    let telemetry = args.telemetry.init("billing").map_err(|e| e.to_string())?;
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(
         shutdown.clone(),
@@ -283,6 +282,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
     }
     pool.close().await;
     tracing::info!("billing stopped");
+    // The spans not exported yet, before the process exits.
+    telemetry.shutdown();
     Ok(())
 }
 

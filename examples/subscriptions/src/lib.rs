@@ -38,6 +38,7 @@
 //! | `--fault-injection` | off | honour `x-fault: rollback` (tests and demos only) |
 //! | `--metrics-addr` | | `/metrics` (the in-process relay's), `/healthz`, `/readyz` (database; with the relay, NATS and the stream) |
 //! | `--log-format` | `human` | or `json`; logs go to stderr |
+//! | `--otlp-endpoint` (`OTEL_EXPORTER_OTLP_ENDPOINT`) | off | export spans over OTLP/HTTP to `URL/v1/traces` (README, "Tracing"); service name `OTEL_SERVICE_NAME`, default the binary's name |
 //!
 //! # API
 //!
@@ -54,6 +55,14 @@
 //! message naming the field or JSON pointer, and nothing is written.
 //!
 //! The events' envelope subject is the subscription id (see [`events`] for why).
+//!
+//! # Tracing
+//!
+//! Each request runs in an `http.request` span, and its event is written with
+//! that span's trace context (`traceparent`), so with the binary's OTLP
+//! exporter on (`--otlp-endpoint`) the relay's message and billing's handling
+//! of it show in the request's trace. A request carrying a W3C `traceparent`
+//! header continues the caller's trace.
 //!
 //! # Fault injection
 //!
@@ -77,6 +86,7 @@ pub mod events;
 mod extract;
 mod handlers;
 mod state;
+mod trace;
 
 use std::path::PathBuf;
 
@@ -104,6 +114,7 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/healthz", get(handlers::health::healthz))
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
+        .layer(axum::middleware::from_fn(trace::request_span))
         .with_state(state)
 }
 

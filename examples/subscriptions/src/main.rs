@@ -19,7 +19,7 @@ use example_subscriptions::{AppState, default_schemas_dir, router};
 use outbox_pg::health::{self, Probe, Report};
 use outbox_pg::{Outbox, SchemaRegistry};
 use outbox_publisher::cli::{
-    DatabaseArgs, LogFormat, NatsArgs, cancel_on_signal, init_logging, parse_ops_addr, serve_ops,
+    DatabaseArgs, NatsArgs, TelemetryArgs, cancel_on_signal, parse_ops_addr, serve_ops,
 };
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
@@ -76,15 +76,17 @@ struct Args {
     #[arg(long, value_name = "[IP:]PORT", value_parser = parse_ops_addr)]
     metrics_addr: Option<SocketAddr>,
 
-    /// Log format (logs go to stderr).
-    #[arg(long, value_enum, default_value_t = LogFormat::Human)]
-    log_format: LogFormat,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
 }
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {
     let args = Args::parse();
-    init_logging(args.log_format);
+    let telemetry = args
+        .telemetry
+        .init("subscriptions")
+        .map_err(|e| e.to_string())?;
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(
         shutdown.clone(),
@@ -158,6 +160,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
     }
     pool.close().await;
     tracing::info!("subscriptions service stopped");
+    // The spans not exported yet, before the process exits.
+    telemetry.shutdown();
     Ok(())
 }
 

@@ -35,6 +35,13 @@
 //! `--subjects` an existing stream lacks, the relay refuses to start naming
 //! the `nats stream edit` command to run, or adds them with `--add-subjects`.
 //!
+//! Logs go to stderr (`--log-format`, `RUST_LOG`). Built with the
+//! `opentelemetry` feature, `--otlp-endpoint URL` (or
+//! `OTEL_EXPORTER_OTLP_ENDPOINT`) also exports the relay's spans over
+//! OTLP/HTTP to `URL/v1/traces`, service name `OTEL_SERVICE_NAME` (default
+//! `outbox-relay`), flushed at exit. The relay carries each row's
+//! `traceparent`/`tracestate` to its message's headers unchanged.
+//!
 //! Run as many replicas as you like against one table. SIGTERM or ctrl-c
 //! finishes the current batch and exits 0. `--once` drains the table and exits
 //! (0 when every claimed row was published, 1 when some failed and wait in
@@ -46,7 +53,7 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use outbox_publisher::cli::{
-    DatabaseArgs, LogFormat, NatsArgs, cancel_on_signal, init_logging, parse_ops_addr, serve_ops,
+    DatabaseArgs, NatsArgs, TelemetryArgs, cancel_on_signal, parse_ops_addr, serve_ops,
 };
 use outbox_publisher::{Readiness, Relay, RelayConfig, StorageType, StreamSpec};
 use sqlx::postgres::PgPoolOptions;
@@ -166,9 +173,8 @@ struct Args {
     #[arg(long, env = "OUTBOX_METRICS_ADDR", value_name = "[IP:]PORT", value_parser = parse_ops_addr)]
     metrics_addr: Option<SocketAddr>,
 
-    /// Log format.
-    #[arg(long, value_enum, default_value_t = LogFormat::Human)]
-    log_format: LogFormat,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -179,7 +185,13 @@ enum Storage {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    init_logging(args.log_format);
+    let telemetry = match args.telemetry.init("outbox-relay") {
+        Ok(telemetry) => telemetry,
+        Err(e) => {
+            eprintln!("outbox-relay: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -190,13 +202,16 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(args)) {
+    let code = match runtime.block_on(run(args)) {
         Ok(code) => code,
         Err(e) => {
             error!(error = %e, "outbox-relay failed");
             ExitCode::FAILURE
         }
-    }
+    };
+    // The spans not exported yet, before the process exits.
+    telemetry.shutdown();
+    code
 }
 
 async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
