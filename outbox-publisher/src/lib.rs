@@ -67,8 +67,14 @@
 //!   endpoint), with clap, axum,
 //!   the Prometheus exporter and tracing-subscriber. A library user's build
 //!   compiles none of them; [`Readiness`] (the checks behind `/readyz`) is
-//!   in the default build, for a service's own server. `cargo install outbox-publisher --features cli`
+//!   in the default build, for a service's own server. `cargo install outbox-publisher --features cli,opentelemetry`
 //!   installs the binary.
+//! - `opentelemetry` (off; implies `cli`): the binaries' OTLP span exporter,
+//!   `--otlp-endpoint` / `OTEL_EXPORTER_OTLP_ENDPOINT` (`cli::TelemetryArgs`):
+//!   `tracing` spans exported over OTLP/HTTP (protobuf), batched, flushed at
+//!   exit; and `outbox-pg/opentelemetry`, so events written in a span carry
+//!   its trace. The relay itself forwards each row's `traceparent` and
+//!   `tracestate` as message headers in every build.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(warnings))))]
 
