@@ -25,8 +25,20 @@ use opentelemetry_sdk::trace::SdkTracerProvider;
 
 use crate::error::{Error, ErrorKind, Result};
 
-/// Bound on one export request (the OTLP default).
+/// Bound on one export, unless the environment sets one (the OTLP default).
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Bound on one export: `OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`, else
+/// `OTEL_EXPORTER_OTLP_TIMEOUT` (milliseconds), else [`EXPORT_TIMEOUT`].
+fn export_timeout() -> Duration {
+    [
+        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+        "OTEL_EXPORTER_OTLP_TIMEOUT",
+    ]
+    .iter()
+    .find_map(|var| std::env::var(var).ok()?.trim().parse().ok())
+    .map_or(EXPORT_TIMEOUT, Duration::from_millis)
+}
 
 /// The only value of `OTEL_EXPORTER_OTLP_PROTOCOL` this exporter speaks.
 const PROTOCOL: &str = "http/protobuf";
@@ -63,12 +75,13 @@ pub(crate) fn tracer_provider(endpoint: &str, service: &str) -> Result<SdkTracer
             )));
         }
     }
+    let timeout = export_timeout();
     let exporter = opentelemetry_otlp::SpanExporter::builder()
         .with_http()
         .with_protocol(Protocol::HttpBinary)
         .with_endpoint(traces_url(endpoint))
-        .with_timeout(EXPORT_TIMEOUT)
-        .with_http_client(ExportClient::new()?)
+        .with_timeout(timeout)
+        .with_http_client(ExportClient::new(timeout)?)
         .build()
         .map_err(|e| {
             Error::new(
@@ -96,7 +109,7 @@ struct ExportClient {
 }
 
 impl ExportClient {
-    fn new() -> Result<Self> {
+    fn new(timeout: Duration) -> Result<Self> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_io()
             .enable_time()
@@ -111,7 +124,7 @@ impl ExportClient {
             })?;
         let inner = {
             let _entered = runtime.enter();
-            HyperClient::with_default_connector(EXPORT_TIMEOUT, None)
+            HyperClient::with_default_connector(timeout, None)
         };
         Ok(Self {
             inner,
