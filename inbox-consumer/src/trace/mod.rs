@@ -16,7 +16,7 @@
 //! With the `opentelemetry` feature, the span's OpenTelemetry parent is also
 //! set from that `traceparent` and `tracestate`
 //! (`tracing_opentelemetry::OpenTelemetrySpanExt::set_parent`, the W3C
-//! propagator of [`outbox_pg::trace_context`]): the delivery span is a
+//! propagator of `outbox_pg::trace_context`): the delivery span is a
 //! **child** of the writer's span, and the handler's own spans are children of
 //! the delivery span, so one trace runs from the write through the relay to
 //! every handler. The messaging semantic conventions also allow a *link*
