@@ -29,6 +29,10 @@
 //!   ([`check_fence`]): a mismatch rolls it back. A new epoch therefore waits
 //!   for the commits that already passed their check, and no transaction of a
 //!   deposed leader commits after it.
+//! - **Foreign holders.** Any role may take the leader lock; a standby that
+//!   has not led for longer than the lease timeout names a holder whose role
+//!   does not own the consumer ([`super::lock_holder`]). The epoch itself is
+//!   a row: only the consumer's owner may bump it (row-level security).
 
 use std::time::Duration;
 
@@ -37,6 +41,7 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::lock_holder::Watch;
 use crate::error::{Error, ErrorKind};
 
 /// How recently a leader's session must have been confirmed for it to pull.
@@ -160,6 +165,7 @@ pub(crate) async fn acquire(pool: &PgPool, consumer: &str, timeout: Duration) ->
     let holder = format!("pid {} ({})", std::process::id(), uuid::Uuid::now_v7());
     let mut conn: Option<PgConnection> = None;
     let mut logged_standby = false;
+    let mut watch = Watch::default();
     loop {
         match try_lead(pool, &mut conn, consumer, &holder, timeout).await {
             Ok(Some((epoch, clean_handover))) => {
@@ -192,10 +198,12 @@ pub(crate) async fn acquire(pool: &PgPool, consumer: &str, timeout: Duration) ->
                     );
                     logged_standby = true;
                 }
+                watch.standing_by(pool, consumer, timeout).await;
             }
             Err(e) => {
                 tracing::warn!(consumer, error = %e, "cannot try for the lead; retrying");
                 conn = None;
+                watch.reset();
             }
         }
         tokio::time::sleep(poll_every(timeout)).await;

@@ -201,6 +201,38 @@
 //! the unfinished events to come back); the other subjects after the first
 //! three. All replicas of a durable must agree on
 //! the setting; it needs PostgreSQL 14 or later (`idle_session_timeout`).
+//!
+//! # Consumers sharing a database
+//!
+//! Every consumer of a database shares the inbox tables, keyed by its durable
+//! name, and under the roles of `ops/sql/roles.sql` every consumer's role is
+//! a member of `outbox_consumer`. Row-level security (migration
+//! `20260101000013_inbox_isolation.sql`) keeps them apart: each name has an
+//! owner role (`inbox_consumers.owner`), and a session reads and writes the
+//! inbox rows, dead letters, lease and registration of a consumer only when
+//! its role is a member of that owner. So one consumer's role can neither
+//! make another skip an event, apply one twice, bump its leader epoch, nor
+//! read what it handled. The tables' owner and superusers are not subject to
+//! it (migrations, `outboxctl`).
+//!
+//! - **The first registration claims the name.** [`Consumer::new`] records
+//!   the consumer in `inbox_consumers` (where it stands on its stream,
+//!   [`position`]); a new row is owned by the role it runs under
+//!   ([`run`](Consumer::run) writes it before consuming if the database could
+//!   not take it at start). A name owned by a role this one is not a member
+//!   of is refused, before the durable is created and again after the
+//!   registration, with
+//!   [`ErrorKind::Privilege`](crate::ErrorKind::Privilege), naming the
+//!   consumer, the owner and the role, before anything is consumed. The
+//!   operator may claim a name beforehand or hand it over (`outboxctl inbox
+//!   set-owner <consumer> <role>`); replicas under several login roles share
+//!   a name through a group role granted to each, made its owner.
+//! - **Advisory locks are not rows.** Any role can take an ordered
+//!   consumer's leader lock. A standby that has not got the lead for longer
+//!   than [`lease_timeout`](ConsumerConfig::lease_timeout) looks up the
+//!   lock's holder (`pg_locks`, `pg_stat_activity`) and, when that session's
+//!   role does not own the consumer, logs an error naming the role and the
+//!   pid, once a minute. The epoch bump, a row, stays the owner's.
 
 pub(crate) mod ack;
 mod batch;
@@ -209,6 +241,8 @@ mod config;
 mod dispatch;
 mod lag;
 pub(crate) mod lease;
+mod lock_holder;
+mod owner;
 mod panics;
 pub mod position;
 mod process;
@@ -262,12 +296,18 @@ fn stream_error(stream: &str, e: jetstream::context::GetStreamError) -> Error {
 
 /// The privileges a consumer with `config` needs: SELECT and INSERT on
 /// `inbox_events` and `inbox_dead_letters`, USAGE on
-/// `inbox_dead_letters_id_seq`; SELECT, INSERT and UPDATE on
-/// `inbox_consumers` (where the consumer stands on its stream); DELETE, and UPDATE on a column (the
+/// `inbox_dead_letters_id_seq`; SELECT, INSERT, and UPDATE on a column, of
+/// `inbox_consumers` (the consumer's registration and where it stands on its
+/// stream: `ops/sql/roles.sql` grants UPDATE of those columns, never of the
+/// name or its owner); DELETE, and UPDATE on a column (the
 /// pruning's row locks), on `inbox_events` when this process prunes, and on
 /// `inbox_dead_letters` when it prunes dead letters too;
 /// SELECT, INSERT and UPDATE on `inbox_leases` when ordered. Advisory locks
 /// need none. A handler's own tables are the service's to grant.
+///
+/// Which consumers' rows the role may use is row-level security's to say:
+/// those whose name it owns (see the [module docs](self), "Consumers
+/// sharing a database").
 pub fn required_privileges(config: &ConsumerConfig) -> Vec<Privilege> {
     let mut required = vec![
         Privilege::table("inbox_events", "SELECT"),
@@ -277,7 +317,7 @@ pub fn required_privileges(config: &ConsumerConfig) -> Vec<Privilege> {
         Privilege::sequence("inbox_dead_letters_id_seq", "USAGE"),
         Privilege::table("inbox_consumers", "SELECT"),
         Privilege::table("inbox_consumers", "INSERT"),
-        Privilege::table("inbox_consumers", "UPDATE"),
+        Privilege::any_column("inbox_consumers", "UPDATE"),
     ];
     // Pruning deletes in batches locked FOR UPDATE SKIP LOCKED, and a row
     // lock needs UPDATE on a column of the table.
@@ -331,8 +371,46 @@ pub(crate) async fn check_privileges(pool: &PgPool, config: &ConsumerConfig) -> 
     if let Some(why) = checked {
         tracing::warn!(consumer = %config.durable, error = %why, "could not check the consumer's database privileges; going on");
     }
+    let owned = owner::check_at_start(pool, &config.durable, PRIVILEGE_CHECK_TIMEOUT).await?;
+    if let Some(why) = owned {
+        tracing::warn!(consumer = %config.durable, error = %why, "could not check who owns the consumer's name; checked again once it is registered");
+    }
     Ok(())
 }
+
+/// Checks, before consuming, that the consumer is registered and its role
+/// owns the name ([`owner::claim`]), registering it if it is not: a
+/// registration the database could not take at start is made once it does
+/// (a consumer whose name is not registered has every inbox write refused).
+/// Tried every [`CLAIM_RETRY`] while the database does not answer; `false`
+/// if `shutdown` resolved first.
+async fn claim_before_consuming<F: Future<Output = ()>>(
+    shared: &Shared,
+    mut shutdown: Pin<&mut F>,
+) -> Result<bool> {
+    let config = &shared.config;
+    let mut told = false;
+    loop {
+        match owner::claim_within(&shared.pool, config, PRIVILEGE_CHECK_TIMEOUT).await? {
+            None => return Ok(true),
+            Some(why) if told => {
+                tracing::debug!(consumer = %config.durable, error = %why, "still cannot register the consumer");
+            }
+            Some(why) => {
+                tracing::warn!(consumer = %config.durable, error = %why, retry = ?CLAIM_RETRY, "cannot register the consumer; retrying before consuming");
+                told = true;
+            }
+        }
+        tokio::select! {
+            biased;
+            () = shutdown.as_mut() => return Ok(false),
+            () = tokio::time::sleep(CLAIM_RETRY) => {}
+        }
+    }
+}
+
+/// The pause between two tries of a registration the database did not answer.
+const CLAIM_RETRY: Duration = Duration::from_secs(1);
 
 /// Refuses a database URL that leads to a transaction pooler
 /// ([`outbox_pg::require_sessions`]: the runtime's queries are named prepared
@@ -394,16 +472,24 @@ pub struct Consumer {
 }
 
 impl Consumer {
-    /// Checks the database role's privileges ([`required_privileges`]),
-    /// creates the durable consumer on the stream, or updates it to `config`,
-    /// and checks the inbox retention window against its redelivery window.
+    /// Checks the database role's privileges ([`required_privileges`]) and
+    /// that no other role owns the consumer's name, creates the durable
+    /// consumer on the stream, or updates it to `config`, records the
+    /// consumer in `inbox_consumers` ([`position`]; the first record of a
+    /// name claims it for the role), and checks the inbox retention window
+    /// against its redelivery window.
     ///
     /// # Errors
     /// [`ErrorKind::Privilege`](crate::ErrorKind::Privilege) if the role lacks
     /// a privilege the configuration uses, naming the role, each privilege
     /// and its table ("role `billing_login` lacks INSERT on table
-    /// inbox_events; grant it outbox_consumer (ops/sql/roles.sql)"); a check
-    /// that cannot run (the database not reachable) is logged and passes;
+    /// inbox_events; grant it outbox_consumer (ops/sql/roles.sql)"), or if
+    /// the consumer's name is owned by a role it is not a member of, naming
+    /// the consumer, the owner and the role (the first registration of a
+    /// name claims it; see the [module docs](self), "Consumers sharing a
+    /// database"); a check that cannot run (the database not reachable) is
+    /// logged and passes (the registration is then made before
+    /// [`run`](Self::run) consumes);
     /// [`ErrorKind::StreamUnavailable`](crate::ErrorKind::StreamUnavailable)
     /// if the stream does not exist or JetStream does not answer (see
     /// [`Consumer::builder`], which waits for it);
@@ -449,11 +535,19 @@ impl Consumer {
                 "created the durable consumer: it delivers from {why}",
             );
         }
-        if let Err(e) = position::record(&pool, &config, durable.floor()).await {
-            tracing::warn!(
+        // The first registration of a name claims it for this role; a name
+        // another role owns refuses the write (row-level security), and the
+        // consumer with it.
+        match position::record(&pool, &config, durable.floor()).await {
+            Ok(()) => owner::require_owned(&pool, &config.durable).await?,
+            Err(e) if e.kind() == crate::ErrorKind::Privilege => {
+                owner::require_owned(&pool, &config.durable).await?;
+                return Err(e);
+            }
+            Err(e) => tracing::warn!(
                 consumer = %config.durable, error = %e,
-                "could not record where the consumer stands; the lag task records it when it can",
-            );
+                "could not record where the consumer stands; recorded before consuming",
+            ),
         }
         let redelivery = retention::redelivery_window(
             config.ack_wait,
@@ -494,9 +588,12 @@ impl Consumer {
     /// for `shutdown`), and goes back to standing by if it loses the lead.
     ///
     /// # Errors
-    /// None today: pull and ack failures are logged and retried, and handler
-    /// failures are acked, nak'ed or dead-lettered per message. The `Result` is
-    /// kept for start-up failures a future version may report.
+    /// [`ErrorKind::Privilege`](crate::ErrorKind::Privilege) before consuming
+    /// anything if the consumer's name is owned by a role this one is not a
+    /// member of (checked again here, as [`Consumer::new`] does, so that a
+    /// registration the database could not answer then is made first).
+    /// Nothing after that: pull and ack failures are logged and retried, and
+    /// handler failures are acked, nak'ed or dead-lettered per message.
     pub async fn run<S, F>(self, service: S, shutdown: F) -> Result<()>
     where
         S: Service<Delivery, Response = Outcome> + Clone + Send + 'static,
@@ -540,6 +637,10 @@ impl Consumer {
     {
         let shared = Arc::clone(&self.shared);
         let config = &shared.config;
+        let mut shutdown = std::pin::pin!(shutdown);
+        if !claim_before_consuming(&shared, shutdown.as_mut()).await? {
+            return Ok(());
+        }
         let _pruner = config
             .prune
             .then(|| AbortOnDrop(tokio::spawn(prune_periodically(Arc::clone(&shared)))));
@@ -547,7 +648,6 @@ impl Consumer {
             self.consumer.clone(),
             Arc::clone(&shared),
         )));
-        let mut shutdown = std::pin::pin!(shutdown);
         tracing::info!(
             consumer = %config.durable, stream = %config.stream, concurrency = config.concurrency,
             max_batch = runner.max_jobs(), ordered = config.ordered, "inbox consumer started",
