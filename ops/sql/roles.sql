@@ -29,9 +29,31 @@
 --                    FOR UPDATE SKIP LOCKED row locks need UPDATE on some
 --                    column; no statement updates either), USAGE on
 --                    inbox_dead_letters_id_seq; SELECT, INSERT, UPDATE on
---                    inbox_leases (ordered consumers); SELECT, INSERT, UPDATE
---                    on inbox_consumers (where each consumer stands on its
---                    stream, recorded by the runtime).
+--                    inbox_leases (ordered consumers); SELECT, INSERT on
+--                    inbox_consumers (the runtime registers its consumer at
+--                    start) and UPDATE of where it stands on its stream
+--                    (stream, filter_subjects, ack_floor, updated_at), never
+--                    of its name or owner; EXECUTE on inbox_consumer_owner
+--                    (the owner of a name, for the runtime's refusal).
+--
+-- Consumers are kept apart by row-level security, not by grants
+-- (migration 20260101000013_inbox_isolation.sql): every consumer's role is a
+-- member of outbox_consumer, and sees and writes only the inbox rows, dead
+-- letters, lease and inbox_consumers row of the consumers whose name it owns
+-- (inbox_consumers.owner: it, or a role granted to it). The first
+-- registration of a name claims it for the role the runtime runs under, so
+-- claim a name before its consumer first starts when another consumer's
+-- role could start first, and give a consumer whose replicas log in as
+-- several roles a group role of its own:
+--
+--   create role billing_consumers nologin;
+--   grant billing_consumers to billing_login, billing_login_2;
+--   outboxctl inbox set-owner billing billing_consumers   -- as the owner
+--   -- or: update inbox_consumers set owner = 'billing_consumers' where consumer = 'billing';
+--
+-- Never make outbox_consumer itself (of which every consumer's role is a
+-- member) the owner of a name. The tables' owner and superusers are not
+-- subject to row security: run migrations and outboxctl as the owner.
 --
 -- Each may also read outbox_schema_migrations, so outbox_pg::migrate at
 -- start-up can see the schema is up to date and change nothing. None may
@@ -42,6 +64,7 @@
 --   create role relay_login login password '…';
 --   grant outbox_relay to relay_login;
 --   grant outbox_writer, outbox_consumer to billing_login;  -- consumes and enqueues
+--   grant outbox_consumer to shipping_login;                -- another consumer, kept apart
 --
 -- A service's own tables (invoices, subscriptions, …) are granted by the
 -- service's operator the same way. A role missing a privilege is refused at
@@ -102,4 +125,9 @@ grant update (created_at) on inbox_dead_letters to outbox_consumer;
 grant usage on sequence inbox_dead_letters_id_seq to outbox_consumer;
 -- (UPDATE covers the takeover checkpoint columns, 20260101000015.)
 grant select, insert, update on inbox_leases to outbox_consumer;
-grant select, insert, update on inbox_consumers to outbox_consumer;
+-- inbox_consumers: UPDATE of where the consumer stands only, never of its
+-- name or owner (granted on the table by an earlier version of this file).
+grant select, insert on inbox_consumers to outbox_consumer;
+revoke update on inbox_consumers from outbox_consumer;
+grant update (stream, filter_subjects, ack_floor, updated_at) on inbox_consumers to outbox_consumer;
+grant execute on function inbox_consumer_owner(text) to outbox_consumer;
