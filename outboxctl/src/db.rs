@@ -19,6 +19,7 @@ const REQUIRED_COLUMNS: &[(&str, &str)] = &[
     ("outbox_events", "skipped_at"),
     ("outbox_events", "published_seq"),
     ("inbox_dead_letters", "replay_count"),
+    ("inbox_consumers", "owner"),
 ];
 
 /// `--database-url` / `--database-url-file`, accepted before or after the
@@ -51,6 +52,38 @@ impl Database {
     /// if the server cannot be reached; [`ErrorKind::MissingTable`] naming
     /// each missing table.
     pub(crate) async fn connect(&self, tables: &[&str]) -> Result<PgPool> {
+        let pool = self.open(tables).await?;
+        if let Some((role, subject)) = row_security(&pool, tables).await? {
+            eprintln!(
+                "outboxctl: warning: role `{role}` is subject to the row-level security of {}:                  it sees only the rows of the consumers it owns; run outboxctl as the tables'                  owner to see every consumer",
+                subject.join(", ")
+            );
+        }
+        Ok(pool)
+    }
+
+    /// [`connect`](Self::connect) for a command that must see and change
+    /// every row of `tables`: a session subject to their row-level security
+    /// is refused.
+    ///
+    /// # Errors
+    /// As [`connect`](Self::connect); [`ErrorKind::Config`] naming the role
+    /// when row-level security applies to it.
+    pub(crate) async fn connect_as_owner(&self, tables: &[&str]) -> Result<PgPool> {
+        let pool = self.open(tables).await?;
+        if let Some((role, subject)) = row_security(&pool, tables).await? {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "role `{role}` is subject to the row-level security of {}: run this as the                      tables' owner (who ran the migrations) or a superuser",
+                    subject.join(", ")
+                ),
+            ));
+        }
+        Ok(pool)
+    }
+
+    async fn open(&self, tables: &[&str]) -> Result<PgPool> {
         let args = match (&self.database_url, &self.database_url_file) {
             (Some(url), None) => DatabaseArgs::from_url(url.clone()),
             (None, Some(path)) => DatabaseArgs {
@@ -100,6 +133,20 @@ impl Database {
         require_tables(&pool, tables).await?;
         Ok(pool)
     }
+}
+
+/// The session's role and those of `tables` whose row-level security applies
+/// to it (it is neither their owner nor a superuser), if any.
+async fn row_security(pool: &PgPool, tables: &[&str]) -> Result<Option<(String, Vec<String>)>> {
+    let names: Vec<String> = tables.iter().map(|t| (*t).to_owned()).collect();
+    let rows = sqlx::query_file!("queries/row_security.sql", &names)
+        .fetch_all(pool)
+        .await
+        .map_err(|e| Error::database("checking the tables' row security", e))?;
+    let Some(role) = rows.first().map(|r| r.role.clone()) else {
+        return Ok(None);
+    };
+    Ok(Some((role, rows.into_iter().map(|r| r.table).collect())))
 }
 
 /// Fails naming every one of `tables` the session cannot see (on its

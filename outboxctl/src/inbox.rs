@@ -1,10 +1,12 @@
-//! `outboxctl inbox status | prune`: the consumers' inboxes, per consumer.
+//! `outboxctl inbox status | prune | owners | set-owner`: the consumers'
+//! inboxes, per consumer, and who owns each consumer's name.
 //!
 //! A consumer is a JetStream durable name, and the `consumer` column of
 //! `inbox_events`, `inbox_dead_letters` and `inbox_leases`. The consumers are
 //! found by a skip-scan of the tables' indexes (one probe per consumer), so
 //! neither command reads a big inbox row by row to list them.
 
+mod owners;
 mod prune;
 mod status;
 
@@ -30,12 +32,24 @@ pub(crate) enum Command {
     /// than every way an event can come back (default 14 days, as the
     /// consumer runtime's own pruning).
     Prune(prune::Args),
+    /// Per registered consumer: the role owning its name (whose members alone
+    /// may read and write its inbox rows, dead letters and lease), its
+    /// stream and filter subjects.
+    Owners(owners::ListArgs),
+    /// Hand a consumer's name to another role, or, with --stream, claim a
+    /// name before its consumer first starts (the first registration claims
+    /// a name for the role it runs under). A runtime still running under the
+    /// previous owner has its writes refused until it runs under the new one.
+    #[command(name = "set-owner")]
+    SetOwner(owners::SetArgs),
 }
 
 pub(crate) async fn run(db: &Database, command: &Command, json: bool) -> Result<()> {
     match command {
         Command::Status(args) => status::run(db, args, json).await,
         Command::Prune(args) => prune::run(db, args, json).await,
+        Command::Owners(args) => owners::list(db, args, json).await,
+        Command::SetOwner(args) => owners::set(db, args, json).await,
     }
 }
 

@@ -7,6 +7,7 @@
 //! outboxctl skip <id> --reason "…"                    # abandon a poison row; its subject moves on
 //! outboxctl prune [--dry-run]                         # outbox retention
 //! outboxctl inbox status | prune                      # per consumer
+//! outboxctl inbox owners | set-owner <consumer> <role> [--stream S]   # who owns each name
 //! outboxctl dead-letters list | show <id> | replay <id>… | purge --older-than 30d
 //! outboxctl audit [--since 1h] [--stream OUTBOX] [--republish] [--inbox-window 14d]   # messages the stream lost after acking
 //! ```
