@@ -15,7 +15,10 @@
 //!   without `--force`;
 //! - errors: an unknown dead-letter id (nothing published), a replay whose
 //!   subject another stream stores, NATS not reachable, a wrong database URL
-//!   and a database without the tables, each one line and exit status 1.
+//!   and a database without the tables, each one line and exit status 1;
+//! - `inbox owners` and `inbox set-owner`: a consumer name claimed before its
+//!   consumer starts, one handed over, the refusals, and a consumer's role
+//!   (under row-level security) warned or refused.
 //!
 //! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
 //! before the tests run.
@@ -788,4 +791,137 @@ async fn errors_are_one_line_and_publish_nothing() {
         .await
         .failure("missing_table");
     assert!(line.contains("inbox_dead_letters"), "{line}");
+}
+
+/// `inbox owners` and `inbox set-owner`, as the tables' owner: a name claimed
+/// before its consumer starts, one the runtime's role registered handed over
+/// (that role then sees none of it), the refusals; under a consumer's role
+/// (row-level security applies) `status` warns and `owners` refuses.
+#[tokio::test]
+async fn consumer_names_are_claimed_beforehand_and_handed_over() {
+    let db = TestDb::new().await.unwrap();
+    let tag = &db.name()[db.name().len() - 8..];
+    for _ in 0..2 {
+        execute(&db, include_str!("../../ops/sql/roles.sql")).await;
+    }
+    let (x, y) = (format!("octl_x_{tag}"), format!("octl_y_{tag}"));
+    execute(
+        &db,
+        &format!(
+            "create role {x} login; grant outbox_consumer to {x};
+             create role {y} login; grant outbox_consumer to {y};"
+        ),
+    )
+    .await;
+    let url = db.url();
+    let as_x = url.replacen("postgres://postgres@", &format!("postgres://{x}@"), 1);
+
+    // Claimed before its consumer first starts.
+    let claimed = outboxctl(
+        url,
+        &["inbox", "set-owner", "early", &y, "--stream", "OUTBOX"],
+    )
+    .await
+    .json();
+    assert_eq!(
+        claimed,
+        json!({"consumer": "early", "owner": y, "previous_owner": null, "registered": true})
+    );
+    // Registered by the runtime's role (its insert at start), then handed over.
+    let x_pool = sqlx::PgPool::connect(&as_x).await.unwrap();
+    sqlx::query("insert into inbox_consumers (consumer, stream) values ('late', 'OUTBOX')")
+        .execute(&x_pool)
+        .await
+        .unwrap();
+    let owners = outboxctl(url, &["inbox", "owners"]).await.json();
+    let listed: Vec<(String, String)> = owners["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["consumer"].as_str().unwrap().to_owned(),
+                c["owner"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("early".to_owned(), y.clone()),
+            ("late".to_owned(), x.clone())
+        ],
+        "{owners}"
+    );
+    let handed = outboxctl(url, &["inbox", "set-owner", "late", &y])
+        .await
+        .json();
+    assert_eq!(handed["previous_owner"], x.as_str(), "{handed}");
+    assert_eq!(handed["registered"], false, "{handed}");
+    let seen: i64 = sqlx::query_scalar("select count(*) from inbox_consumers")
+        .fetch_one(&x_pool)
+        .await
+        .unwrap();
+    assert_eq!(seen, 0, "the previous owner sees none of it");
+    let text = outboxctl_text(url, &["inbox", "owners", "--consumer", "late"]).await;
+    assert!(
+        text.stdout.contains(&y) && text.stdout.contains("OUTBOX"),
+        "{}",
+        text.stdout
+    );
+
+    // Refused: a name not registered without --stream, a role that does not
+    // exist, a role every consumer's role is a member of.
+    let line = outboxctl(url, &["inbox", "set-owner", "nobody", &y])
+        .await
+        .failure("not_found");
+    assert!(
+        line.contains("not registered") && line.contains("--stream"),
+        "{line}"
+    );
+    let line = outboxctl(url, &["inbox", "set-owner", "late", "no_such_role"])
+        .await
+        .failure("not_found");
+    assert!(
+        line.contains("role `no_such_role` does not exist"),
+        "{line}"
+    );
+    let line = outboxctl(url, &["inbox", "set-owner", "late", "outbox_consumer"])
+        .await
+        .failure("config");
+    assert!(line.contains("every consumer's role"), "{line}");
+    assert_eq!(
+        scalar(
+            &db,
+            &format!("select count(*) from inbox_consumers where owner = '{y}'")
+        )
+        .await,
+        2,
+        "nothing changed by the refusals"
+    );
+
+    // Under a consumer's role: what it sees is its own only, and said so.
+    let status = outboxctl(&as_x, &["inbox", "status"]).await;
+    assert_eq!(status.code, Some(0), "{}", status.stderr);
+    assert!(
+        status
+            .stderr
+            .contains(&format!("role `{x}` is subject to the row-level security")),
+        "{}",
+        status.stderr
+    );
+    let line = outboxctl(&as_x, &["inbox", "owners"])
+        .await
+        .failure("config");
+    assert!(
+        line.contains(&format!("role `{x}`")) && line.contains("tables' owner"),
+        "{line}"
+    );
+
+    x_pool.close().await;
+    execute(
+        &db,
+        &format!("drop owned by {x}, {y}; drop role {x}; drop role {y}"),
+    )
+    .await;
 }

@@ -28,6 +28,8 @@
 //!   warns; a pending migration is a `Privilege` error saying to migrate as
 //!   the owner. Each group role holds exactly its grants.
 //! - In a schema reached through `search_path`, roles.sql grants there.
+//! - Consumers kept apart from each other by row-level security:
+//!   `isolation.rs`.
 //!
 //! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
 //! before the tests run.
@@ -546,7 +548,7 @@ async fn migrate_under_a_non_owner_warns_on_an_up_to_date_schema_and_refuses_a_p
         "select r, t, p
            from unnest(array['outbox_writer', 'outbox_relay', 'outbox_consumer']) r,
                 unnest(array['outbox_events', 'inbox_events', 'inbox_dead_letters',
-                             'inbox_leases', 'outbox_schema_migrations']) t,
+                             'inbox_leases', 'inbox_consumers', 'outbox_schema_migrations']) t,
                 unnest(array['SELECT', 'INSERT', 'UPDATE', 'DELETE', 'TRUNCATE',
                              'REFERENCES', 'TRIGGER']) p
           where has_table_privilege(r, t, p)
@@ -563,6 +565,8 @@ async fn migrate_under_a_non_owner_warns_on_an_up_to_date_schema_and_refuses_a_p
         "outbox_consumer DELETE inbox_dead_letters",
         "outbox_consumer INSERT inbox_dead_letters",
         "outbox_consumer SELECT inbox_dead_letters",
+        "outbox_consumer INSERT inbox_consumers",
+        "outbox_consumer SELECT inbox_consumers",
         "outbox_consumer DELETE inbox_events",
         "outbox_consumer INSERT inbox_events",
         "outbox_consumer SELECT inbox_events",
@@ -583,6 +587,29 @@ async fn migrate_under_a_non_owner_warns_on_an_up_to_date_schema_and_refuses_a_p
     let mut sorted = held.clone();
     sorted.sort();
     assert_eq!(sorted, expected);
+    // inbox_consumers: UPDATE of where a consumer stands, never of its name
+    // or owner (row-level security keeps consumers apart by the owner).
+    let updatable: Vec<String> = sqlx::query_scalar(
+        "select a.attname::text from pg_attribute a
+          where a.attrelid = 'inbox_consumers'::regclass and a.attnum > 0 and not a.attisdropped
+            and has_column_privilege('outbox_consumer', a.attrelid, a.attnum, 'UPDATE')
+          order by 1",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        updatable,
+        ["ack_floor", "filter_subjects", "stream", "updated_at"]
+    );
+    let may_read_owner: bool = sqlx::query_scalar(
+        "select has_function_privilege('outbox_consumer', 'inbox_consumer_owner(text)', 'EXECUTE')
+            and not has_function_privilege('outbox_relay', 'inbox_consumer_owner(text)', 'EXECUTE')",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(may_read_owner);
     let creators: Vec<String> = sqlx::query_scalar(
         "select r from unnest(array['outbox_writer', 'outbox_relay', 'outbox_consumer']) r
           where has_schema_privilege(r, current_schema(), 'CREATE')
