@@ -1,11 +1,14 @@
 //! Behind PgBouncer (Debian's `pgbouncer`, started by the harness): writers
 //! and migrations work through a transaction pool; the relay, `billing` and
-//! `subscriptions` refuse one at start, naming it, and run through a session
+//! `subscriptions` refuse one at start, naming it, and so does the consumer
+//! library (`Consumer::new`, the builder); the relay runs through a session
 //! pool.
 
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
+use async_nats::jetstream;
+use inbox_consumer::{Consumer, ConsumerConfig};
 use outbox_pg::{Envelope, Outbox};
 use outbox_testkit::{PgBouncer, PoolMode, Program, TestDb, create_database, wait_until};
 use serde_json::json;
@@ -158,6 +161,87 @@ async fn the_binaries_refuse_a_transaction_pool_naming_it() {
             .unwrap();
     assert_eq!(published, 0);
     let _ = std::fs::remove_dir_all(&log_dir);
+}
+
+/// `inbox_consumer::Consumer::new` and the builder, given a pool through a
+/// transaction pool (as a service makes one: named prepared statements,
+/// cached; another client's already prepared on the pooled session), refuse at once with
+/// a configuration error naming the pooler and what to do, never a
+/// `prepared statement … already exists` from a statement run before the
+/// check; nothing is registered or created.
+#[tokio::test]
+async fn the_consumer_library_refuses_a_transaction_pool_naming_it() {
+    let db = TestDb::new().await.unwrap();
+    let nats = outbox_testkit::nats().unwrap();
+    let bouncer = PgBouncer::start(upstream_port(&db), PoolMode::Transaction, &[]).unwrap();
+    let url = bouncer.url("postgres", db.name());
+    // Another client of the pooler left a named statement on the pooled
+    // session (sqlx's first is always `sqlx_s_1`): a named statement of the
+    // consumer's pool landing there fails with "already exists".
+    let other = PgPool::connect(&url).await.unwrap();
+    let _: i32 = sqlx::query_scalar("select 1")
+        .fetch_one(&other)
+        .await
+        .unwrap();
+    let pool = PgPool::connect(&url).await.unwrap();
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let stream = format!("POOLLIB_{}", &db.name()[db.name().len() - 8..]);
+    js.create_stream(jetstream::stream::Config {
+        name: stream.clone(),
+        subjects: vec!["poollib.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+
+    let started = Instant::now();
+    let config = ConsumerConfig::new(&stream, "pooled").ordered(true);
+    let direct = Consumer::new(js.clone(), pool.clone(), config)
+        .await
+        .unwrap_err();
+    let built = Consumer::builder(js.clone(), pool.clone(), &stream, "pooled")
+        .whole_stream()
+        .stream_patience(Duration::from_secs(5))
+        .run(std::future::pending::<()>())
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    for (how, err) in [("Consumer::new", direct), ("the builder", built)] {
+        assert_eq!(
+            err.kind(),
+            inbox_consumer::ErrorKind::Config,
+            "{how}: {err}"
+        );
+        let text = err.to_string();
+        for needle in [
+            "consumer `pooled`",
+            "pool_mode = transaction",
+            "pool_mode = session",
+            "the consumer runtime",
+        ] {
+            assert!(
+                text.contains(needle),
+                "{how} does not name `{needle}`: {text}"
+            );
+        }
+        assert!(
+            !text.contains("prepared statement") && !text.contains("sqlx_s_"),
+            "{how} failed on a prepared statement before naming the pooler: {text}"
+        );
+    }
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+    let registered: i64 = sqlx::query_scalar("select count(*) from inbox_consumers")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(registered, 0, "nothing registered");
+    other.close().await;
+    let mut durables = js.get_stream(&stream).await.unwrap().consumer_names();
+    assert!(
+        futures::StreamExt::next(&mut durables).await.is_none(),
+        "no durable created"
+    );
+    pool.close().await;
 }
 
 /// Through a session pool the relay holds its sessions, so it runs and
