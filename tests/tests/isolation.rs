@@ -10,7 +10,9 @@
 //! - Both run their runtime under their own roles, one ordered, one batched,
 //!   and handle every event once; a consumer started under the role that
 //!   does not own its name is refused at start, naming the consumer, its
-//!   owner and the role.
+//!   owner and the role. A name handed to another role while its runtime
+//!   runs: every write refused and logged as an error, nothing dead-lettered,
+//!   and handled once handed back.
 //! - A session of the other role holding an ordered consumer's leader lock
 //!   is named (role and pid) by the standby it keeps from leading; once it
 //!   lets go, the standby leads.
@@ -540,6 +542,44 @@ async fn consumers_run_under_their_own_roles_and_a_name_owned_by_another_is_refu
     w.publish(5).await;
     wait_handled(&w, "iso_a", 25).await;
     wait_handled(&w, "iso_b", 25).await;
+
+    // iso_b's name handed to a's role while b's runtime runs: each of its
+    // batches is refused, loudly, and nothing is dead-lettered; handed back,
+    // the events are handled.
+    let hand_to = |role: &str| {
+        format!("update inbox_consumers set owner = '{role}' where consumer = 'iso_b'")
+    };
+    sqlx::query(sqlx::AssertSqlSafe(hand_to(&w.a)))
+        .execute(&w.db.pool)
+        .await
+        .unwrap();
+    w.publish(5).await;
+    let refused = wait_until("iso_b's refused batches logged", WAIT, || async {
+        log().lines().any(|l| {
+            l.contains("ERROR")
+                && l.contains("consumer=iso_b")
+                && l.contains("lacks a privilege")
+                && l.contains("row-level security")
+        })
+    })
+    .await;
+    if let Err(e) = refused {
+        panic!("{e}\n{}", log());
+    }
+    sqlx::query(sqlx::AssertSqlSafe(hand_to(&w.b)))
+        .execute(&w.db.pool)
+        .await
+        .unwrap();
+    wait_handled(&w, "iso_a", 30).await;
+    wait_handled(&w, "iso_b", 30).await;
+    assert_eq!(
+        w.count(
+            "select count(*) from inbox_dead_letters where consumer like $1",
+            "iso_%"
+        )
+        .await,
+        0
+    );
     ordered.shutdown().await;
     batched.shutdown().await;
     w.drop_roles().await;
