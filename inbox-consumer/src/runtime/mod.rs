@@ -226,7 +226,9 @@
 //!   consumer, the owner and the role, before anything is consumed. The
 //!   operator may claim a name beforehand or hand it over (`outboxctl inbox
 //!   set-owner <consumer> <role>`); replicas under several login roles share
-//!   a name through a group role granted to each, made its owner.
+//!   a name through a group role granted to each, made its owner. A new
+//!   durable name starts after the position of the consumer it replaces
+//!   ([`position`]) only when its role owns that consumer too.
 //! - **Advisory locks are not rows.** Any role can take an ordered
 //!   consumer's leader lock. A standby that has not got the lead for longer
 //!   than [`lease_timeout`](ConsumerConfig::lease_timeout) looks up the
