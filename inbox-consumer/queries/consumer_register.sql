@@ -8,4 +8,5 @@ on conflict (consumer) do update
        ack_floor = case when c.stream = excluded.stream
                         then greatest(c.ack_floor, excluded.ack_floor)
                         else excluded.ack_floor end,
-       updated_at = now()
+       updated_at = now(),
+       stopped_at = null

@@ -123,11 +123,11 @@ grant update (handled_at) on inbox_events to outbox_consumer;
 grant select, insert, delete on inbox_dead_letters to outbox_consumer;
 grant update (created_at) on inbox_dead_letters to outbox_consumer;
 grant usage on sequence inbox_dead_letters_id_seq to outbox_consumer;
--- (UPDATE covers the takeover checkpoint columns, 20260101000015.)
+-- (UPDATE covers the takeover checkpoint columns, 20260101000014.)
 grant select, insert, update on inbox_leases to outbox_consumer;
 -- inbox_consumers: UPDATE of where the consumer stands only, never of its
 -- name or owner (granted on the table by an earlier version of this file).
 grant select, insert on inbox_consumers to outbox_consumer;
 revoke update on inbox_consumers from outbox_consumer;
-grant update (stream, filter_subjects, ack_floor, updated_at) on inbox_consumers to outbox_consumer;
+grant update (stream, filter_subjects, ack_floor, updated_at, stopped_at) on inbox_consumers to outbox_consumer;
 grant execute on function inbox_consumer_owner(text) to outbox_consumer;

@@ -14,12 +14,16 @@ select pg_advisory_xact_lock(1868721409, 0);
 -- dead-lettered), read from JetStream every few seconds; a durable it has to
 -- create again starts after that position, and a new name for the same
 -- stream and subjects starts where the consumer it replaces stopped
--- (inbox_consumer::runtime, "Where a durable starts").
+-- (inbox_consumer::runtime, "Where a durable starts"). A consumer whose name
+-- is still in use (a runtime wrote its row in the last 30 s and did not stop)
+-- is another consumer, never one a new name replaces: stopped_at is set when
+-- a runtime stops, cleared while one runs.
 create table if not exists inbox_consumers (
   consumer        text        primary key,
   stream          text        not null,
   filter_subjects text[]      not null default '{}',
   ack_floor       bigint      not null default 0 check (ack_floor >= 0),
   created_at      timestamptz not null default now(),
-  updated_at      timestamptz not null default now()
+  updated_at      timestamptz not null default now(),
+  stopped_at      timestamptz null
 );

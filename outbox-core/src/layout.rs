@@ -175,6 +175,7 @@ const INBOX: &[(&str, &[&str])] = &[
             "ack_floor",
             "created_at",
             "updated_at",
+            "stopped_at",
             "owner",
         ],
     ),

@@ -600,7 +600,13 @@ async fn migrate_under_a_non_owner_warns_on_an_up_to_date_schema_and_refuses_a_p
     .unwrap();
     assert_eq!(
         updatable,
-        ["ack_floor", "filter_subjects", "stream", "updated_at"]
+        [
+            "ack_floor",
+            "filter_subjects",
+            "stopped_at",
+            "stream",
+            "updated_at"
+        ]
     );
     let may_read_owner: bool = sqlx::query_scalar(
         "select has_function_privilege('outbox_consumer', 'inbox_consumer_owner(text)', 'EXECUTE')

@@ -204,3 +204,42 @@ async fn a_recorded_floor_past_the_end_of_a_stream_created_anew_is_refused() {
     .await;
     each_applied(&world, 4, 1).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_name_beside_a_running_consumer_is_another_consumer_not_a_rename() {
+    let world = world("STARTS_BESIDE").await;
+    let events: Vec<_> = (0..5)
+        .map(|i| event("t.ok", &format!("s{i}"), json!({ "seq": i })))
+        .collect();
+    world.publish_all(&events).await;
+    let a = start(
+        &world,
+        config(&world, "a"),
+        stack(&world.db.pool, Record::new("a")),
+    )
+    .await;
+    world.wait_settled("a").await;
+    wait_until(
+        "a's floor recorded",
+        std::time::Duration::from_secs(3),
+        || async { ack_floor(&world, "a").await == 5 },
+    )
+    .await
+    .unwrap();
+    // `a` still runs: `b` reads the stream for itself.
+    let b = start(
+        &world,
+        config(&world, "b"),
+        stack(&world.db.pool, Record::new("b")),
+    )
+    .await;
+    world
+        .wait_count(
+            "b handled every event",
+            "select count(*) from inbox_events where consumer = 'b'",
+            5,
+        )
+        .await;
+    b.shutdown().await;
+    a.shutdown().await;
+}

@@ -35,6 +35,10 @@ pub const LAG_INTERVAL: Duration = Duration::from_secs(1);
 /// [`LAG_INTERVAL`] at most.
 const FLOOR_SPACING: Duration = Duration::from_millis(100);
 
+/// The longest time between two writes of the consumer's row while it runs:
+/// a row silent for 30 s belongs to a consumer no runtime runs any more.
+const HEARTBEAT: Duration = Duration::from_secs(5);
+
 /// Bound on one consumer-info request.
 pub const LAG_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -51,6 +55,7 @@ pub(super) async fn poll(consumer: PullConsumer, shared: Arc<Shared>) {
     let mut failing = false;
     let mut recorded = None;
     let mut last_read = tokio::time::Instant::now();
+    let mut written = last_read;
     loop {
         // Every interval, and soon after messages were settled (at most every
         // FLOOR_SPACING), so the recorded floor trails the acks by little.
@@ -66,9 +71,12 @@ pub(super) async fn poll(consumer: PullConsumer, shared: Arc<Shared>) {
                 metrics::gauge!(names::PENDING, &labels).set(info.num_pending as f64);
                 metrics::gauge!(names::ACK_PENDING, &labels).set(info.num_ack_pending as f64);
                 let floor = info.ack_floor.stream_sequence;
-                if recorded != Some(floor) {
+                if recorded != Some(floor) || written.elapsed() >= HEARTBEAT {
                     match position::record(&shared.pool, config, floor).await {
-                        Ok(()) => recorded = Some(floor),
+                        Ok(()) => {
+                            recorded = Some(floor);
+                            written = tokio::time::Instant::now();
+                        }
                         Err(e) => tracing::debug!(
                             consumer = %labels[0].1, error = %e,
                             "recording the consumer's ack floor failed; tried again next time",
@@ -104,6 +112,12 @@ pub(super) async fn record_floor(consumer: &PullConsumer, shared: &Shared) {
             .map_err(|_| format!("no answer within {LAG_TIMEOUT:?}"))?
             .map_err(|e| e.to_string())?;
         position::record(&shared.pool, config, info.ack_floor.stream_sequence)
+            .await
+            .map_err(|e| e.to_string())
+    };
+    let recorded = async {
+        recorded.await?;
+        position::stopped(&shared.pool, &config.durable)
             .await
             .map_err(|e| e.to_string())
     };

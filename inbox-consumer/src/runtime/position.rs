@@ -21,8 +21,12 @@
 //! | the inbox knows | the new durable delivers from |
 //! | --- | --- |
 //! | this consumer, on this stream | the message after its recorded ack floor |
-//! | another consumer on this stream with the same filter subjects (a new name for it) | the message after that consumer's ack floor |
+//! | another consumer on this stream with the same filter subjects that no runtime runs any more (stopped, or silent for 30 s): a new name for it | the message after that consumer's ack floor |
 //! | neither (a consumer that never ran here) | the start of the stream |
+//!
+//! A consumer with the same stream and subjects that still runs (its runtime
+//! writes its row at least every 5 s, and marks it at a clean stop) is
+//! another consumer reading the same events, not one this name replaces.
 //!
 //! The messages between the recorded floor and the durable's last ack (at
 //! most one lag interval of traffic) come again; they are recent, so their
@@ -266,6 +270,19 @@ async fn predecessor(
     .await
     .map_err(|e| Error::database("reading the consumers of the stream (inbox_consumers)", e))?;
     Ok(row.map(|row| (row.consumer, u64::try_from(row.ack_floor).unwrap_or(0))))
+}
+
+/// Marks the consumer stopped: a new name may now replace it (a replica still
+/// running clears the mark with its next write).
+///
+/// # Errors
+/// [`ErrorKind::Database`] if the row cannot be written.
+pub(super) async fn stopped(pool: &PgPool, consumer: &str) -> Result<()> {
+    sqlx::query_file!("queries/consumer_stopped.sql", consumer)
+        .execute(pool)
+        .await
+        .map_err(|e| Error::database("recording that the consumer stopped (inbox_consumers)", e))?;
+    Ok(())
 }
 
 /// Records the consumer, its stream, filter subjects and `floor` (kept if the
