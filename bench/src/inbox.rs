@@ -83,6 +83,7 @@ use sqlx::postgres::PgPoolOptions;
 use tower::ServiceBuilder;
 
 use crate::Args;
+use crate::handwritten;
 use crate::harness::{BoxError, Db, Env, RelayProc, Result, publish_all, samples, scrape_metrics};
 use crate::stats::{Spread, num, percentile};
 
@@ -110,8 +111,11 @@ const ACK_ONLY_MAX_ACK_PENDING: i64 = 10_000;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
     AckOnly,
-    /// `--batch`, and whether billing runs its in-process relay (the default).
-    Billing(u16, bool),
+    /// `--batch` (`None`: not given, billing's default flags), and whether
+    /// billing runs its in-process relay (the default).
+    Billing(Option<u16>, bool),
+    /// The hand-written consumer of billing's SQL, and whether it runs a relay.
+    HandWritten(bool),
     /// The library in process, a no-op handler, deliveries per transaction.
     Library(u16),
 }
@@ -120,9 +124,20 @@ impl Mode {
     fn name(self) -> String {
         match self {
             Self::AckOnly => "ack-only JetStream consumer (no database)".to_owned(),
-            Self::Billing(1, true) => "billing --batch 1 (default)".to_owned(),
-            Self::Billing(b, true) => format!("billing --batch {b}"),
-            Self::Billing(b, false) => format!("billing --batch {b} --no-relay"),
+            Self::Billing(None, true) => "billing, default flags".to_owned(),
+            Self::Billing(None, false) => "billing --no-relay".to_owned(),
+            Self::Billing(Some(b), true) => format!("billing --batch {b}"),
+            Self::Billing(Some(b), false) => format!("billing --batch {b} --no-relay"),
+            Self::HandWritten(true) => format!(
+                "hand-written consumer of billing's SQL, batch {}, {} at once, with a relay",
+                handwritten::BATCH,
+                handwritten::WORKERS
+            ),
+            Self::HandWritten(false) => format!(
+                "hand-written consumer of billing's SQL, batch {}, {} at once, no relay",
+                handwritten::BATCH,
+                handwritten::WORKERS
+            ),
             Self::Library(b) => format!("inbox-consumer, no-op handler, batch {b}"),
         }
     }
@@ -150,32 +165,60 @@ struct Drained {
     commits_per_event: Option<f64>,
 }
 
-/// One paced latency run.
+/// One paced latency run through `subscriptions`, `outbox-relay` and billing.
+/// Pairs are p50 and p99, in ms.
 #[derive(Debug, Clone, Copy)]
 struct Latency {
-    p50: f64,
-    p99: f64,
-    max: f64,
-    /// p50 and p99, ms: commit → the event in the stream (an observer's
-    /// ordered consumer), and from there → the invoice.
+    /// The subscription's transaction start → the invoice: p50, p99, max.
+    total: (f64, f64, f64),
+    /// The HTTP answer (after the commit) → the invoice.
+    from_answer: (f64, f64),
+    /// The subscription's transaction start → its HTTP answer.
+    answer: (f64, f64),
+    /// The transaction start → the event stored in the stream (the relay's leg).
     to_stream: (f64, f64),
-    from_stream: (f64, f64),
+    /// Stored → at a consumer waiting for it (the observer).
+    observed: (f64, f64),
+    /// Stored → billing's transaction start (its inbox row's `handled_at`).
+    to_tx: (f64, f64),
+    /// Billing's transaction start → the invoice's insert.
+    tx: (f64, f64),
+    relay: Phases,
+    billing: Phases,
     /// Events invoiced per second, from the first write to the last invoice.
     handled_rate: f64,
     written_rate: f64,
     /// Billing, its database's backends, nats-server, the machine.
     cpu: Cpu,
     /// The upstream side: `consumer` is the relay, `pg` the upstream
-    /// database's backends, `nats` this process (the writers and the observer).
+    /// database's backends, `nats` this process (the HTTP clients, the observer).
     upstream: Cpu,
+    /// The `subscriptions` service, cores.
+    service: f64,
+}
+
+/// This run's copies of the binaries.
+#[derive(Debug)]
+struct Bins {
+    billing: PathBuf,
+    subscriptions: PathBuf,
 }
 
 pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Result<()> {
-    let (bin, built) = billing_bin(env)?;
+    let (bin, built) = copy_bin(env, "billing", "example-billing")?;
+    let latency_modes: Vec<Option<u16>> = std::iter::once(None)
+        .chain(args.inbox_latency_batches.iter().map(|&b| Some(b)))
+        .collect();
     let nats_pid = child_named("nats-server");
-    let mut modes = vec![Mode::AckOnly];
-    modes.extend(args.inbox_batches.iter().map(|&b| Mode::Billing(b, true)));
-    modes.extend(args.inbox_no_relay.iter().map(|&b| Mode::Billing(b, false)));
+    let mut modes = vec![Mode::AckOnly, Mode::Billing(None, true)];
+    modes.extend(args.inbox_batches.iter().map(|&b| Mode::Billing(Some(b), true)));
+    if !args.inbox_no_handwritten {
+        modes.push(Mode::HandWritten(true));
+    }
+    modes.extend(args.inbox_no_relay.iter().map(|&b| Mode::Billing(Some(b), false)));
+    if !args.inbox_no_handwritten && !args.inbox_no_relay.is_empty() {
+        modes.push(Mode::HandWritten(false));
+    }
     modes.extend(args.inbox_library.iter().map(|&b| Mode::Library(b)));
     println!(
         "\n## Inbox consumer: {} events from a backlog, then {} events/s for {} s through outbox-relay\nbilling: {built}",
@@ -184,8 +227,15 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
 
     // Per mode, per round: `None` if the mode failed in that round (noted).
     let mut drains: Vec<Vec<Option<Drained>>> = vec![Vec::new(); modes.len()];
-    let mut latencies: Vec<Vec<Option<Latency>>> =
-        vec![Vec::new(); args.inbox_latency_batches.len()];
+    let mut latencies: Vec<Vec<Option<Latency>>> = vec![Vec::new(); latency_modes.len()];
+    let bins = if args.inbox_rate > 0 && args.inbox_latency_secs > 0 {
+        Some(Bins {
+            billing: bin.clone(),
+            subscriptions: copy_bin(env, "subscriptions", "example-subscriptions")?.0,
+        })
+    } else {
+        None
+    };
     for round in 0..args.rounds {
         if args.inbox_events > 0 {
             let mut order: Vec<usize> = (0..modes.len()).collect();
@@ -196,6 +246,9 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
                     Mode::AckOnly => ack_only(env, args.inbox_events, nats_pid).await,
                     Mode::Billing(batch, relay) => {
                         billing_drain(env, &bin, batch, relay, args.inbox_events, nats_pid).await
+                    }
+                    Mode::HandWritten(relay) => {
+                        handwritten_drain(env, relay, args.inbox_events, nats_pid).await
                     }
                     Mode::Library(batch) => {
                         library_drain(env, batch, args.inbox_events, nats_pid).await
@@ -225,41 +278,32 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
                 }
             }
         }
-        if args.inbox_rate > 0 && args.inbox_latency_secs > 0 {
-            let mut order: Vec<usize> = (0..args.inbox_latency_batches.len()).collect();
-            let n = order.len().max(1);
-            order.rotate_left(round % n);
+        if let Some(bins) = &bins {
+            let mut order: Vec<usize> = (0..latency_modes.len()).collect();
+            order.rotate_left(round % latency_modes.len());
             for i in order {
-                let batch = args.inbox_latency_batches[i];
-                match latency(env, args, &bin, batch, nats_pid).await {
+                let batch = latency_modes[i];
+                let name = Mode::Billing(batch, true).name();
+                match latency(env, args, bins, batch, nats_pid).await {
                     Ok(l) => {
                         println!(
-                            "round {round}: latency, {:<28} p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms; to the stream p50 {:.1} p99 {:.1}, from it p50 {:.1} p99 {:.1} (written at {}, invoiced at {} events/s; cores: billing {:.2} pg {:.2} nats {:.2} relay {:.2} upstream pg {:.2} harness {:.2} machine {:.2})",
-                            Mode::Billing(batch, true).name(),
-                            l.p50,
-                            l.p99,
-                            l.max,
-                            l.to_stream.0,
-                            l.to_stream.1,
-                            l.from_stream.0,
-                            l.from_stream.1,
-                            num(l.written_rate, 0),
-                            num(l.handled_rate, 0),
-                            l.cpu.consumer,
-                            l.cpu.pg,
-                            l.cpu.nats,
-                            l.upstream.consumer,
-                            l.upstream.pg,
-                            l.upstream.nats,
-                            l.cpu.machine
+                            "round {round}: latency, {name:<28} p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (from the answer p50 {:.1}); \
+                             answer {:.1}/{:.1}, to the stream {:.1}/{:.1}, observer {:.1}/{:.1}, to billing's tx {:.1}/{:.1}, in it {:.1}/{:.1}; \
+                             relay: {:.2} claims/event, claim {:.2} ms, publish {:.2} ms, mark {:.2} ms, {:.1} rows/batch; billing handler {:.1} ms, its relay {:.2} claims/event \
+                             (written at {}, invoiced at {} events/s; cores: billing {:.2} pg {:.2} nats {:.2} relay {:.2} upstream pg {:.2} subscriptions {:.2} harness {:.2} machine {:.2})",
+                            l.total.0, l.total.1, l.total.2, l.from_answer.0,
+                            l.answer.0, l.answer.1, l.to_stream.0, l.to_stream.1,
+                            l.observed.0, l.observed.1, l.to_tx.0, l.to_tx.1, l.tx.0, l.tx.1,
+                            l.relay.claims, l.relay.claim_ms, l.relay.publish_ms, l.relay.mark_ms, l.relay.rows,
+                            l.billing.handler_ms, l.billing.claims,
+                            num(l.written_rate, 0), num(l.handled_rate, 0),
+                            l.cpu.consumer, l.cpu.pg, l.cpu.nats, l.upstream.consumer,
+                            l.upstream.pg, l.service, l.upstream.nats, l.cpu.machine
                         );
                         latencies[i].push(Some(l));
                     }
                     Err(e) => {
-                        env.note(format!(
-                            "round {round}, latency with {}: {e}",
-                            Mode::Billing(batch, true).name()
-                        ));
+                        env.note(format!("round {round}, latency with {name}: {e}"));
                         latencies[i].push(None);
                     }
                 }
@@ -271,8 +315,8 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
     if args.inbox_events > 0 {
         out.push_str(&throughput_table(args, &modes, &drains));
     }
-    if args.inbox_rate > 0 && args.inbox_latency_secs > 0 {
-        out.push_str(&latency_table(args, &latencies));
+    if bins.is_some() {
+        out.push_str(&latency_table(args, &latency_modes, &latencies));
     }
     println!("\n{out}");
     summary.push(out);
@@ -375,80 +419,112 @@ fn throughput_table(args: &Args, modes: &[Mode], drains: &[Vec<Option<Drained>>]
     out
 }
 
-fn latency_table(args: &Args, latencies: &[Vec<Option<Latency>>]) -> String {
+fn latency_table(args: &Args, modes: &[Option<u16>], latencies: &[Vec<Option<Latency>>]) -> String {
     let mut out = format!(
-        "### Inbox consumer: commit → invoice latency ({} events/s for {} s through 1 outbox-relay process, {} rounds)\n\n\
-         | billing | p50, ms | p99, ms | max, ms | commit → stream p50 / p99, ms | stream → invoice p50 / p99, ms | written, events/s | invoiced, events/s |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|\n",
+        "### Inbox consumer: latency through subscriptions, outbox-relay and billing ({} requests/s for {} s, {} rounds)\n\n\
+         Start: the subscription's transaction start (its `created_at`); end: the invoice's insert (`created_at`, `clock_timestamp()`); both on the one PostgreSQL server's clock.\n\n\
+         | billing | p50, ms | p99, ms | max, ms | from the HTTP answer, p50 / p99 | requests/s answered | invoiced, events/s |\n\
+         |---|---:|---:|---:|---:|---:|---:|\n",
         num(args.inbox_rate as f64, 0),
         args.inbox_latency_secs,
         args.rounds
     );
-    let mut cpu = String::from(
-        "\nCPU during the latency runs, cores (median, range):\n\n\
-         | billing | billing | its database's backends | nats-server | outbox-relay | upstream database's backends | the harness (writers, observer) | machine |\n\
+    let mut split = String::from(
+        "\nWhere the time goes, p50 / p99 per event, ms (stream: the message's stored timestamp; billing's transaction: its inbox row's `handled_at`):\n\n\
+         | billing | transaction start → HTTP answer | → stored in the stream (relay) | stored → at a waiting observer | stored → billing's transaction start | → invoice insert |\n\
+         |---|---:|---:|---:|---:|---:|\n",
+    );
+    let mut phases = String::from(
+        "\nThe relays' and billing's histograms over the run (means):\n\n\
+         | billing | outbox-relay: claims per event | claim, ms | publish → PubAck, ms | mark, ms | rows per batch | billing: transaction per delivery, ms | billing's relay: claims per event |\n\
          |---|---:|---:|---:|---:|---:|---:|---:|\n",
     );
-    for (i, &batch) in args.inbox_latency_batches.iter().enumerate() {
+    let mut cpu = String::from(
+        "\nCPU during the latency runs, cores:\n\n\
+         | billing | billing | its database's backends | nats-server | outbox-relay | subscriptions | upstream database's backends | the harness (HTTP clients, observer) | machine |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for (i, &batch) in modes.iter().enumerate() {
         let runs: Vec<Latency> = latencies[i].iter().flatten().copied().collect();
         let name = Mode::Billing(batch, true).name();
         if runs.is_empty() {
             out.push_str(&format!(
-                "| {name} | failed in every round (see notes) | | | | | | |\n"
+                "| {name} | failed in every round (see notes) | | | | | |\n"
             ));
             continue;
         }
         let pick = |f: fn(&Latency) -> f64| -> Spread {
             Spread::of(&runs.iter().map(f).collect::<Vec<_>>())
         };
+        let pair = |a: fn(&Latency) -> f64, b: fn(&Latency) -> f64| -> String {
+            format!("{} / {}", pick(a).show(1), pick(b).show(1))
+        };
         let failed = latencies[i].iter().filter(|l| l.is_none()).count();
         out.push_str(&format!(
-            "| {name}{} | {} | {} | {} | {} / {} | {} / {} | {} | {} |\n",
+            "| {name}{} | {} | {} | {} | {} | {} | {} |\n",
             if failed > 0 {
                 format!(" ({failed} rounds failed, see notes)")
             } else {
                 String::new()
             },
-            pick(|l| l.p50).show(1),
-            pick(|l| l.p99).show(1),
-            pick(|l| l.max).show(1),
-            pick(|l| l.to_stream.0).show(1),
-            pick(|l| l.to_stream.1).show(1),
-            pick(|l| l.from_stream.0).show(1),
-            pick(|l| l.from_stream.1).show(1),
+            pick(|l| l.total.0).show(1),
+            pick(|l| l.total.1).show(1),
+            pick(|l| l.total.2).show(1),
+            pair(|l| l.from_answer.0, |l| l.from_answer.1),
             pick(|l| l.written_rate),
             pick(|l| l.handled_rate),
         ));
-        cpu.push_str(&format!(
+        split.push_str(&format!(
+            "| {name} | {} | {} | {} | {} | {} |\n",
+            pair(|l| l.answer.0, |l| l.answer.1),
+            pair(|l| l.to_stream.0, |l| l.to_stream.1),
+            pair(|l| l.observed.0, |l| l.observed.1),
+            pair(|l| l.to_tx.0, |l| l.to_tx.1),
+            pair(|l| l.tx.0, |l| l.tx.1),
+        ));
+        phases.push_str(&format!(
             "| {name} | {} | {} | {} | {} | {} | {} | {} |\n",
+            pick(|l| l.relay.claims).show(2),
+            pick(|l| l.relay.claim_ms).show(2),
+            pick(|l| l.relay.publish_ms).show(2),
+            pick(|l| l.relay.mark_ms).show(2),
+            pick(|l| l.relay.rows).show(1),
+            pick(|l| l.billing.handler_ms).show(1),
+            pick(|l| l.billing.claims).show(2),
+        ));
+        cpu.push_str(&format!(
+            "| {name} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             pick(|l| l.cpu.consumer).show(2),
             pick(|l| l.cpu.pg).show(2),
             pick(|l| l.cpu.nats).show(2),
             pick(|l| l.upstream.consumer).show(2),
+            pick(|l| l.service).show(2),
             pick(|l| l.upstream.pg).show(2),
             pick(|l| l.upstream.nats).show(2),
             pick(|l| l.cpu.machine).show(2),
         ));
     }
+    out.push_str(&split);
+    out.push_str(&phases);
     out.push_str(&cpu);
     out.push('\n');
     out
 }
 
-/// This run's copy of `billing` (a rebuild during the run cannot change it
+/// This run's copy of `name` (a rebuild during the run cannot change it
 /// between modes), and when it was built.
-fn billing_bin(env: &Env) -> Result<(PathBuf, String)> {
-    let built = env.bin_dir.join("billing");
+fn copy_bin(env: &Env, name: &str, package: &str) -> Result<(PathBuf, String)> {
+    let built = env.bin_dir.join(name);
     if !built.is_file() {
         return Err(format!(
-            "{} is missing: cargo build --release -p example-billing",
+            "{} is missing: cargo build --release -p {package}",
             built.display()
         )
         .into());
     }
     let when = std::fs::metadata(&built)?.modified()?;
     let when = chrono::DateTime::<chrono::Utc>::from(when).format("%Y-%m-%d %H:%M:%S UTC");
-    let copy = env.logs.join("billing");
+    let copy = env.logs.join(name);
     std::fs::copy(&built, &copy)?;
     Ok((copy, format!("{} (built {when})", built.display())))
 }
@@ -665,15 +741,112 @@ async fn library_drain_on(
     })
 }
 
-async fn billing_drain(
+async fn handwritten_drain(
     env: &Env,
-    bin: &Path,
-    batch: u16,
     relay: bool,
     events: usize,
     nats_pid: Option<u32>,
 ) -> Result<Drained> {
-    let db = env.database(&format!("inbox_b{batch}")).await?;
+    let db = env.database("inbox_hand").await?;
+    let stream = env.stream_name();
+    let result = handwritten_drain_on(env, relay, events, nats_pid, &db, &stream).await;
+    env.delete_stream(&stream).await;
+    env.drop_database(db).await?;
+    result
+}
+
+async fn handwritten_drain_on(
+    env: &Env,
+    relay: bool,
+    events: usize,
+    nats_pid: Option<u32>,
+    db: &Db,
+    stream: &str,
+) -> Result<Drained> {
+    let js_stream = backlog(env, stream, events).await?;
+    sqlx::raw_sql(handwritten::CREATE_INVOICES)
+        .execute(&db.pool)
+        .await?;
+    // As billing's pool: a connection per slot, and 4 more (its relay's).
+    let pool = PgPoolOptions::new()
+        .max_connections(u32::try_from(handwritten::WORKERS + 4).unwrap_or(20))
+        .connect(&db.url)
+        .await?;
+    let schemas = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../schemas/events"));
+    let outbox = Outbox::new(outbox_pg::SchemaRegistry::from_dir(schemas)?);
+    let nats = async_nats::connect(&env.nats_url).await?;
+    let commits0 = xact_commit(&env.admin, &db.name).await?;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let started = Instant::now();
+    let started_at = wall_micros() as f64;
+    let cpu0 = CpuMark::take(Some(std::process::id()), Some(&db.name), nats_pid);
+    let run = tokio::spawn(handwritten::run(
+        js_stream,
+        nats,
+        stream.to_owned(),
+        &STREAM_SUBJECTS,
+        &FILTERS,
+        pool.clone(),
+        outbox,
+        relay,
+        stop.clone(),
+    ));
+    let mut first = None;
+    let mut polls = 0;
+    let waited = async {
+        loop {
+            let count: i64 = sqlx::query_scalar("select count(*) from invoices")
+                .fetch_one(&db.pool)
+                .await?;
+            polls += 1;
+            if count > 0 {
+                first.get_or_insert_with(|| started.elapsed().as_secs_f64());
+            }
+            if usize::try_from(count).unwrap_or(0) >= events {
+                return Ok::<_, BoxError>(());
+            }
+            if run.is_finished() {
+                return Err("the hand-written consumer stopped".into());
+            }
+            if started.elapsed() > Duration::from_secs(600) {
+                return Err(format!("{count} of {events} invoiced after 600 s").into());
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+    .await;
+    let last: f64 =
+        sqlx::query_scalar("select extract(epoch from max(created_at))::float8 from invoices")
+            .fetch_one(&db.pool)
+            .await?;
+    let cpu = CpuMark::take(Some(std::process::id()), Some(&db.name), nats_pid).since(&cpu0);
+    stop.cancel();
+    let ended = run.await;
+    waited?;
+    ended??;
+    pool.close().await;
+    let commits = xact_commit(&env.admin, &db.name).await? - commits0 - polls as i64;
+    check_invoices(&db.pool, events).await?;
+    Ok(Drained {
+        rate: events as f64 / (last - started_at / 1e6).max(1e-3),
+        first: first.unwrap_or_default(),
+        cpu,
+        scraped: None,
+        commits_per_event: Some(commits as f64 / events as f64),
+    })
+}
+
+async fn billing_drain(
+    env: &Env,
+    bin: &Path,
+    batch: Option<u16>,
+    relay: bool,
+    events: usize,
+    nats_pid: Option<u32>,
+) -> Result<Drained> {
+    let db = env
+        .database(&format!("inbox_b{}", batch.unwrap_or(0)))
+        .await?;
     let stream = env.stream_name();
     let result = billing_drain_on(env, bin, (batch, relay), events, nats_pid, &db, &stream).await;
     env.delete_stream(&stream).await;
@@ -684,7 +857,7 @@ async fn billing_drain(
 async fn billing_drain_on(
     env: &Env,
     bin: &Path,
-    (batch, relay): (u16, bool),
+    (batch, relay): (Option<u16>, bool),
     events: usize,
     nats_pid: Option<u32>,
     db: &Db,
@@ -802,12 +975,12 @@ async fn xact_commit(admin: &PgPool, database: &str) -> Result<i64> {
 async fn latency(
     env: &Env,
     args: &Args,
-    bin: &Path,
-    batch: u16,
+    bins: &Bins,
+    batch: Option<u16>,
     nats_pid: Option<u32>,
 ) -> Result<Latency> {
     let upstream = env.database("inbox_upstream").await?;
-    let own = match env.database(&format!("inbox_lat_b{batch}")).await {
+    let own = match env.database("inbox_lat").await {
         Ok(db) => db,
         Err(e) => {
             env.drop_database(upstream).await?;
@@ -815,7 +988,7 @@ async fn latency(
         }
     };
     let stream = env.stream_name();
-    let result = latency_on(env, args, bin, batch, nats_pid, &upstream, &own, &stream).await;
+    let result = latency_on(env, args, bins, batch, nats_pid, &upstream, &own, &stream).await;
     env.delete_stream(&stream).await;
     env.drop_database(own).await?;
     env.drop_database(upstream).await?;
@@ -826,25 +999,39 @@ async fn latency(
 async fn latency_on(
     env: &Env,
     args: &Args,
-    bin: &Path,
-    batch: u16,
+    bins: &Bins,
+    batch: Option<u16>,
     nats_pid: Option<u32>,
     upstream: &Db,
     own: &Db,
     stream: &str,
 ) -> Result<Latency> {
     create_stream(env, stream).await?;
-    let relay = RelayProc::start_with_subjects(
+    let mut subscriptions = SubscriptionsProc::start(
+        env,
+        &bins.subscriptions,
+        &format!("{stream}_subscriptions"),
+        &upstream.url,
+    )
+    .await?;
+    let relay = match RelayProc::start_with_subjects(
         env,
         &format!("{stream}_relay0"),
         &upstream.url,
         stream,
         &STREAM_SUBJECTS.join(","),
     )
-    .await?;
+    .await
+    {
+        Ok(relay) => relay,
+        Err(e) => {
+            subscriptions.stop(env).await;
+            return Err(e);
+        }
+    };
     let mut billing = match BillingProc::start(
         env,
-        bin,
+        &bins.billing,
         &format!("{stream}_billing"),
         &own.url,
         stream,
@@ -856,6 +1043,7 @@ async fn latency_on(
         Ok(billing) => billing,
         Err(e) => {
             relay.stop(env).await;
+            subscriptions.stop(env).await;
             return Err(e);
         }
     };
@@ -865,13 +1053,13 @@ async fn latency_on(
         args,
         nats_pid,
         (upstream, own, stream),
-        &mut billing,
-        &mut relay,
+        (&mut subscriptions, &mut billing, &mut relay),
     )
     .await;
     billing.stop(env).await;
     let alive = relay.check_alive("while billing consumed");
     relay.stop(env).await;
+    subscriptions.stop(env).await;
     alive?;
     result
 }
@@ -883,15 +1071,22 @@ fn wall_micros() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
 }
 
+/// When an event reached the stream (its stored timestamp) and the observer.
+#[derive(Debug, Clone, Copy)]
+struct Seen {
+    stored: i64,
+    observed: i64,
+}
+
 async fn paced(
     env: &Env,
     args: &Args,
     nats_pid: Option<u32>,
     (upstream, own, stream): (&Db, &Db, &str),
-    billing: &mut BillingProc,
-    relay: &mut RelayProc,
+    procs: (&mut SubscriptionsProc, &mut BillingProc, &mut RelayProc),
 ) -> Result<Latency> {
-    // An observer: when each event reached the stream (wall clock).
+    // An observer: when each event was stored in the stream (the server's
+    // timestamp) and when it reached a consumer waiting for it (wall clock).
     let observer = env
         .js
         .get_stream(stream)
@@ -903,15 +1098,18 @@ async fn paced(
         })
         .await?;
     let mut messages = observer.messages().await?;
-    let (arrived_tx, mut arrived) = mpsc::unbounded_channel::<(Uuid, i64)>();
+    let (arrived_tx, mut arrived) = mpsc::unbounded_channel::<(Uuid, Seen)>();
     let reader = tokio::spawn(async move {
         while let Some(Ok(message)) = messages.next().await {
-            let at = wall_micros();
+            let observed = wall_micros();
+            let stored = message.info().map_or(observed, |info| {
+                i64::try_from(info.published.unix_timestamp_nanos() / 1_000).unwrap_or(observed)
+            });
             let id = serde_json::from_slice::<serde_json::Value>(&message.payload)
                 .ok()
                 .and_then(|v| v["id"].as_str().and_then(|s| Uuid::parse_str(s).ok()));
             if let Some(id) = id
-                && arrived_tx.send((id, at)).is_err()
+                && arrived_tx.send((id, Seen { stored, observed })).is_err()
             {
                 return;
             }
@@ -922,8 +1120,7 @@ async fn paced(
         args,
         nats_pid,
         (upstream, own),
-        billing,
-        relay,
+        procs,
         &mut arrived,
     )
     .await;
@@ -931,20 +1128,38 @@ async fn paced(
     result
 }
 
+/// The request body of one new subscription.
+const NEW_SUBSCRIPTION: &str = r#"{"customer_id":"cus_1","plan":"pro","amount_cents":1234}"#;
+
+/// Sends one `POST /v1/subscriptions`; returns the event's id.
+async fn create_subscription(http: &mut Http) -> Result<Uuid> {
+    let (status, body) = http.post("/v1/subscriptions", NEW_SUBSCRIPTION).await?;
+    if status != 201 {
+        return Err(format!(
+            "POST /v1/subscriptions answered {status}: {}",
+            String::from_utf8_lossy(&body)
+        )
+        .into());
+    }
+    let written: serde_json::Value = serde_json::from_slice(&body)?;
+    written["event_id"]
+        .as_str()
+        .and_then(|s| Uuid::parse_str(s).ok())
+        .ok_or_else(|| format!("no event_id in {}", String::from_utf8_lossy(&body)).into())
+}
+
 async fn paced_observed(
     env: &Env,
     args: &Args,
     nats_pid: Option<u32>,
     (upstream, own): (&Db, &Db),
-    billing: &mut BillingProc,
-    relay: &mut RelayProc,
-    arrived: &mut mpsc::UnboundedReceiver<(Uuid, i64)>,
+    (subscriptions, billing, relay): (&mut SubscriptionsProc, &mut BillingProc, &mut RelayProc),
+    arrived: &mut mpsc::UnboundedReceiver<(Uuid, Seen)>,
 ) -> Result<Latency> {
     // Warm-up: one event invoiced before the clock starts.
-    let warm = subscription("warm", 0)?;
-    let mut tx = upstream.pool.begin().await?;
-    Outbox::unvalidated().enqueue(&mut tx, &warm).await?;
-    tx.commit().await?;
+    let mut http = Http::connect(subscriptions.addr).await?;
+    create_subscription(&mut http).await?;
+    drop(http);
     wait_invoices(
         &own.pool,
         1,
@@ -959,36 +1174,41 @@ async fn paced_observed(
     let total = args.inbox_rate * args.inbox_latency_secs as usize;
     let interval = Duration::from_secs_f64(1.0 / args.inbox_rate as f64);
     let next = Arc::new(AtomicUsize::new(0));
+    let mut conns = Vec::with_capacity(WRITERS);
+    for _ in 0..WRITERS {
+        conns.push(Http::connect(subscriptions.addr).await?);
+    }
+    let relay_before = scrape_metrics(relay.metrics(), "outbox-relay").await?;
+    let billing_before = scrape_metrics(billing.metrics, "billing").await?;
     let pid = billing.pid();
     let cpu0 = CpuMark::take(pid, Some(&own.name), nats_pid);
     let (relay_pid, me) = (relay.pid(), Some(std::process::id()));
     let upstream0 = CpuMark::take(relay_pid, Some(&upstream.name), me);
+    let subscriptions_pid = subscriptions.pid();
+    let service0 = CpuMark::take(subscriptions_pid, None, None);
     let started = Instant::now();
     let started_wall = wall_micros();
-    let writers: Vec<_> = (0..WRITERS)
-        .map(|_| {
-            let pool = upstream.pool.clone();
+    let writers: Vec<_> = conns
+        .into_iter()
+        .map(|mut http| {
             let next = next.clone();
             tokio::spawn(async move {
-                let mut committed = Vec::new();
+                let mut answered = Vec::new();
                 loop {
                     let n = next.fetch_add(1, Ordering::Relaxed);
                     if n >= total {
-                        return Ok::<_, BoxError>(committed);
+                        return Ok::<_, BoxError>(answered);
                     }
                     tokio::time::sleep_until((started + interval.mul_f64(n as f64)).into()).await;
-                    let e = subscription("paced", n)?;
-                    let mut tx = pool.begin().await?;
-                    Outbox::unvalidated().enqueue(&mut tx, &e).await?;
-                    tx.commit().await?;
-                    committed.push((*e.id().as_uuid(), wall_micros()));
+                    let event = create_subscription(&mut http).await?;
+                    answered.push((event, wall_micros()));
                 }
             })
         })
         .collect();
-    let mut commits: HashMap<Uuid, i64> = HashMap::with_capacity(total);
+    let mut answers: HashMap<Uuid, i64> = HashMap::with_capacity(total);
     for writer in writers {
-        commits.extend(writer.await??);
+        answers.extend(writer.await??);
     }
     let written_rate = total as f64 / started.elapsed().as_secs_f64();
     wait_invoices(
@@ -1002,66 +1222,263 @@ async fn paced_observed(
     .map_err(|e| format!("after the paced writes: {e}"))?;
     let cpu = CpuMark::take(pid, Some(&own.name), nats_pid).since(&cpu0);
     let upstream_cpu = CpuMark::take(relay_pid, Some(&upstream.name), me).since(&upstream0);
+    let service_cpu = CpuMark::take(subscriptions_pid, None, None).since(&service0);
+    let relay_phases = Phases::between(
+        &relay_before,
+        &scrape_metrics(relay.metrics(), "outbox-relay").await?,
+        total,
+    );
+    let billing_phases = Phases::between(
+        &billing_before,
+        &scrape_metrics(billing.metrics, "billing").await?,
+        total,
+    );
 
-    let rows: Vec<(Uuid, i64)> = sqlx::query_as(
-        "select event_id, (extract(epoch from created_at) * 1000000)::int8 from invoices",
+    // The subscription's transaction start (its row's and its event's
+    // created_at), on the database server's clock.
+    let written: Vec<(Uuid, i64)> = sqlx::query_as(
+        "select id, (extract(epoch from created_at) * 1000000)::int8 from outbox_events",
+    )
+    .fetch_all(&upstream.pool)
+    .await?;
+    let written: HashMap<Uuid, i64> = written.into_iter().collect();
+    // Billing's transaction start (the inbox row's handled_at) and the
+    // invoice's insert (clock_timestamp()), on the same server's clock.
+    let rows: Vec<(Uuid, i64, i64)> = sqlx::query_as(
+        "select i.event_id, (extract(epoch from e.handled_at) * 1000000)::int8, \
+                (extract(epoch from i.created_at) * 1000000)::int8 \
+           from invoices i join inbox_events e on e.event_id = i.event_id",
     )
     .fetch_all(&own.pool)
     .await?;
-    let mut latencies: Vec<f64> = rows
-        .iter()
-        .filter_map(|(id, at)| Some((at - commits.get(id)?) as f64 / 1e3))
-        .collect();
-    if latencies.len() != total {
-        return Err(format!("{} of {total} paced events invoiced", latencies.len()).into());
-    }
-    let last = rows.iter().map(|&(_, at)| at).max().unwrap_or(started_wall);
-    let handled_rate = total as f64 / ((last - started_wall) as f64 / 1e6);
-
-    // Split at the stream: commit → stream (relay) and stream → invoice (billing).
-    let mut reached = HashMap::with_capacity(total);
+    let mut reached: HashMap<Uuid, Seen> = HashMap::with_capacity(total);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     while reached.len() < total {
         match tokio::time::timeout_at(deadline, arrived.recv()).await {
-            Ok(Some((id, at))) => {
-                if commits.contains_key(&id) {
-                    reached.insert(id, at);
+            Ok(Some((id, seen))) => {
+                if answers.contains_key(&id) {
+                    reached.insert(id, seen);
                 }
             }
             _ => break,
         }
     }
-    let mut to_stream: Vec<f64> = commits
-        .iter()
-        .filter_map(|(id, c)| Some((reached.get(id)? - c) as f64 / 1e3))
-        .collect();
-    let mut from_stream: Vec<f64> = rows
-        .iter()
-        .filter_map(|(id, at)| Some((at - reached.get(id)?) as f64 / 1e3))
-        .collect();
-    if to_stream.len() != total {
+    if reached.len() != total {
         env.note(format!(
             "the observer saw {} of {total} paced events reach the stream",
-            to_stream.len()
+            reached.len()
         ));
     }
+    let mut split = Split::default();
+    let mut last = started_wall;
+    for &(id, handled_at, invoiced) in &rows {
+        let (Some(&answered), Some(&created)) = (answers.get(&id), written.get(&id)) else {
+            continue;
+        };
+        last = last.max(invoiced);
+        let ms = |from: i64, to: i64| (to - from) as f64 / 1e3;
+        split.total.push(ms(created, invoiced));
+        split.from_answer.push(ms(answered, invoiced));
+        split.answer.push(ms(created, answered));
+        split.tx.push(ms(handled_at, invoiced));
+        if let Some(seen) = reached.get(&id) {
+            split.to_stream.push(ms(created, seen.stored));
+            split.observed.push(ms(seen.stored, seen.observed));
+            split.to_tx.push(ms(seen.stored, handled_at));
+        }
+    }
+    if split.total.len() != total {
+        return Err(format!("{} of {total} paced events invoiced", split.total.len()).into());
+    }
+    let handled_rate = total as f64 / ((last - started_wall) as f64 / 1e6);
+    let p = |v: &mut Vec<f64>| (percentile(v, 50.0), percentile(v, 99.0));
     Ok(Latency {
-        p50: percentile(&mut latencies, 50.0),
-        p99: percentile(&mut latencies, 99.0),
-        max: percentile(&mut latencies, 100.0),
-        to_stream: (
-            percentile(&mut to_stream, 50.0),
-            percentile(&mut to_stream, 99.0),
+        total: (
+            percentile(&mut split.total, 50.0),
+            percentile(&mut split.total, 99.0),
+            percentile(&mut split.total, 100.0),
         ),
-        from_stream: (
-            percentile(&mut from_stream, 50.0),
-            percentile(&mut from_stream, 99.0),
-        ),
+        from_answer: p(&mut split.from_answer),
+        answer: p(&mut split.answer),
+        to_stream: p(&mut split.to_stream),
+        observed: p(&mut split.observed),
+        to_tx: p(&mut split.to_tx),
+        tx: p(&mut split.tx),
+        relay: relay_phases,
+        billing: billing_phases,
         handled_rate,
         written_rate,
         cpu,
         upstream: upstream_cpu,
+        service: service_cpu.consumer,
     })
+}
+
+/// Per-event times of one latency run, ms.
+#[derive(Debug, Default)]
+struct Split {
+    total: Vec<f64>,
+    from_answer: Vec<f64>,
+    answer: Vec<f64>,
+    to_stream: Vec<f64>,
+    observed: Vec<f64>,
+    to_tx: Vec<f64>,
+    tx: Vec<f64>,
+}
+
+/// A relay's (or billing's) histograms over a run: means in ms, counts per event.
+#[derive(Debug, Clone, Copy, Default)]
+struct Phases {
+    /// Claims (batches, empty ones included) per event.
+    claims: f64,
+    claim_ms: f64,
+    /// Publish to PubAck, per message.
+    publish_ms: f64,
+    mark_ms: f64,
+    /// Rows per non-empty batch.
+    rows: f64,
+    /// Billing: `inbox_handler_duration_seconds` per delivery (its batch's
+    /// transaction, from the call to the commit).
+    handler_ms: f64,
+}
+
+impl Phases {
+    fn between(before: &str, after: &str, events: usize) -> Self {
+        let get = |text: &str, name: &str, label: &str| -> f64 {
+            samples(text)
+                .filter(|(n, l, _)| *n == name && l.contains(label))
+                .map(|(_, _, v)| v)
+                .sum()
+        };
+        let delta = |name: &str, label: &str| get(after, name, label) - get(before, name, label);
+        let mean = |name: &str, label: &str| {
+            let count = delta(&format!("{name}_count"), label);
+            if count > 0.0 {
+                delta(&format!("{name}_sum"), label) / count
+            } else {
+                0.0
+            }
+        };
+        let phase = |p: &str| mean("outbox_batch_phase_seconds", &format!("phase=\"{p}\"")) * 1e3;
+        Self {
+            claims: delta("outbox_batch_phase_seconds_count", "phase=\"claim\"")
+                / events.max(1) as f64,
+            claim_ms: phase("claim"),
+            publish_ms: mean("outbox_publish_latency_seconds", "") * 1e3,
+            mark_ms: phase("mark"),
+            rows: mean("outbox_batch_rows", ""),
+            handler_ms: mean("inbox_handler_duration_seconds", "") * 1e3,
+        }
+    }
+}
+
+/// One keep-alive HTTP/1.1 connection to the service, for its JSON API.
+struct Http {
+    conn: tokio::io::BufReader<tokio::net::TcpStream>,
+    host: String,
+}
+
+impl Http {
+    async fn connect(addr: SocketAddr) -> Result<Self> {
+        let conn = tokio::net::TcpStream::connect(addr).await?;
+        conn.set_nodelay(true)?;
+        Ok(Self {
+            conn: tokio::io::BufReader::new(conn),
+            host: addr.to_string(),
+        })
+    }
+
+    /// `POST path` with a JSON `body`; the status and the body answered.
+    async fn post(&mut self, path: &str, body: &str) -> Result<(u16, Vec<u8>)> {
+        use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+        let request = format!(
+            "POST {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            self.host,
+            body.len()
+        );
+        self.conn.get_mut().write_all(request.as_bytes()).await?;
+        let mut line = String::new();
+        self.conn.read_line(&mut line).await?;
+        let status: u16 = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| format!("not an HTTP status line: {line:?}"))?;
+        let mut length = 0;
+        loop {
+            line.clear();
+            if self.conn.read_line(&mut line).await? == 0 || line == "\r\n" {
+                break;
+            }
+            if let Some((name, value)) = line.split_once(':')
+                && name.eq_ignore_ascii_case("content-length")
+            {
+                length = value.trim().parse()?;
+            }
+        }
+        let mut body = vec![0; length];
+        self.conn.read_exact(&mut body).await?;
+        Ok((status, body))
+    }
+}
+
+/// The `subscriptions` service: default flags but `--no-relay` (one
+/// `outbox-relay` process publishes its outbox) and a free loopback port.
+#[derive(Debug)]
+struct SubscriptionsProc {
+    program: Program,
+    addr: SocketAddr,
+    log: PathBuf,
+}
+
+impl SubscriptionsProc {
+    async fn start(env: &Env, bin: &Path, name: &str, db_url: &str) -> Result<Self> {
+        let mut program = Program::new(name, bin.to_path_buf(), &env.logs)
+            .env("DATABASE_URL", db_url)
+            .args(["--no-relay", "--listen", "127.0.0.1:0"])
+            .ready_when("listening on http://");
+        let line = program.start().await?.unwrap_or_default();
+        let addr = line
+            .rsplit_once("http://")
+            .and_then(|(_, a)| a.trim().parse().ok())
+            .ok_or_else(|| format!("{name}: no address in {line:?}"))?;
+        Ok(Self {
+            log: env.logs.join(format!("{name}.log")),
+            program,
+            addr,
+        })
+    }
+
+    /// Our child whose command line names its port 0 (the only one).
+    fn pid(&self) -> Option<u32> {
+        children().into_iter().find_map(|(pid, comm, _)| {
+            (comm == "subscriptions").then_some(pid)
+        })
+    }
+
+    async fn stop(mut self, env: &Env) {
+        let code = self.program.terminate().await;
+        if code != Some(0) {
+            env.note(format!("{} exited with {code:?}", self.program.name));
+        }
+        note_flagged(env, &self.program.name, &self.log);
+    }
+}
+
+/// Notes every warning or error line in `log`.
+fn note_flagged(env: &Env, name: &str, log: &Path) {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let flagged: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+        .collect();
+    if let Some(first) = flagged.first() {
+        env.note(format!(
+            "{name}: {} warning/error lines in {}, first: {first}",
+            flagged.len(),
+            log.display()
+        ));
+    }
 }
 
 /// One `billing` process: default flags but for `--stream`, `--metrics-addr`
@@ -1080,7 +1497,7 @@ impl BillingProc {
         name: &str,
         db_url: &str,
         stream: &str,
-        batch: u16,
+        batch: Option<u16>,
         relay: bool,
     ) -> Result<Self> {
         let metrics = SocketAddr::from((
@@ -1092,7 +1509,7 @@ impl BillingProc {
             .env("NATS_URL", &env.nats_url)
             .args(["--stream", stream, "--metrics-addr", &metrics.to_string()])
             .ready_when("billing ready");
-        if batch > 1 {
+        if let Some(batch) = batch {
             program = program.args(["--batch".to_owned(), batch.to_string()]);
         }
         if !relay {
@@ -1127,19 +1544,7 @@ impl BillingProc {
         if code != Some(0) {
             env.note(format!("{} exited with {code:?}", self.program.name));
         }
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let flagged: Vec<&str> = text
-            .lines()
-            .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
-            .collect();
-        if let Some(first) = flagged.first() {
-            env.note(format!(
-                "{}: {} warning/error lines in {}, first: {first}",
-                self.program.name,
-                flagged.len(),
-                self.log.display()
-            ));
-        }
+        note_flagged(env, &self.program.name, &self.log);
     }
 }
 

@@ -29,10 +29,12 @@
 //!    ordered replicas against unordered ones; needs
 //!    `cargo build --release -p example-billing` too.
 //! 7. `inbox` ([`inbox`], not run by default): `billing` as users run it,
-//!    one process, `--batch 1` and batched, against an ack-only JetStream
-//!    consumer draining the same backlog; then commit → invoice latency
-//!    through `outbox-relay` and billing at a paced rate. Needs
-//!    `cargo build --release -p example-billing` too.
+//!    one process, with its default flags and `--batch` values, against an
+//!    ack-only JetStream consumer and a hand-written consumer of billing's
+//!    SQL draining the same backlog; then the latency of requests to
+//!    `subscriptions` through `outbox-relay` and billing at a paced rate.
+//!    Needs `cargo build --release -p example-billing -p
+//!    example-subscriptions` too.
 //! 8. `replicas` ([`replicas`], not run by default): one `outbox-relay`
 //!    process draining the same backlog into an R1 stream on one
 //!    nats-server and into an R3 stream on a 3-node cluster it starts.
@@ -46,6 +48,7 @@
 mod audit;
 mod consumer;
 mod drain;
+mod handwritten;
 mod harness;
 mod hot;
 mod inbox;
@@ -131,9 +134,14 @@ pub(crate) struct Args {
     /// Backlog per mode of the inbox part's throughput comparison (0 skips it).
     #[arg(long, default_value_t = 20_000)]
     pub(crate) inbox_events: usize,
-    /// `billing --batch` values the inbox part drains the backlog with.
-    #[arg(long, value_delimiter = ',', default_value = "1,16,64,256", value_parser = clap::value_parser!(u16).range(1..=4096))]
+    /// `billing --batch` values the inbox part drains the backlog with,
+    /// beside billing with its default flags (always run).
+    #[arg(long, value_delimiter = ',', default_value = "64,1", value_parser = clap::value_parser!(u16).range(1..=4096))]
     pub(crate) inbox_batches: Vec<u16>,
+    /// Leave out the hand-written consumer of billing's SQL (async-nats and
+    /// sqlx, no inbox-consumer crate) that the inbox part drains beside billing.
+    #[arg(long)]
+    pub(crate) inbox_no_handwritten: bool,
     /// `billing --batch` values also drained with `--no-relay` (none by
     /// default): what billing's own relay for `invoice.created` costs.
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u16).range(1..=4096))]
@@ -150,8 +158,9 @@ pub(crate) struct Args {
     /// How long each inbox latency run writes, in seconds.
     #[arg(long, default_value_t = 10)]
     pub(crate) inbox_latency_secs: u64,
-    /// `billing --batch` values of the inbox part's latency runs.
-    #[arg(long, value_delimiter = ',', default_value = "1,64", value_parser = clap::value_parser!(u16).range(1..=4096))]
+    /// `billing --batch` values of the inbox part's latency runs, beside
+    /// billing with its default flags (always run); none by default.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u16).range(1..=4096))]
     pub(crate) inbox_latency_batches: Vec<u16>,
     /// Backlog of the stream-replicas part, drained into R1 and into R3.
     #[arg(long, default_value_t = 50_000)]
