@@ -184,6 +184,41 @@ async fn a_handler_error_rolls_back_and_the_retry_succeeds_once() {
     running.shutdown().await;
 }
 
+#[tokio::test]
+async fn an_ordered_leaders_handler_returning_ok_on_an_aborted_transaction_is_never_acked_as_handled()
+{
+    // A leader's fence check stands for the aborted-transaction check.
+    let w = world("INBOX_SWALLOW_ORDERED").await;
+    let handler = Record::new("a");
+    let config = config(&w, "swallow").ordered(true).max_deliver(2);
+    let running = start(&w, config, stack(&w.db.pool, handler.clone())).await;
+    let swallowed = event("t.ok", "sub_s", json!({"seq": 1, "mode": "swallow_error"}));
+    let good = event("t.ok", "sub_g", json!({"seq": 2}));
+    w.publish(&swallowed).await;
+    w.publish(&good).await;
+    w.wait_count(
+        "the swallowed failure dead-lettered",
+        "select count(*) from inbox_dead_letters",
+        1,
+    )
+    .await;
+    w.wait_count("the good event's effect", "select count(*) from effects", 1)
+        .await;
+    w.wait_settled("swallow").await;
+    let error: String = sqlx::query_scalar("select error from inbox_dead_letters")
+        .fetch_one(&w.db.pool)
+        .await
+        .unwrap();
+    assert!(error.contains("transaction is aborted"), "{error}");
+    let seqs: Vec<i64> = sqlx::query_scalar("select seq from effects")
+        .fetch_all(&w.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(seqs, vec![2]);
+    assert_eq!(w.count("select count(*) from inbox_events").await, 1);
+    running.shutdown().await;
+}
+
 /// reason, payload, headers, event_id, delivery_count, subject, error
 type DeadLetterRow = (
     String,
