@@ -48,7 +48,8 @@ pub(crate) const BATCH: usize = 64;
 /// The durable consumer's name, also the inbox namespace.
 const CONSUMER: &str = "handwritten";
 
-const INSERT_INBOX_BATCH: &str = include_str!("../../inbox-consumer/queries/insert_inbox_batch.sql");
+const INSERT_INBOX_BATCH: &str =
+    include_str!("../../inbox-consumer/queries/insert_inbox_batch.sql");
 const CHECK_TX: &str = include_str!("../../inbox-consumer/queries/check_tx.sql");
 const INSERT_INVOICE: &str = include_str!("../../examples/billing/queries/insert_invoice.sql");
 /// Billing's table, created as billing creates it at start.
@@ -118,11 +119,7 @@ async fn worker(
     stop: CancellationToken,
 ) -> Result<()> {
     while !stop.is_cancelled() {
-        let mut fetched = consumer
-            .fetch()
-            .max_messages(BATCH)
-            .messages()
-            .await?;
+        let mut fetched = consumer.fetch().max_messages(BATCH).messages().await?;
         let mut messages = Vec::with_capacity(BATCH);
         while let Some(message) = fetched.next().await {
             messages.push(message?);
@@ -144,7 +141,11 @@ async fn worker(
 }
 
 /// One transaction for the batch, with billing's statements.
-async fn handle(pool: &PgPool, outbox: &Outbox, messages: &[async_nats::jetstream::Message]) -> Result<()> {
+async fn handle(
+    pool: &PgPool,
+    outbox: &Outbox,
+    messages: &[async_nats::jetstream::Message],
+) -> Result<()> {
     let events: Vec<Envelope<Value>> = messages
         .iter()
         .map(|m| Envelope::from_json(&m.payload))

@@ -1,23 +1,25 @@
 //! Part 7: the inbox consumer as users run it: the shipped `billing` binary,
-//! one process with its default flags (ordered, `--concurrency 16`, its
-//! in-process relay for `invoice.created`), against a plain JetStream
-//! consumer that only acks.
+//! one process with its default flags (ordered, `--concurrency 16`,
+//! `--batch 64`, its in-process relay for `invoice.created`), against a plain
+//! JetStream consumer that only acks and a consumer written by hand that runs
+//! billing's SQL without the inbox library ([`handwritten`]).
 //!
 //! **Throughput from a backlog.** Each mode gets a fresh stream (subjects
-//! `subscription.>,invoice.>`, as billing's relay would create it) and, for
-//! billing, a fresh database. `--inbox-events` `subscription.created` events
-//! (one subscription each) are published to JetStream first; then the
+//! `subscription.>,invoice.>`, as billing's relay would create it) and, but
+//! for ack-only, a fresh database. `--inbox-events` `subscription.created`
+//! events (one subscription each) are published to JetStream first; then the
 //! consumer starts, and the clock runs from the moment it is ready (billing:
 //! its `billing ready` line, after its migrations and its durable consumer
-//! exist) until every event is handled (billing: the last invoice's
-//! `created_at`, once `count(*)` of `invoices`, polled every 250 ms, reaches
-//! the events; ack-only: every ack confirmed).
+//! exist) until every event is handled (billing and the hand-written
+//! consumer: the last invoice's `created_at`, once `count(*)` of `invoices`,
+//! polled every 250 ms, reaches the events; ack-only: every ack confirmed).
 //! Modes, in the same round, their order rotated: the ack-only consumer (the
-//! ceiling), then billing with each `--inbox-batches` value (`--batch 1` is
-//! its default: one transaction per delivery), and each `--inbox-no-relay`
-//! value with `--no-relay` too (none by default: a diagnostic of what
-//! billing's own relay costs). Only `DATABASE_URL`, `NATS_URL`, `--stream`,
-//! `--metrics-addr` and `--batch` (above 1) are set.
+//! ceiling), billing with its default flags, billing with each
+//! `--inbox-batches` value, the hand-written consumer with its relay, and
+//! each `--inbox-no-relay` value with `--no-relay` too (none by default: a
+//! diagnostic of what billing's own relay costs; the hand-written consumer
+//! then runs without its relay too). Only `DATABASE_URL`, `NATS_URL`,
+//! `--stream`, `--metrics-addr` and `--batch` are set.
 //!
 //! A footnote mode, `--inbox-library` values: the `inbox-consumer` library
 //! itself, in this process, with a handler that does nothing (decode the
@@ -34,27 +36,35 @@
 //! `double_ack` (as the inbox runtime acks: confirmed by the server), up to
 //! 1,024 acks in flight. No database.
 //!
-//! **Latency through relay and consumer.** An upstream database with the
-//! outbox tables, one `outbox-relay` process (default flags) publishing into
-//! the stream, and billing consuming it into its own database. One warm-up
-//! event must be invoiced before the clock starts. Then 8 writers commit one
-//! `subscription.created` per transaction at `--inbox-rate` per second for
-//! `--inbox-latency-secs`, each noting the wall-clock time its COMMIT
-//! returned; latency = the invoice's `created_at` (`clock_timestamp()` when
-//! billing inserted it, inside its transaction, just before its commit) −
-//! that commit time. Same machine, same clock. Modes: billing with each
-//! `--inbox-latency-batches` value.
+//! **Latency through the shipped services.** `subscriptions` (default flags
+//! but `--no-relay` and a free loopback port) writes into an upstream
+//! database, one `outbox-relay` process (default flags) publishes its outbox
+//! into the stream, and billing (default flags; `--inbox-latency-batches`
+//! adds `--batch` values) consumes it into its own database, on the same
+//! PostgreSQL server. One warm-up request must be invoiced before the clock
+//! starts. Then [`WRITERS`] keep-alive HTTP connections send `POST
+//! /v1/subscriptions` on a schedule paced at `--inbox-rate` per second for
+//! `--inbox-latency-secs`. Latency = the invoice's `created_at`
+//! (`clock_timestamp()` when billing inserted it, inside its transaction,
+//! just before its commit) − the subscription's `created_at` (its
+//! transaction's start, `now()`): both on the database server's clock. It is
+//! split per event where the event was stored in the stream (the message's
+//! timestamp, from the server's clock on this machine, as an ordered
+//! consumer of the harness receives it, noting when), and where billing's
+//! transaction began (its inbox row's `handled_at`); the HTTP answer's
+//! arrival (wall clock) is noted too. The relay's and billing's histograms
+//! (`/metrics`, read before and after) tell the relay's claims, publishes
+//! and marks, and billing's transaction time.
 //!
 //! Where the time goes: CPU (in cores, averaged over the drain) of the
-//! consumer process, of the PostgreSQL backends connected to billing's
-//! database, of nats-server (when this harness started it) and of the whole
-//! machine (`/proc`; in the latency runs also the relay, the upstream
-//! database's backends and this process); billing's own Prometheus counters;
-//! and, for the backlog, the transactions committed in billing's database per
-//! event (`pg_stat_database`, read once billing has exited, the harness's own
-//! polls subtracted; billing's relay and lease count too). Each latency run
-//! also splits its latency where the event enters the stream, as an ordered
-//! consumer of the harness sees it (wall clock on arrival).
+//! consumer process, of the PostgreSQL backends connected to its database,
+//! of nats-server (when this harness started it) and of the whole machine
+//! (`/proc`; in the latency runs also the relay, `subscriptions`, the
+//! upstream database's backends and this process); billing's own Prometheus
+//! counters; and, for the backlog, the transactions committed in the
+//! consumer's database per event (`pg_stat_database`, read once it has
+//! exited, the harness's own polls subtracted; a relay and billing's lease
+//! count too).
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener};
@@ -185,6 +195,8 @@ struct Latency {
     tx: (f64, f64),
     relay: Phases,
     billing: Phases,
+    /// Deliveries per billing transaction (inbox rows per `handled_at`).
+    per_transaction: f64,
     /// Events invoiced per second, from the first write to the last invoice.
     handled_rate: f64,
     written_rate: f64,
@@ -211,11 +223,19 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
         .collect();
     let nats_pid = child_named("nats-server");
     let mut modes = vec![Mode::AckOnly, Mode::Billing(None, true)];
-    modes.extend(args.inbox_batches.iter().map(|&b| Mode::Billing(Some(b), true)));
+    modes.extend(
+        args.inbox_batches
+            .iter()
+            .map(|&b| Mode::Billing(Some(b), true)),
+    );
     if !args.inbox_no_handwritten {
         modes.push(Mode::HandWritten(true));
     }
-    modes.extend(args.inbox_no_relay.iter().map(|&b| Mode::Billing(Some(b), false)));
+    modes.extend(
+        args.inbox_no_relay
+            .iter()
+            .map(|&b| Mode::Billing(Some(b), false)),
+    );
     if !args.inbox_no_handwritten && !args.inbox_no_relay.is_empty() {
         modes.push(Mode::HandWritten(false));
     }
@@ -289,16 +309,40 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
                         println!(
                             "round {round}: latency, {name:<28} p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (from the answer p50 {:.1}); \
                              answer {:.1}/{:.1}, to the stream {:.1}/{:.1}, observer {:.1}/{:.1}, to billing's tx {:.1}/{:.1}, in it {:.1}/{:.1}; \
-                             relay: {:.2} claims/event, claim {:.2} ms, publish {:.2} ms, mark {:.2} ms, {:.1} rows/batch; billing handler {:.1} ms, its relay {:.2} claims/event \
+                             relay: {:.2} claims/event, claim {:.2} ms, publish {:.2} ms, mark {:.2} ms, {:.1} rows/batch; billing handler {:.1} ms, {:.2} deliveries/transaction, its relay {:.2} claims/event \
                              (written at {}, invoiced at {} events/s; cores: billing {:.2} pg {:.2} nats {:.2} relay {:.2} upstream pg {:.2} subscriptions {:.2} harness {:.2} machine {:.2})",
-                            l.total.0, l.total.1, l.total.2, l.from_answer.0,
-                            l.answer.0, l.answer.1, l.to_stream.0, l.to_stream.1,
-                            l.observed.0, l.observed.1, l.to_tx.0, l.to_tx.1, l.tx.0, l.tx.1,
-                            l.relay.claims, l.relay.claim_ms, l.relay.publish_ms, l.relay.mark_ms, l.relay.rows,
-                            l.billing.handler_ms, l.billing.claims,
-                            num(l.written_rate, 0), num(l.handled_rate, 0),
-                            l.cpu.consumer, l.cpu.pg, l.cpu.nats, l.upstream.consumer,
-                            l.upstream.pg, l.service, l.upstream.nats, l.cpu.machine
+                            l.total.0,
+                            l.total.1,
+                            l.total.2,
+                            l.from_answer.0,
+                            l.answer.0,
+                            l.answer.1,
+                            l.to_stream.0,
+                            l.to_stream.1,
+                            l.observed.0,
+                            l.observed.1,
+                            l.to_tx.0,
+                            l.to_tx.1,
+                            l.tx.0,
+                            l.tx.1,
+                            l.relay.claims,
+                            l.relay.claim_ms,
+                            l.relay.publish_ms,
+                            l.relay.mark_ms,
+                            l.relay.rows,
+                            l.billing.handler_ms,
+                            l.per_transaction,
+                            l.billing.claims,
+                            num(l.written_rate, 0),
+                            num(l.handled_rate, 0),
+                            l.cpu.consumer,
+                            l.cpu.pg,
+                            l.cpu.nats,
+                            l.upstream.consumer,
+                            l.upstream.pg,
+                            l.service,
+                            l.upstream.nats,
+                            l.cpu.machine
                         );
                         latencies[i].push(Some(l));
                     }
@@ -436,8 +480,8 @@ fn latency_table(args: &Args, modes: &[Option<u16>], latencies: &[Vec<Option<Lat
     );
     let mut phases = String::from(
         "\nThe relays' and billing's histograms over the run (means):\n\n\
-         | billing | outbox-relay: claims per event | claim, ms | publish → PubAck, ms | mark, ms | rows per batch | billing: transaction per delivery, ms | billing's relay: claims per event |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|\n",
+         | billing | outbox-relay: claims per event | claim, ms | publish → PubAck, ms | mark, ms | rows per batch | billing: transaction per delivery, ms | deliveries per transaction | billing's relay: claims per event |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let mut cpu = String::from(
         "\nCPU during the latency runs, cores:\n\n\
@@ -483,13 +527,14 @@ fn latency_table(args: &Args, modes: &[Option<u16>], latencies: &[Vec<Option<Lat
             pair(|l| l.tx.0, |l| l.tx.1),
         ));
         phases.push_str(&format!(
-            "| {name} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {name} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             pick(|l| l.relay.claims).show(2),
             pick(|l| l.relay.claim_ms).show(2),
             pick(|l| l.relay.publish_ms).show(2),
             pick(|l| l.relay.mark_ms).show(2),
             pick(|l| l.relay.rows).show(1),
             pick(|l| l.billing.handler_ms).show(1),
+            pick(|l| l.per_transaction).show(2),
             pick(|l| l.billing.claims).show(2),
         ));
         cpu.push_str(&format!(
@@ -1115,15 +1160,7 @@ async fn paced(
             }
         }
     });
-    let result = paced_observed(
-        env,
-        args,
-        nats_pid,
-        (upstream, own),
-        procs,
-        &mut arrived,
-    )
-    .await;
+    let result = paced_observed(env, args, nats_pid, (upstream, own), procs, &mut arrived).await;
     reader.abort();
     result
 }
@@ -1271,6 +1308,7 @@ async fn paced_observed(
     }
     let mut split = Split::default();
     let mut last = started_wall;
+    let mut transactions = std::collections::HashSet::new();
     for &(id, handled_at, invoiced) in &rows {
         let (Some(&answered), Some(&created)) = (answers.get(&id), written.get(&id)) else {
             continue;
@@ -1281,6 +1319,7 @@ async fn paced_observed(
         split.from_answer.push(ms(answered, invoiced));
         split.answer.push(ms(created, answered));
         split.tx.push(ms(handled_at, invoiced));
+        transactions.insert(handled_at);
         if let Some(seen) = reached.get(&id) {
             split.to_stream.push(ms(created, seen.stored));
             split.observed.push(ms(seen.stored, seen.observed));
@@ -1306,6 +1345,7 @@ async fn paced_observed(
         tx: p(&mut split.tx),
         relay: relay_phases,
         billing: billing_phases,
+        per_transaction: total as f64 / transactions.len().max(1) as f64,
         handled_rate,
         written_rate,
         cpu,
@@ -1451,9 +1491,9 @@ impl SubscriptionsProc {
 
     /// Our child whose command line names its port 0 (the only one).
     fn pid(&self) -> Option<u32> {
-        children().into_iter().find_map(|(pid, comm, _)| {
-            (comm == "subscriptions").then_some(pid)
-        })
+        children()
+            .into_iter()
+            .find_map(|(pid, comm, _)| (comm == "subscriptions").then_some(pid))
     }
 
     async fn stop(mut self, env: &Env) {
@@ -1471,6 +1511,8 @@ fn note_flagged(env: &Env, name: &str, log: &Path) {
     let flagged: Vec<&str> = text
         .lines()
         .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+        // A benchmark's stream has one replica, and the warning says so.
+        .filter(|l| !l.contains("durability: the stream has 1 replica"))
         .collect();
     if let Some(first) = flagged.first() {
         env.note(format!(

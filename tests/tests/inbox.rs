@@ -186,7 +186,7 @@ async fn a_handler_error_rolls_back_and_the_retry_succeeds_once() {
 
 #[tokio::test]
 async fn an_ordered_leaders_handler_returning_ok_on_an_aborted_transaction_is_never_acked_as_handled()
-{
+ {
     // A leader's fence check stands for the aborted-transaction check.
     let w = world("INBOX_SWALLOW_ORDERED").await;
     let handler = Record::new("a");
