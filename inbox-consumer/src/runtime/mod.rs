@@ -518,19 +518,29 @@ impl Consumer {
             .get_stream(&config.stream)
             .await
             .map_err(|e| stream_error(&config.stream, e))?;
-        let durable = position::durable(&pool, &config, &mut stream).await?;
-        let consumer: PullConsumer = stream
+        let mut durable = position::durable(&pool, &config, &mut stream).await?;
+        let mut created = stream
             .create_consumer(config.pull_config(durable.policy()))
-            .await
-            .map_err(|e| {
-                Error::nats(
-                    &format!(
-                        "creating durable consumer `{}` on `{}`",
-                        config.durable, config.stream
-                    ),
-                    e,
-                )
-            })?;
+            .await;
+        if created.is_err() && matches!(durable, position::Durable::Create { .. }) {
+            // A replica started at the same moment may have created the
+            // durable first, from another start: take it as it is.
+            durable = position::durable(&pool, &config, &mut stream).await?;
+            if matches!(durable, position::Durable::Exists(_)) {
+                created = stream
+                    .create_consumer(config.pull_config(durable.policy()))
+                    .await;
+            }
+        }
+        let consumer: PullConsumer = created.map_err(|e| {
+            Error::nats(
+                &format!(
+                    "creating durable consumer `{}` on `{}`",
+                    config.durable, config.stream
+                ),
+                e,
+            )
+        })?;
         if let position::Durable::Create { policy, why, .. } = &durable {
             tracing::info!(
                 consumer = %config.durable, stream = %config.stream, deliver_policy = ?policy,

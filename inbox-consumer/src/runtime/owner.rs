@@ -47,6 +47,9 @@ pub(crate) async fn check_at_start(
             Owner::Unknown(why) => Ok(Some(format!(
                 "cannot tell who owns consumer `{consumer}`: {why}"
             ))),
+            // A replica started at the same moment may have registered the
+            // name between the two reads: look again before refusing.
+            _ if visible(pool, consumer).await?.visible => Ok(None),
             owner => Err(refusal(consumer, &owner, &seen.role)),
         }
     };
