@@ -56,6 +56,7 @@ pub(super) async fn poll(consumer: PullConsumer, shared: Arc<Shared>) {
     let mut recorded = None;
     let mut last_read = tokio::time::Instant::now();
     let mut written = last_read;
+    let mut unrecorded = false;
     loop {
         // Every interval, and soon after messages were settled (at most every
         // FLOOR_SPACING), so the recorded floor trails the acks by little.
@@ -76,10 +77,17 @@ pub(super) async fn poll(consumer: PullConsumer, shared: Arc<Shared>) {
                         Ok(()) => {
                             recorded = Some(floor);
                             written = tokio::time::Instant::now();
+                            unrecorded = false;
                         }
-                        Err(e) => tracing::debug!(
+                        // A warning once, the repeats at debug: the lag
+                        // reads go on, and the next write catches up.
+                        Err(e) if !std::mem::replace(&mut unrecorded, true) => tracing::warn!(
                             consumer = %labels[0].1, error = %e,
                             "recording the consumer's ack floor failed; tried again next time",
+                        ),
+                        Err(e) => tracing::debug!(
+                            consumer = %labels[0].1, error = %e,
+                            "recording the consumer's ack floor failed again",
                         ),
                     }
                 }
@@ -113,15 +121,15 @@ pub(super) async fn record_floor(consumer: &PullConsumer, shared: &Shared) {
             .map_err(|e| e.to_string())?;
         position::record(&shared.pool, config, info.ack_floor.stream_sequence)
             .await
-            .map_err(|e| e.to_string())
-    };
-    let recorded = async {
-        recorded.await?;
+            .map_err(|e| e.to_string())?;
         position::stopped(&shared.pool, &config.durable)
             .await
             .map_err(|e| e.to_string())
     };
     if let Err(error) = recorded.await {
-        tracing::debug!(consumer = %config.durable, %error, "recording the ack floor at stop failed");
+        tracing::warn!(
+            consumer = %config.durable, %error,
+            "could not record the ack floor at stop; the floor recorded while running stands",
+        );
     }
 }

@@ -173,20 +173,18 @@ async fn auto(
     let own = recorded(pool, &config.durable).await?;
     let (floor, whose) = match own {
         Some(own) if own.stream == config.stream => (own.ack_floor, None),
-        Some(own) => {
-            tracing::warn!(
-                consumer = %config.durable, recorded_stream = %own.stream, stream = %config.stream,
-                "the consumer was recorded on another stream: its position there does not apply",
-            );
+        other => {
+            if let Some(own) = other {
+                tracing::warn!(
+                    consumer = %config.durable, recorded_stream = %own.stream, stream = %config.stream,
+                    "the consumer was recorded on another stream: its position there does not apply",
+                );
+            }
             match predecessor(pool, config, &filters).await? {
                 Some((name, floor)) => (floor, Some(name)),
                 None => return Ok(whole_stream()),
             }
         }
-        None => match predecessor(pool, config, &filters).await? {
-            Some((name, floor)) => (floor, Some(name)),
-            None => return Ok(whole_stream()),
-        },
     };
     let last = last_sequence(config, stream).await?;
     let by = whose.as_deref().map_or_else(
