@@ -15,7 +15,9 @@
 mod inbox_world;
 
 use inbox_consumer::{Consumer, ErrorKind, Start};
+use outbox_pg::Envelope;
 use outbox_testkit::wait_until;
+use serde_json::Value;
 use serde_json::json;
 
 use inbox_world::*;
@@ -72,6 +74,27 @@ async fn wait_until_effect_of(world: &World, seq: i64) {
         .await;
 }
 
+/// Publishes `events`, starts `durable` on them and waits until each is
+/// applied and every message of the durable settled.
+async fn start_on(world: &World, durable: &str, events: &[Envelope<Value>]) -> Running {
+    world.publish_all(events).await;
+    let running = start(
+        world,
+        config(world, durable),
+        stack(&world.db.pool, Record::new("a")),
+    )
+    .await;
+    world
+        .wait_count(
+            "every published event applied",
+            "select count(*) from effects",
+            i64::try_from(events.len()).unwrap(),
+        )
+        .await;
+    world.wait_settled(durable).await;
+    running
+}
+
 async fn delete_durable(world: &World, durable: &str) {
     let stream = world.js.get_stream(&world.stream).await.unwrap();
     stream.delete_consumer(durable).await.unwrap();
@@ -83,17 +106,7 @@ async fn a_durable_created_again_resumes_after_the_recorded_floor_and_applies_no
     let events: Vec<_> = (0..50)
         .map(|i| event("t.ok", &format!("s{}", i % 5), json!({ "seq": i })))
         .collect();
-    world.publish_all(&events).await;
-    let running = start(
-        &world,
-        config(&world, "billing"),
-        stack(&world.db.pool, Record::new("a")),
-    )
-    .await;
-    world
-        .wait_count("50 effects", "select count(*) from effects", 50)
-        .await;
-    world.wait_settled("billing").await;
+    let running = start_on(&world, "billing", &events).await;
     // While running, the recorded floor follows the acks closely (a process
     // killed now would leave it there).
     wait_until(
@@ -156,17 +169,7 @@ async fn a_recorded_floor_past_the_end_of_a_stream_created_anew_is_refused() {
     let events: Vec<_> = (0..3)
         .map(|i| event("t.ok", "s", json!({ "seq": i })))
         .collect();
-    world.publish_all(&events).await;
-    let running = start(
-        &world,
-        config(&world, "billing"),
-        stack(&world.db.pool, Record::new("a")),
-    )
-    .await;
-    world
-        .wait_count("3 effects", "select count(*) from effects", 3)
-        .await;
-    world.wait_settled("billing").await;
+    let running = start_on(&world, "billing", &events).await;
     running.shutdown().await;
     assert_eq!(ack_floor(&world, "billing").await, 3);
 
@@ -211,14 +214,7 @@ async fn a_second_name_beside_a_running_consumer_is_another_consumer_not_a_renam
     let events: Vec<_> = (0..5)
         .map(|i| event("t.ok", &format!("s{i}"), json!({ "seq": i })))
         .collect();
-    world.publish_all(&events).await;
-    let a = start(
-        &world,
-        config(&world, "a"),
-        stack(&world.db.pool, Record::new("a")),
-    )
-    .await;
-    world.wait_settled("a").await;
+    let a = start_on(&world, "a", &events).await;
     wait_until(
         "a's floor recorded",
         std::time::Duration::from_secs(3),
