@@ -7,11 +7,11 @@
 //! as many as billing's `--concurrency`, each fetch up to [`BATCH`] messages
 //! (what is there, never waiting to fill the batch) and handle them in one
 //! transaction: `BEGIN`; the inbox rows in one statement
-//! (`inbox-consumer/queries/insert_inbox_batch.sql`); per new delivery the
-//! invoice under the subscription's advisory lock
-//! (`examples/billing/queries/insert_invoice.sql`) and `invoice.created`
-//! through [`Outbox::enqueue`] (validated against the same schema, one
-//! statement); the aborted-transaction check
+//! (`inbox-consumer/queries/insert_inbox_batch.sql`); the new deliveries'
+//! invoices in one statement, each under its subscription's advisory lock
+//! (`examples/billing/queries/insert_invoices.sql`), and their
+//! `invoice.created` events through [`Outbox::enqueue_all`] (validated
+//! against the same schema, one statement); the aborted-transaction check
 //! (`inbox-consumer/queries/check_tx.sql`); `COMMIT`; then each message acked
 //! with `double_ack`. With `relay`, an in-process relay publishes the
 //! `invoice.created` rows, configured as billing configures its own.
@@ -51,7 +51,7 @@ const CONSUMER: &str = "handwritten";
 const INSERT_INBOX_BATCH: &str =
     include_str!("../../inbox-consumer/queries/insert_inbox_batch.sql");
 const CHECK_TX: &str = include_str!("../../inbox-consumer/queries/check_tx.sql");
-const INSERT_INVOICE: &str = include_str!("../../examples/billing/queries/insert_invoice.sql");
+const INSERT_INVOICES: &str = include_str!("../../examples/billing/queries/insert_invoices.sql");
 /// Billing's table, created as billing creates it at start.
 pub(crate) const CREATE_INVOICES: &str =
     include_str!("../../examples/billing/queries/create_invoices.sql");
@@ -170,6 +170,8 @@ async fn handle(
         .await?
         .into_iter()
         .collect();
+    let mut columns = Invoices::default();
+    let mut invoices = Vec::with_capacity(fresh.len());
     for event in events.iter().filter(|e| fresh.contains(e.id().as_uuid())) {
         let data = event.data();
         let field = |name: &str| -> Result<&str> {
@@ -180,15 +182,7 @@ async fn handle(
         let (subscription, customer) = (field("subscription_id")?, field("customer_id")?);
         let amount = data["amount_cents"].as_i64().unwrap_or_default();
         let invoice_id = Uuid::now_v7();
-        sqlx::query(INSERT_INVOICE)
-            .bind(invoice_id)
-            .bind(subscription)
-            .bind(customer)
-            .bind(amount)
-            .bind(event.id().as_uuid())
-            .execute(&mut *tx)
-            .await?;
-        let invoice = Envelope::new(
+        invoices.push(Envelope::new(
             "invoice.created",
             "billing",
             subscription,
@@ -198,10 +192,35 @@ async fn handle(
                 "customer_id": customer,
                 "amount_cents": amount,
             }),
-        )?;
-        outbox.enqueue(&mut tx, &invoice).await?;
+        )?);
+        columns.ids.push(invoice_id);
+        columns.subscriptions.push(subscription.to_owned());
+        columns.customers.push(customer.to_owned());
+        columns.amounts.push(amount);
+        columns.events.push(*event.id().as_uuid());
+    }
+    if !invoices.is_empty() {
+        sqlx::query(INSERT_INVOICES)
+            .bind(&columns.ids)
+            .bind(&columns.subscriptions)
+            .bind(&columns.customers)
+            .bind(&columns.amounts)
+            .bind(&columns.events)
+            .execute(&mut *tx)
+            .await?;
+        outbox.enqueue_all(&mut tx, &invoices).await?;
     }
     sqlx::query(CHECK_TX).fetch_one(&mut *tx).await?;
     tx.commit().await?;
     Ok(())
+}
+
+/// The columns of a batch's invoices, for the one insert.
+#[derive(Default)]
+struct Invoices {
+    ids: Vec<Uuid>,
+    subscriptions: Vec<String>,
+    customers: Vec<String>,
+    amounts: Vec<i64>,
+    events: Vec<Uuid>,
 }

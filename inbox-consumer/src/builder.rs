@@ -20,7 +20,7 @@ use tower::{Service, ServiceBuilder};
 use crate::dedupe::{DedupeLayer, Timeouts};
 use crate::delivery::{Delivery, InTx, Outcome};
 use crate::error::{BoxError, Error, ErrorKind, Result};
-use crate::handler::Handler;
+use crate::handler::{BatchHandler, Handler};
 use crate::metrics::MetricsLayer;
 use crate::router::Router;
 use crate::runtime::{Consumer, ConsumerConfig};
@@ -157,6 +157,17 @@ impl ConsumerBuilder {
         H::Message: outbox_pg::Event,
     {
         self.router = self.router.handler(handler);
+        self
+    }
+
+    /// Handles `H::Message`'s event type with a [`BatchHandler`]: every event
+    /// of the type in a batch in one call (see [`Router::batch_handler`]).
+    pub fn batch_handler<H>(mut self, handler: H) -> Self
+    where
+        H: BatchHandler,
+        H::Message: outbox_pg::Event,
+    {
+        self.router = self.router.batch_handler(handler);
         self
     }
 

@@ -174,7 +174,7 @@ pub use delivery::{
     BatchResults, Delivery, DeliveryInfo, InTx, Outcome, TRACEPARENT_HEADER, TRACESTATE_HEADER,
 };
 pub use error::{Action, BoxError, Error, ErrorKind, HandlerError, Result};
-pub use handler::Handler;
+pub use handler::{BatchHandler, Handler};
 pub use health::{DEFAULT_CHECK_TIMEOUT, Readiness};
 pub use metrics::{Metrics, MetricsLayer};
 pub use ordering::{SkipStale, SkipStaleLayer};
@@ -185,7 +185,7 @@ pub use retention::Retention;
 pub use retry::RetryPolicy;
 pub use router::{Routable, Router};
 pub use runtime::{Consumer, ConsumerConfig, Start, Unrouted};
-pub use service::{HandlerService, typed};
+pub use service::{BatchHandlerService, HandlerService, typed};
 pub use trace::{Trace, TraceLayer};
 
 /// The crate README's examples, compiled as doc tests.

@@ -14,8 +14,8 @@ use outbox_pg::Event;
 
 use crate::delivery::{Delivery, InTx, Outcome};
 use crate::error::{BoxError, Error, ErrorKind, HandlerError};
-use crate::handler::Handler;
-use crate::service::HandlerService;
+use crate::handler::{BatchHandler, Handler};
+use crate::service::{BatchHandlerService, HandlerService};
 
 /// A request that names its event type.
 pub trait Routable {
@@ -37,6 +37,12 @@ impl Routable for InTx<Delivery> {
 
 type Route<Req, Resp> = BoxCloneSyncService<Req, Resp, BoxError>;
 
+/// A route for a whole group of one event type, in the batch's transaction.
+pub(crate) type GroupRoute = BoxCloneSyncService<InTx<Vec<Delivery>>, InTx<()>, BoxError>;
+
+/// The group routes of a router, by event type.
+pub(crate) type Groups = Arc<HashMap<String, GroupRoute>>;
+
 /// Routes requests by event type; cheap to clone.
 ///
 /// A router dispatches on the envelope's event type. It works at either level
@@ -54,14 +60,20 @@ type Route<Req, Resp> = BoxCloneSyncService<Req, Resp, BoxError>;
 ///
 /// Each consumer name is its own dedupe namespace: two consumers (two durables,
 /// or two runtimes with different names) each handle every event once.
+///
+/// A type routed to a [`BatchHandler`] ([`batch_handler`](Self::batch_handler))
+/// also has a group route: a batch's [`Dedupe`](crate::dedupe::Dedupe) wrapping
+/// this router hands it every event of the type in the batch at once.
 pub struct Router<Req, Resp> {
     routes: Arc<HashMap<String, Route<Req, Resp>>>,
+    groups: Groups,
 }
 
 impl<Req, Resp> Clone for Router<Req, Resp> {
     fn clone(&self) -> Self {
         Self {
             routes: Arc::clone(&self.routes),
+            groups: Arc::clone(&self.groups),
         }
     }
 }
@@ -70,6 +82,7 @@ impl<Req, Resp> Default for Router<Req, Resp> {
     fn default() -> Self {
         Self {
             routes: Arc::new(HashMap::new()),
+            groups: Arc::new(HashMap::new()),
         }
     }
 }
@@ -103,8 +116,12 @@ where
         S::Future: Send + 'static,
     {
         let service = BoxCloneSyncService::new(service.map_err(Into::into));
+        let event_type = event_type.into();
         // Copy-on-write: a clone of the router keeps its own routes.
-        Arc::make_mut(&mut self.routes).insert(event_type.into(), service);
+        if self.groups.contains_key(&event_type) {
+            Arc::make_mut(&mut self.groups).remove(&event_type);
+        }
+        Arc::make_mut(&mut self.routes).insert(event_type, service);
         self
     }
 
@@ -156,6 +173,63 @@ impl Router<InTx<Delivery>, InTx<Outcome>> {
         H::Message: Event,
     {
         self.route(<H::Message as Event>::TYPE, HandlerService::new(handler))
+    }
+
+    /// Routes `handler`'s message type to a [`BatchHandler`]: in a batch
+    /// ([`Consumer::run_batched`](crate::Consumer::run_batched), the
+    /// [builder](crate::Consumer::builder)'s default) it gets every event of
+    /// the type in the batch in one call; alone, a group of one.
+    ///
+    /// ```
+    /// use inbox_consumer::prelude::*;
+    /// # use serde::{Deserialize, Serialize};
+    /// # #[derive(Serialize, Deserialize, JsonSchema)]
+    /// # struct InvoicePaid { invoice_id: String }
+    /// # impl Event for InvoicePaid { const TYPE: &'static str = "invoice.paid"; }
+    /// # #[derive(Clone)]
+    /// # struct MarkPaid;
+    /// # impl BatchHandler for MarkPaid {
+    /// #     type Message = InvoicePaid;
+    /// #     async fn handle_batch(&self, _: Vec<Envelope<InvoicePaid>>, _: &mut sqlx::PgTransaction<'static>) -> Result<(), HandlerError> { Ok(()) }
+    /// # }
+    /// let router = Router::new().batch_handler(MarkPaid);
+    /// assert_eq!(router.event_types(), ["invoice.paid"]);
+    /// ```
+    #[must_use]
+    pub fn batch_handler<H>(self, handler: H) -> Self
+    where
+        H: BatchHandler,
+        H::Message: Event,
+    {
+        self.route_batch_handler(<H::Message as Event>::TYPE, handler)
+    }
+
+    /// [`batch_handler`](Self::batch_handler) for `event_type`, whatever the
+    /// message type (one without [`Event`], or several types decoded alike),
+    /// replacing an earlier route for it.
+    #[must_use]
+    pub fn route_batch_handler<H: BatchHandler>(
+        self,
+        event_type: impl Into<String>,
+        handler: H,
+    ) -> Self {
+        let event_type = event_type.into();
+        let mut router = self.route(
+            event_type.clone(),
+            BatchHandlerService::new(handler.clone()),
+        );
+        let group: GroupRoute =
+            BoxCloneSyncService::new(ServiceExt::<InTx<Vec<Delivery>>>::map_err(
+                BatchHandlerService::new(handler),
+                Into::<BoxError>::into,
+            ));
+        Arc::make_mut(&mut router.groups).insert(event_type, group);
+        router
+    }
+
+    /// The group routes, by event type.
+    pub(crate) fn groups(&self) -> Groups {
+        Arc::clone(&self.groups)
     }
 }
 

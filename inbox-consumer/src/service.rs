@@ -1,4 +1,5 @@
-//! [`HandlerService`]: a [`Handler`] as a tower service inside the transaction.
+//! [`HandlerService`]: a [`Handler`] as a tower service inside the transaction;
+//! [`BatchHandlerService`] the same for a [`BatchHandler`], one group at a time.
 
 use std::fmt;
 use std::future::Future;
@@ -12,7 +13,7 @@ use tracing::Instrument;
 
 use crate::delivery::{Delivery, InTx, Outcome};
 use crate::error::{Error, ErrorKind, HandlerError};
-use crate::handler::Handler;
+use crate::handler::{BatchHandler, Handler};
 
 /// Runs a [`Handler`] on an [`InTx<Delivery>`]: decodes `data` into
 /// `H::Message`, lends the transaction to [`Handler::handle`], and hands the
@@ -115,6 +116,92 @@ impl<H: Handler> Service<InTx<Delivery>> for HandlerService<H> {
                 None => Box::pin(handled),
             },
         }
+    }
+}
+
+/// Runs a [`BatchHandler`]: a `Service<InTx<Delivery>>` handing the handler a
+/// group of one, and a `Service<InTx<Vec<Delivery>>>` handing it a whole group
+/// (what [`Router::batch_handler`](crate::Router::batch_handler) routes a
+/// batch's events of the type to). Decoding, rollback on failure and the
+/// delivery's span as for [`HandlerService`]; a group runs in the caller's span.
+#[derive(Clone)]
+pub struct BatchHandlerService<H> {
+    handler: H,
+}
+
+impl<H> BatchHandlerService<H> {
+    /// Wraps `handler`.
+    pub const fn new(handler: H) -> Self {
+        Self { handler }
+    }
+
+    /// The handler.
+    pub fn get_ref(&self) -> &H {
+        &self.handler
+    }
+}
+
+impl<H> fmt::Debug for BatchHandlerService<H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BatchHandlerService")
+            .field("handler", &std::any::type_name::<H>())
+            .finish()
+    }
+}
+
+impl<H: BatchHandler> Service<InTx<Delivery>> for BatchHandlerService<H> {
+    type Response = InTx<Outcome>;
+    type Error = HandlerError;
+    type Future = ResponseFuture;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: InTx<Delivery>) -> Self::Future {
+        let span = request.get_ref().span().cloned();
+        let group = self.call(request.map(|delivery| vec![delivery]));
+        let handled = async move { Ok(group.await?.map(|()| Outcome::Handled)) };
+        ResponseFuture {
+            inner: match span {
+                Some(span) => Box::pin(handled.instrument(span)),
+                None => Box::pin(handled),
+            },
+        }
+    }
+}
+
+impl<H: BatchHandler> Service<InTx<Vec<Delivery>>> for BatchHandlerService<H> {
+    type Response = InTx<()>;
+    type Error = HandlerError;
+    type Future = Pin<Box<dyn Future<Output = Result<InTx<()>, HandlerError>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: InTx<Vec<Delivery>>) -> Self::Future {
+        let handler = self.handler.clone();
+        Box::pin(async move {
+            let (mut tx, deliveries) = request.into_parts();
+            let events: Result<Vec<Envelope<H::Message>>, Error> = deliveries
+                .into_iter()
+                .map(|delivery| typed::<H::Message>(delivery.into_envelope()))
+                .collect();
+            let result = match events {
+                Ok(events) => handler.handle_batch(events, &mut tx).await,
+                Err(e) => Err(HandlerError::reject(e)),
+            };
+            match result {
+                Ok(()) => Ok(InTx::new(tx, ())),
+                Err(e) => {
+                    if let Err(rollback) = tx.rollback().await {
+                        tracing::debug!(error = %rollback, "rollback after a batch handler error failed");
+                    }
+                    Err(e)
+                }
+            }
+        })
     }
 }
 

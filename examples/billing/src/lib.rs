@@ -50,8 +50,10 @@
 //!
 //! - [`InvoiceSubscription`] (`subscription.created`): inserts one row into
 //!   `invoices` and enqueues `invoice.created` (subject: the subscription) in the
-//!   delivery's transaction. `invoices.subscription_id` is deliberately not
-//!   unique: the inbox alone prevents double invoices.
+//!   delivery's transaction; a batch's creations together, in one insert and
+//!   one outbox write (a [`BatchHandler`](inbox_consumer::BatchHandler)).
+//!   `invoices.subscription_id` is deliberately not unique: the inbox alone
+//!   prevents double invoices.
 //! - [`VoidInvoices`] (`subscription.cancelled`): voids the subscription's
 //!   invoice; if it has none yet, the cancellation is retried after a second,
 //!   so it is applied only after the creation.
@@ -115,7 +117,7 @@ pub type Stack = BoxCloneSyncService<Delivery, Outcome, BoxError>;
 /// `outbox`, which should validate against the `invoice.created` schema.
 pub fn handlers(outbox: Outbox) -> Handlers {
     Router::new()
-        .handler(InvoiceSubscription::new(outbox))
+        .batch_handler(InvoiceSubscription::new(outbox))
         .handler(VoidInvoices::new())
 }
 

@@ -9,7 +9,18 @@
 //! without it, so one failure never fails the others. The runtime then handles
 //! each failed delivery alone. Duplicates, inside the batch or already in the
 //! inbox, skip their handler as in single mode.
+//!
+//! When the inner service is a [`Router`] (directly: a `Dedupe<Router<…>>`,
+//! as [`Consumer::builder`](crate::Consumer::builder) and `billing` build it)
+//! and an event type is routed to a [`BatchHandler`](crate::BatchHandler), the
+//! batch's fresh deliveries of that type go to it together, in one call, at
+//! the place of the first of them (their subjects are distinct, so no
+//! subject's order changes). A group of one that fails is set aside as
+//! above; a larger group that fails fails the batch as a whole (which of its
+//! events caused it is not known), so the runtime handles each delivery
+//! alone, where the handler gets a group of one.
 
+use std::any::Any;
 use std::collections::HashSet;
 use std::task::{Context, Poll};
 
@@ -22,6 +33,10 @@ use super::{Dedupe, begin_tx, commit, future, note_duplicate};
 use crate::delivery::{BatchResults, Delivery, InTx, Outcome};
 use crate::error::{BoxError, Error, ErrorKind};
 use crate::ordering::sequence_column;
+use crate::router::{Groups, Router};
+
+/// The router whose group routes a batch uses.
+type TxRouter = Router<InTx<Delivery>, InTx<Outcome>>;
 
 impl<S> Service<Vec<Delivery>> for Dedupe<S>
 where
@@ -42,7 +57,13 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let (pool, begin) = (self.pool.clone(), self.timeouts.begin_statement());
-        future::BatchFuture::new(handle(inner, pool, begin, deliveries))
+        // Only a router right under the dedupe: a layer between them may
+        // act per delivery, and a group would pass it by.
+        let groups = (&self.inner as &dyn Any)
+            .downcast_ref::<TxRouter>()
+            .map(Router::groups)
+            .filter(|groups| !groups.is_empty());
+        future::BatchFuture::new(handle(inner, groups, pool, begin, deliveries))
     }
 }
 
@@ -52,6 +73,7 @@ type Row = (usize, Option<i64>);
 /// Handles `deliveries` in one transaction. See the [module docs](self).
 async fn handle<S>(
     mut inner: S,
+    groups: Option<Groups>,
     pool: PgPool,
     begin: String,
     deliveries: Vec<Delivery>,
@@ -95,13 +117,46 @@ where
         let mut handled = Vec::with_capacity(rows.len());
         let mut tx = Some(tx);
         let mut failed = None;
+        let mut in_group = HashSet::new();
         for (position, &(index, _)) in rows.iter().enumerate() {
             let delivery = &deliveries[index];
             if !fresh.contains(delivery.id().as_uuid()) {
                 handled.push((index, Outcome::Duplicate));
                 continue;
             }
+            if in_group.contains(&index) {
+                continue;
+            }
             let Some(open) = tx.take() else { break };
+            let event_type = delivery.event_type().as_str();
+            if let Some(route) = groups.as_ref().and_then(|g| g.get(event_type)) {
+                let members: Vec<usize> = rows[position..]
+                    .iter()
+                    .map(|&(i, _)| i)
+                    .filter(|&i| {
+                        let d = &deliveries[i];
+                        d.event_type().as_str() == event_type && fresh.contains(d.id().as_uuid())
+                    })
+                    .collect();
+                let group = members.iter().map(|&i| deliveries[i].clone()).collect();
+                match route.clone().oneshot(InTx::new(open, group)).await {
+                    Ok(back) => {
+                        tx = Some(back.into_parts().0);
+                        for &i in &members {
+                            in_group.insert(i);
+                            handled.push((i, Outcome::Handled));
+                        }
+                        continue;
+                    }
+                    // Which event failed is not known: the runtime retries
+                    // each delivery alone.
+                    Err(e) if members.len() > 1 => return Err(e),
+                    Err(e) => {
+                        failed = Some((position, e));
+                        break;
+                    }
+                }
+            }
             match call(&mut inner, InTx::new(open, delivery.clone())).await {
                 Ok(back) => {
                     let (open, outcome) = back.into_parts();

@@ -12,8 +12,8 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::{self, stream};
 use futures::future::BoxFuture;
 use inbox_consumer::{
-    Consumer, ConsumerConfig, Dedupe, DedupeLayer, Delivery, Handler, HandlerError, HandlerService,
-    InTx, Metrics, MetricsLayer, Outcome, RetryPolicy, Router, Trace, TraceLayer,
+    BatchHandler, Consumer, ConsumerConfig, Dedupe, DedupeLayer, Delivery, Handler, HandlerError,
+    HandlerService, InTx, Metrics, MetricsLayer, Outcome, RetryPolicy, Router, Trace, TraceLayer,
 };
 use outbox_pg::{Envelope, Outbox};
 use outbox_testkit::{NatsHandle, TestDb, wait_until};
@@ -284,6 +284,8 @@ pub(crate) struct State {
     pub(crate) in_flight: AtomicUsize,
     pub(crate) max_in_flight: AtomicUsize,
     pub(crate) started: AtomicUsize,
+    /// The events of each [`BatchHandler`] call, in call order.
+    pub(crate) groups: Mutex<Vec<Vec<String>>>,
 }
 
 #[derive(Clone)]
@@ -402,6 +404,38 @@ impl Handler for Record {
     }
 }
 
+/// The same handler, a group at a time: each event applied in turn, in the
+/// group's transaction, the group recorded.
+impl BatchHandler for Record {
+    type Message = Payload;
+
+    async fn handle_batch(
+        &self,
+        events: Vec<Envelope<Payload>>,
+        tx: &mut PgTransaction<'static>,
+    ) -> Result<(), HandlerError> {
+        let ids = events.iter().map(|e| e.id().to_string()).collect();
+        self.state.groups.lock().unwrap().push(ids);
+        for event in &events {
+            self.apply(event, tx).await?;
+        }
+        Ok(())
+    }
+}
+
+impl Record {
+    /// The sizes of the [`BatchHandler`] calls so far.
+    pub(crate) fn group_sizes(&self) -> Vec<usize> {
+        self.state
+            .groups
+            .lock()
+            .unwrap()
+            .iter()
+            .map(Vec::len)
+            .collect()
+    }
+}
+
 pub(crate) type InRouter = Router<InTx<Delivery>, InTx<Outcome>>;
 pub(crate) type Stack = Trace<Metrics<Dedupe<InRouter>>>;
 
@@ -411,6 +445,15 @@ pub(crate) fn stack(pool: &PgPool, handler: Record) -> Stack {
         .layer(MetricsLayer::new())
         .layer(DedupeLayer::new(pool.clone()))
         .service(Router::new().route("t.ok", HandlerService::new(handler)))
+}
+
+/// [`stack`] with `t.ok` routed to the handler as a [`BatchHandler`].
+pub(crate) fn batch_stack(pool: &PgPool, handler: Record) -> Stack {
+    ServiceBuilder::new()
+        .layer(TraceLayer::new())
+        .layer(MetricsLayer::new())
+        .layer(DedupeLayer::new(pool.clone()))
+        .service(Router::new().route_batch_handler("t.ok", handler))
 }
 
 pub(crate) fn config(world: &World, durable: &str) -> ConsumerConfig {
