@@ -8,6 +8,8 @@
 //! [`InTx<Delivery>`]: the same delivery and the open transaction that the
 //! inbox row, the handler's effects and any follow-on outbox events commit in.
 
+use std::sync::Arc;
+
 use async_nats::jetstream;
 use outbox_pg::{Envelope, EventId, EventType};
 use serde_json::Value;
@@ -75,7 +77,10 @@ impl DeliveryInfo {
 /// One delivery of one event: the envelope and where it came from.
 #[derive(Debug, Clone)]
 pub struct Delivery {
-    envelope: Envelope<Value>,
+    /// Shared: a delivery is cloned for each attempt of its batch, and the
+    /// payload is decoded from a borrow ([`typed`](crate::typed) of a clone
+    /// copies it only when another clone is still held).
+    envelope: Arc<Envelope<Value>>,
     info: DeliveryInfo,
     traceparent: Option<String>,
     tracestate: Option<String>,
@@ -89,7 +94,7 @@ impl Delivery {
     /// A delivery of `envelope`, for tests and custom runtimes.
     pub fn new(envelope: Envelope<Value>, info: DeliveryInfo) -> Self {
         Self {
-            envelope,
+            envelope: Arc::new(envelope),
             info,
             traceparent: None,
             tracestate: None,
@@ -125,7 +130,7 @@ impl Delivery {
         Ok(Self {
             traceparent: header(TRACEPARENT_HEADER),
             tracestate: header(TRACESTATE_HEADER),
-            envelope,
+            envelope: Arc::new(envelope),
             info,
             leader_epoch: None,
             span: None,
@@ -179,7 +184,7 @@ impl Delivery {
 
     /// Consumes the delivery, returning the envelope.
     pub fn into_envelope(self) -> Envelope<Value> {
-        self.envelope
+        Arc::unwrap_or_clone(self.envelope)
     }
 
     /// JetStream metadata.

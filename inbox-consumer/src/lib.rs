@@ -107,8 +107,9 @@
 //!   that cannot be written is retried ([`runtime`]).
 //! - **Bounded waits.** Every transaction runs with lock, statement and
 //!   idle-in-transaction timeouts ([`Timeouts`]).
-//! - **Batches** of deliveries in one transaction, opt-in
-//!   ([`Consumer::run_batched`]).
+//! - **Batches** of deliveries in one transaction ([`Consumer::run_batched`],
+//!   the [builder](Consumer::builder)'s default), and set-based handlers that
+//!   get a batch's events of their type in one call ([`BatchHandler`]).
 //! - **Consume → produce.** A handler enqueues follow-on events with
 //!   [`outbox_pg::Outbox::enqueue`] on the same transaction: effect, inbox row
 //!   and event commit together or not at all.

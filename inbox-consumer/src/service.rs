@@ -93,7 +93,7 @@ impl<H: Handler> Service<InTx<Delivery>> for HandlerService<H> {
         let span = request.get_ref().span().cloned();
         let handled = async move {
             let (mut tx, delivery) = request.into_parts();
-            let result = match typed::<H::Message>(delivery.into_envelope()) {
+            let result = match typed_from::<H::Message>(delivery.envelope()) {
                 Ok(event) => handler.handle(event, &mut tx).await,
                 Err(e) => Err(HandlerError::reject(e)),
             };
@@ -185,8 +185,8 @@ impl<H: BatchHandler> Service<InTx<Vec<Delivery>>> for BatchHandlerService<H> {
         Box::pin(async move {
             let (mut tx, deliveries) = request.into_parts();
             let events: Result<Vec<Envelope<H::Message>>, Error> = deliveries
-                .into_iter()
-                .map(|delivery| typed::<H::Message>(delivery.into_envelope()))
+                .iter()
+                .map(|delivery| typed_from::<H::Message>(delivery.envelope()))
                 .collect();
             let result = match events {
                 Ok(events) => handler.handle_batch(events, &mut tx).await,
@@ -212,10 +212,15 @@ impl<H: BatchHandler> Service<InTx<Vec<Delivery>>> for BatchHandlerService<H> {
 pub fn typed<T: serde::de::DeserializeOwned>(
     envelope: Envelope<Value>,
 ) -> Result<Envelope<T>, Error> {
-    let mut data = Value::Null;
-    let envelope = envelope.map_data(|v| data = v);
-    match serde_json::from_value::<T>(data) {
-        Ok(t) => Ok(envelope.map_data(|()| t)),
+    typed_from(&envelope)
+}
+
+/// [`typed`] of a borrowed envelope: decodes the payload without copying it.
+pub(crate) fn typed_from<T: serde::de::DeserializeOwned>(
+    envelope: &Envelope<Value>,
+) -> Result<Envelope<T>, Error> {
+    match T::deserialize(envelope.data()) {
+        Ok(t) => Ok(envelope.with_data(t)),
         Err(e) => Err(Error::new(
             ErrorKind::Decode,
             format!(

@@ -361,6 +361,22 @@ impl<T> Envelope<T> {
         }
     }
 
+    /// A copy of every attribute around another payload, `data`; the payload
+    /// itself is not copied (decoding a borrowed payload into a typed one).
+    pub fn with_data<U>(&self, data: U) -> Envelope<U> {
+        Envelope {
+            id: self.id,
+            event_type: self.event_type.clone(),
+            source: self.source.clone(),
+            subject: self.subject.clone(),
+            time: self.time,
+            data,
+            traceparent: self.traceparent.clone(),
+            tracestate: self.tracestate.clone(),
+            sequence: self.sequence,
+        }
+    }
+
     /// Builds an envelope from stored parts (a row of `outbox_events`), validating
     /// every attribute.
     ///

@@ -245,7 +245,15 @@ impl<'a, R: Runner> Session<'a, R> {
             self.pull_at = Instant::now() + UNCONFIRMED_RECHECK;
             return true;
         }
-        let size = self.room().min(config.batch.max(self.runner.max_jobs()));
+        // Batched, enough for every slot's batch: a backlog then arrives
+        // faster than batches start, so each takes a full one.
+        let most = self.runner.max_jobs();
+        let wanted = if most > 1 {
+            most.saturating_mul(config.concurrency)
+        } else {
+            most
+        };
+        let size = self.room().min(config.batch.max(wanted));
         // A leader's pulls are short: none outlives a deposed leader by more
         // than `lease::PULL_EXPIRES`.
         let expires = if self.tenure.is_some() {
