@@ -107,8 +107,10 @@ pub trait Handler: Clone + Send + Sync + 'static {
 ///
 /// The call runs in the batch's span, not in each delivery's: follow-on
 /// events written through the outbox without a trace context of their own
-/// carry the batch's (whose span links every writer's). Panics are caught as
-/// for a [`Handler`].
+/// carry the batch's (whose span links every writer's). To keep a follow-on
+/// event in its cause's trace, give it the event's context
+/// (`follow_on.with_trace_context(event.traceparent()…)`, as `billing`
+/// does). Panics are caught as for a [`Handler`].
 ///
 /// ```
 /// use inbox_consumer::{BatchHandler, HandlerError};

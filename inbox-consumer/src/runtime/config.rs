@@ -161,7 +161,9 @@ impl ConsumerConfig {
     /// Messages asked for per pull request (at most the room left under
     /// [`max_buffered`](Self::max_buffered); with
     /// [`Consumer::run_batched`](super::Consumer::run_batched), at least
-    /// [`max_batch`](Self::max_batch)). Default: 64.
+    /// [`max_batch`](Self::max_batch) × [`concurrency`](Self::concurrency),
+    /// so that under a backlog every slot's next batch has arrived when it
+    /// starts). Default: 64.
     #[must_use]
     pub fn batch(mut self, batch: usize) -> Self {
         self.batch = batch.max(1);

@@ -17,6 +17,9 @@ const INSERT: &str = include_str!("../../queries/insert_invoices.sql");
 /// insert of every invoice and one outbox write of every `invoice.created`,
 /// whatever the batch's size (a delivery handled alone is a group of one).
 ///
+/// Each `invoice.created` carries its subscription event's trace context, so
+/// it stays in the writer's trace although the group runs in the batch's span.
+///
 /// The insert takes each subscription's lock (held until commit) before it
 /// writes any row, so a cancellation handled at the same moment on another
 /// replica waits for this transaction and then sees its invoice
@@ -55,7 +58,7 @@ impl BatchHandler for InvoiceSubscription {
         for event in &events {
             let data = event.data();
             let invoice_id = Uuid::now_v7();
-            invoices.push(Envelope::event(
+            let invoice = Envelope::event(
                 SOURCE,
                 data.subscription_id.clone(),
                 InvoiceCreated {
@@ -64,7 +67,13 @@ impl BatchHandler for InvoiceSubscription {
                     customer_id: data.customer_id.clone(),
                     amount_cents: data.amount_cents,
                 },
-            )?);
+            )?;
+            // In its subscription's trace, not the batch's.
+            invoices.push(match event.traceparent() {
+                Some(parent) => invoice
+                    .with_trace_context(parent.to_owned(), event.tracestate().map(str::to_owned)),
+                None => invoice,
+            });
             ids.push(invoice_id);
             subscriptions.push(data.subscription_id.clone());
             customers.push(data.customer_id.clone());
