@@ -70,6 +70,22 @@ impl fmt::Debug for ResponseFuture {
     }
 }
 
+impl ResponseFuture {
+    /// `handled`, run in `span` when there is one (a delivery's own span in
+    /// batch mode, see `crate::trace`), else in the caller's.
+    fn in_span<F>(span: Option<tracing::Span>, handled: F) -> Self
+    where
+        F: Future<Output = Result<InTx<Outcome>, HandlerError>> + Send + 'static,
+    {
+        Self {
+            inner: match span {
+                Some(span) => Box::pin(handled.instrument(span)),
+                None => Box::pin(handled),
+            },
+        }
+    }
+}
+
 impl Future for ResponseFuture {
     type Output = Result<InTx<Outcome>, HandlerError>;
 
@@ -110,12 +126,7 @@ impl<H: Handler> Service<InTx<Delivery>> for HandlerService<H> {
                 }
             }
         };
-        ResponseFuture {
-            inner: match span {
-                Some(span) => Box::pin(handled.instrument(span)),
-                None => Box::pin(handled),
-            },
-        }
+        ResponseFuture::in_span(span, handled)
     }
 }
 
@@ -162,12 +173,7 @@ impl<H: BatchHandler> Service<InTx<Delivery>> for BatchHandlerService<H> {
         let span = request.get_ref().span().cloned();
         let group = self.call(request.map(|delivery| vec![delivery]));
         let handled = async move { Ok(group.await?.map(|()| Outcome::Handled)) };
-        ResponseFuture {
-            inner: match span {
-                Some(span) => Box::pin(handled.instrument(span)),
-                None => Box::pin(handled),
-            },
-        }
+        ResponseFuture::in_span(span, handled)
     }
 }
 

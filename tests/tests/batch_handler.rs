@@ -20,25 +20,13 @@ mod inbox_world;
 
 use std::time::Duration;
 
-use outbox_pg::Envelope;
-use serde_json::{Value, json};
+use serde_json::json;
 
 use inbox_world::*;
 
 /// The delivery budget of these tests.
 const BUDGET: i64 = 3;
 
-fn ok(subject: &str, seq: i64) -> Envelope<Value> {
-    event("t.ok", subject, json!({"seq": seq}))
-}
-
-async fn effects_of(w: &World, event: &Envelope<Value>) -> i64 {
-    sqlx::query_scalar("select count(*) from effects where event_id = $1")
-        .bind(event.id().as_uuid())
-        .fetch_one(&w.db.pool)
-        .await
-        .unwrap()
-}
 
 async fn groups_and_failures(ordered: bool, durable: &str) {
     let w = world(&format!("BATCH_HANDLER_{}", durable.to_uppercase())).await;

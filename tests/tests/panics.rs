@@ -17,9 +17,8 @@ mod inbox_world;
 
 use std::time::Duration;
 
-use outbox_pg::Envelope;
 use outbox_testkit::wait_until;
-use serde_json::{Value, json};
+use serde_json::json;
 use uuid::Uuid;
 
 use inbox_world::*;
@@ -45,18 +44,6 @@ impl Mode {
     }
 }
 
-fn ok(subject: &str, seq: i64) -> Envelope<Value> {
-    event("t.ok", subject, json!({"seq": seq}))
-}
-
-/// Effects of `event` (a panicked attempt leaves none: it rolled back).
-async fn effects_of(w: &World, event: &Envelope<Value>) -> i64 {
-    sqlx::query_scalar("select count(*) from effects where event_id = $1")
-        .bind(event.id().as_uuid())
-        .fetch_one(&w.db.pool)
-        .await
-        .unwrap()
-}
 
 async fn a_panicking_handler_fails_its_event_only(mode: Mode, durable: &str) {
     let w = world(&format!("PANICS_{}", durable.to_uppercase())).await;

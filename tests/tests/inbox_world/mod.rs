@@ -238,6 +238,20 @@ pub(crate) fn event(event_type: &str, subject: &str, data: Value) -> Envelope<Va
     Envelope::new(event_type, "tests", subject, data).unwrap()
 }
 
+/// A `t.ok` event the handler applies (mode `ok`).
+pub(crate) fn ok(subject: &str, seq: i64) -> Envelope<Value> {
+    event("t.ok", subject, json!({"seq": seq}))
+}
+
+/// Effects of `event` in the effects table (a rolled-back attempt leaves none).
+pub(crate) async fn effects_of(w: &World, event: &Envelope<Value>) -> i64 {
+    sqlx::query_scalar("select count(*) from effects where event_id = $1")
+        .bind(event.id().as_uuid())
+        .fetch_one(&w.db.pool)
+        .await
+        .unwrap()
+}
+
 // ---------------------------------------------------------------------------
 // One handler whose behaviour the payload picks.
 
