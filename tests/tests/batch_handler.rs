@@ -27,7 +27,6 @@ use inbox_world::*;
 /// The delivery budget of these tests.
 const BUDGET: i64 = 3;
 
-
 async fn groups_and_failures(ordered: bool, durable: &str) {
     let w = world(&format!("BATCH_HANDLER_{}", durable.to_uppercase())).await;
     let handler = Record::new("a");

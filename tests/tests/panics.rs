@@ -44,7 +44,6 @@ impl Mode {
     }
 }
 
-
 async fn a_panicking_handler_fails_its_event_only(mode: Mode, durable: &str) {
     let w = world(&format!("PANICS_{}", durable.to_uppercase())).await;
     let handler = Record::new("a");
