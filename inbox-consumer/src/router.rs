@@ -301,6 +301,53 @@ mod tests {
         Delivery::new(env, DeliveryInfo::new("c1"))
     }
 
+    #[derive(Clone)]
+    struct Group;
+
+    impl BatchHandler for Group {
+        type Message = serde_json::Value;
+        async fn handle_batch(
+            &self,
+            _: Vec<Envelope<serde_json::Value>>,
+            _: &mut sqlx::PgTransaction<'static>,
+        ) -> Result<(), HandlerError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_batch_handler_has_a_group_route_until_its_type_is_routed_again() {
+        let router: Router<InTx<Delivery>, InTx<Outcome>> = Router::new()
+            .route_batch_handler("a.one", Group)
+            .route_batch_handler("a.two", Group);
+        assert_eq!(router.event_types(), ["a.one", "a.two"]);
+        let mut groups: Vec<String> = router.groups().keys().cloned().collect();
+        groups.sort_unstable();
+        assert_eq!(groups, ["a.one", "a.two"]);
+
+        // A plain route for the type replaces the batch handler, group and all.
+        let replaced = router.clone().route("a.one", HandlerService::new(Plain));
+        assert_eq!(replaced.event_types(), ["a.one", "a.two"]);
+        assert!(!replaced.groups().contains_key("a.one"));
+        assert!(replaced.groups().contains_key("a.two"));
+        // The clone it came from keeps its own.
+        assert!(router.groups().contains_key("a.one"));
+    }
+
+    #[derive(Clone)]
+    struct Plain;
+
+    impl Handler for Plain {
+        type Message = serde_json::Value;
+        async fn handle(
+            &self,
+            _: Envelope<serde_json::Value>,
+            _: &mut sqlx::PgTransaction<'static>,
+        ) -> Result<(), HandlerError> {
+            Ok(())
+        }
+    }
+
     #[tokio::test]
     async fn routes_by_event_type_and_rejects_the_unrouted() {
         let handled =

@@ -13,7 +13,9 @@
 //!   then handled alone: the one that failed once is applied on its retry,
 //!   the rejected one is dead-lettered `rejected`, the panicking one `panic`
 //!   once its budget is spent, and every other event is applied exactly once;
-//!   ordered, the later events of those subjects wait for them.
+//!   ordered, the later events of those subjects wait for them;
+//! - with a service between the dedupe and the router, no group is formed:
+//!   each event reaches the handler alone, still several per transaction.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 mod inbox_world;
@@ -156,4 +158,53 @@ async fn a_batch_handler_gets_groups_and_a_failure_is_pinned_on_its_event() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_batch_handler_gets_groups_and_a_failure_is_pinned_on_its_event_ordered() {
     groups_and_failures(true, "batch_handler_ordered").await;
+}
+
+/// With a service between the dedupe and the router (here the router boxed),
+/// no group is formed: each event reaches the handler alone, once.
+#[tokio::test(flavor = "multi_thread")]
+async fn behind_another_service_a_batch_handler_gets_one_event_at_a_time() {
+    use inbox_consumer::{DedupeLayer, InTx, MetricsLayer, Outcome, Router, TraceLayer};
+    use tower::ServiceBuilder;
+    use tower::util::BoxCloneSyncService;
+
+    let durable = "batch_handler_boxed";
+    let w = world("BATCH_HANDLER_BOXED").await;
+    let handler = Record::new("a");
+    let events: Vec<_> = (0..40).map(|i| ok(&format!("boxed_{i}"), 1)).collect();
+    w.publish_all(&events).await;
+
+    let router: BoxCloneSyncService<InTx<inbox_consumer::Delivery>, InTx<Outcome>, _> =
+        BoxCloneSyncService::new(Router::new().route_batch_handler("t.ok", handler.clone()));
+    let stack = ServiceBuilder::new()
+        .layer(TraceLayer::new())
+        .layer(MetricsLayer::new())
+        .layer(DedupeLayer::new(w.db.pool.clone()))
+        .service(router);
+    let config = config(&w, durable).concurrency(2).max_batch(16);
+    let running = start_batched(&w, config, stack).await;
+    w.wait_count(
+        "every event applied",
+        "select count(*) from effects",
+        events.len() as i64,
+    )
+    .await;
+    w.wait_settled(durable).await;
+    for e in &events {
+        assert_eq!(effects_of(&w, e).await, 1, "{}", e.id());
+    }
+    let sizes = handler.group_sizes();
+    assert_eq!(sizes.len(), events.len(), "{sizes:?}");
+    assert!(sizes.iter().all(|&n| n == 1), "{sizes:?}");
+    // Still batched: several deliveries per transaction.
+    let transactions = w
+        .count(&format!(
+            "select count(distinct handled_at) from inbox_events where consumer = '{durable}'"
+        ))
+        .await;
+    assert!(
+        transactions < events.len() as i64,
+        "{transactions} transactions"
+    );
+    running.shutdown().await;
 }
