@@ -8,6 +8,7 @@ use std::task::{Context, Poll};
 
 use outbox_pg::Envelope;
 use serde_json::Value;
+use sqlx::PgTransaction;
 use tower::Service;
 use tracing::Instrument;
 
@@ -113,18 +114,7 @@ impl<H: Handler> Service<InTx<Delivery>> for HandlerService<H> {
                 Ok(event) => handler.handle(event, &mut tx).await,
                 Err(e) => Err(HandlerError::reject(e)),
             };
-            match result {
-                Ok(()) => Ok(InTx::new(tx, Outcome::Handled)),
-                Err(e) => {
-                    // Release the inbox row's lock now rather than when the
-                    // connection is next used; a failed rollback is moot
-                    // (the connection is discarded and the server rolls back).
-                    if let Err(rollback) = tx.rollback().await {
-                        tracing::debug!(error = %rollback, "rollback after a handler error failed");
-                    }
-                    Err(e)
-                }
-            }
+            hand_back(tx, result, Outcome::Handled).await
         };
         ResponseFuture::in_span(span, handled)
     }
@@ -198,16 +188,28 @@ impl<H: BatchHandler> Service<InTx<Vec<Delivery>>> for BatchHandlerService<H> {
                 Ok(events) => handler.handle_batch(events, &mut tx).await,
                 Err(e) => Err(HandlerError::reject(e)),
             };
-            match result {
-                Ok(()) => Ok(InTx::new(tx, ())),
-                Err(e) => {
-                    if let Err(rollback) = tx.rollback().await {
-                        tracing::debug!(error = %rollback, "rollback after a batch handler error failed");
-                    }
-                    Err(e)
-                }
-            }
+            hand_back(tx, result, ()).await
         })
+    }
+}
+
+/// The transaction back, with `value`, when the handler succeeded; rolled
+/// back here when it failed: the inbox row's lock is released now rather than
+/// when the connection is next used (a failed rollback is moot: the
+/// connection is discarded and the server rolls back).
+async fn hand_back<T>(
+    tx: PgTransaction<'static>,
+    result: Result<(), HandlerError>,
+    value: T,
+) -> Result<InTx<T>, HandlerError> {
+    match result {
+        Ok(()) => Ok(InTx::new(tx, value)),
+        Err(e) => {
+            if let Err(rollback) = tx.rollback().await {
+                tracing::debug!(error = %rollback, "rollback after a handler error failed");
+            }
+            Err(e)
+        }
     }
 }
 
@@ -218,26 +220,38 @@ impl<H: BatchHandler> Service<InTx<Vec<Delivery>>> for BatchHandlerService<H> {
 pub fn typed<T: serde::de::DeserializeOwned>(
     envelope: Envelope<Value>,
 ) -> Result<Envelope<T>, Error> {
-    typed_from(&envelope)
+    // Owned: the payload's strings move into `T` rather than being copied.
+    let mut data = Value::Null;
+    let envelope = envelope.map_data(|v| data = v);
+    match serde_json::from_value::<T>(data) {
+        Ok(t) => Ok(envelope.map_data(|()| t)),
+        Err(e) => Err(undecodable::<T, _>(&envelope, e)),
+    }
 }
 
-/// [`typed`] of a borrowed envelope: decodes the payload without copying it.
+/// [`typed`] of a borrowed envelope: decodes the payload without copying the
+/// whole of it first (a delivery's envelope is shared between its attempts).
 pub(crate) fn typed_from<T: serde::de::DeserializeOwned>(
     envelope: &Envelope<Value>,
 ) -> Result<Envelope<T>, Error> {
     match T::deserialize(envelope.data()) {
         Ok(t) => Ok(envelope.with_data(t)),
-        Err(e) => Err(Error::new(
-            ErrorKind::Decode,
-            format!(
-                "data of event `{}` (type `{}`) does not decode as {}: {e}",
-                envelope.id(),
-                envelope.event_type(),
-                std::any::type_name::<T>()
-            ),
-        )
-        .with_source(e)),
+        Err(e) => Err(undecodable::<T, _>(envelope, e)),
     }
+}
+
+/// [`ErrorKind::Decode`] naming the event, its type and the target type.
+fn undecodable<T, D>(envelope: &Envelope<D>, e: serde_json::Error) -> Error {
+    Error::new(
+        ErrorKind::Decode,
+        format!(
+            "data of event `{}` (type `{}`) does not decode as {}: {e}",
+            envelope.id(),
+            envelope.event_type(),
+            std::any::type_name::<T>()
+        ),
+    )
+    .with_source(e)
 }
 
 #[cfg(test)]
