@@ -112,7 +112,7 @@ pub use envelope::{
     DATA_CONTENT_TYPE, Envelope, EventId, EventType, MAX_ATTRIBUTE_LEN, MAX_EVENT_TYPE_LEN,
     PLATFORM_SUBJECT, SPEC_VERSION,
 };
-pub use error::{BoxError, Error, ErrorKind, Result, Violation};
+pub use error::{BoxError, Error, ErrorKind, Result, Violation, sqlstate};
 pub use event::{Event, check_schema_file};
 pub use layout::{
     SCHEMA_WAIT, check_inbox_layout, check_inbox_layout_at_start, check_outbox_layout,

@@ -170,12 +170,5 @@ pub async fn check_privileges_at_start(
 /// Whether `error`, or an error in its `source` chain, is a database error
 /// with SQLSTATE `42501` ([`INSUFFICIENT_PRIVILEGE`]).
 pub fn is_insufficient_privilege(error: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cause = Some(error);
-    while let Some(e) = cause {
-        if let Some(sqlx::Error::Database(db)) = e.downcast_ref::<sqlx::Error>() {
-            return db.code().as_deref() == Some(INSUFFICIENT_PRIVILEGE);
-        }
-        cause = e.source();
-    }
-    false
+    crate::error::sqlstate(error).as_deref() == Some(INSUFFICIENT_PRIVILEGE)
 }

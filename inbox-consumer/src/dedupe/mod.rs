@@ -226,13 +226,7 @@ async fn commit(
 /// Whether `error` is a statement refused because the transaction is
 /// aborted (SQLSTATE `25P02`).
 fn in_failed_transaction(error: &Error) -> bool {
-    std::error::Error::source(error)
-        .and_then(|s| s.downcast_ref::<sqlx::Error>())
-        .and_then(|e| match e {
-            sqlx::Error::Database(db) => db.code(),
-            _ => None,
-        })
-        .is_some_and(|code| code == "25P02")
+    outbox_pg::sqlstate(error).as_deref() == Some("25P02")
 }
 
 /// Counts and logs a delivery the inbox already held.
