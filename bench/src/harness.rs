@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -664,28 +664,34 @@ impl RelayProc {
         Ok(Phases::parse(&body))
     }
 
-    /// SIGTERM; notes a failed exit and every warning or error in its log.
+    /// SIGTERM; notes a failed exit and every warning or error in its log
+    /// (the start-up statement's warnings on the bench's one-replica streams
+    /// are expected).
     pub(crate) async fn stop(mut self, env: &Env) {
-        let code = self.program.terminate().await;
-        if code != Some(0) {
-            env.note(format!("{} exited with {code:?}", self.name()));
-        }
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let flagged: Vec<&str> = text
-            .lines()
-            .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
-            // The start-up statement's warnings on the bench's one-replica
-            // streams are expected.
-            .filter(|l| !l.contains("durability:"))
-            .collect();
-        if let Some(first) = flagged.first() {
-            env.note(format!(
-                "{}: {} warning/error lines in {}, first: {first}",
-                self.name(),
-                flagged.len(),
-                self.log.display()
-            ));
-        }
+        stop_noting(env, &mut self.program, &self.log, "durability:").await;
+    }
+}
+
+/// SIGTERMs `program`; notes a failed exit and every warning or error line
+/// of its `log` but those containing `expected`.
+pub(crate) async fn stop_noting(env: &Env, program: &mut Program, log: &Path, expected: &str) {
+    let code = program.terminate().await;
+    if code != Some(0) {
+        env.note(format!("{} exited with {code:?}", program.name));
+    }
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let flagged: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+        .filter(|l| !l.contains(expected))
+        .collect();
+    if let Some(first) = flagged.first() {
+        env.note(format!(
+            "{}: {} warning/error lines in {}, first: {first}",
+            program.name,
+            flagged.len(),
+            log.display()
+        ));
     }
 }
 

@@ -94,7 +94,9 @@ use tower::ServiceBuilder;
 
 use crate::Args;
 use crate::handwritten;
-use crate::harness::{BoxError, Db, Env, RelayProc, Result, publish_all, samples, scrape_metrics};
+use crate::harness::{
+    BoxError, Db, Env, RelayProc, Result, publish_all, samples, scrape_metrics, stop_noting,
+};
 use crate::stats::{Spread, num, percentile};
 
 /// The stream's subjects, as billing's relay would create it.
@@ -1497,31 +1499,12 @@ impl SubscriptionsProc {
     }
 
     async fn stop(mut self, env: &Env) {
-        let code = self.program.terminate().await;
-        if code != Some(0) {
-            env.note(format!("{} exited with {code:?}", self.program.name));
-        }
-        note_flagged(env, &self.program.name, &self.log);
+        stop_noting(env, &mut self.program, &self.log, ONE_REPLICA).await;
     }
 }
 
-/// Notes every warning or error line in `log`.
-fn note_flagged(env: &Env, name: &str, log: &Path) {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
-    let flagged: Vec<&str> = text
-        .lines()
-        .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
-        // A benchmark's stream has one replica, and the warning says so.
-        .filter(|l| !l.contains("durability: the stream has 1 replica"))
-        .collect();
-    if let Some(first) = flagged.first() {
-        env.note(format!(
-            "{name}: {} warning/error lines in {}, first: {first}",
-            flagged.len(),
-            log.display()
-        ));
-    }
-}
+/// The warning a benchmark's one-replica stream draws, expected.
+const ONE_REPLICA: &str = "durability: the stream has 1 replica";
 
 /// One `billing` process: default flags but for `--stream`, `--metrics-addr`
 /// and, above 1, `--batch`.
@@ -1582,11 +1565,7 @@ impl BillingProc {
 
     /// SIGTERM; notes a failed exit and every warning or error in its log.
     async fn stop(mut self, env: &Env) {
-        let code = self.program.terminate().await;
-        if code != Some(0) {
-            env.note(format!("{} exited with {code:?}", self.program.name));
-        }
-        note_flagged(env, &self.program.name, &self.log);
+        stop_noting(env, &mut self.program, &self.log, ONE_REPLICA).await;
     }
 }
 
