@@ -63,6 +63,37 @@ impl Handler for Open {
     }
 }
 
+/// [`Open`] a group at a time, noting the largest group.
+#[derive(Clone, Default)]
+struct OpenAll {
+    largest: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl BatchHandler for OpenAll {
+    type Message = AccountOpened;
+
+    async fn handle_batch(
+        &self,
+        events: Vec<Envelope<AccountOpened>>,
+        tx: &mut PgTransaction<'static>,
+    ) -> Result<(), HandlerError> {
+        self.largest
+            .fetch_max(events.len(), std::sync::atomic::Ordering::SeqCst);
+        let (ids, credits): (Vec<String>, Vec<i64>) = events
+            .iter()
+            .map(|e| (e.data().account_id.clone(), e.data().credit_cents))
+            .unzip();
+        sqlx::query(
+            "insert into accounts (id, credit_cents) select * from unnest($1::text[], $2::int8[])",
+        )
+        .bind(&ids)
+        .bind(&credits)
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+}
+
 async fn database() -> TestDb {
     let db = TestDb::new().await.unwrap();
     outbox_pg::migrate_with(
@@ -275,11 +306,25 @@ async fn a_builder_without_a_handler_or_a_stream_fails_clearly() {
 
 #[tokio::test]
 async fn a_batched_builder_handles_each_event_once_through_duplicates() {
+    batched_builder("BUILDER_BATCHED", None).await;
+}
+
+/// The same through a [`BatchHandler`]: groups of more than one event.
+#[tokio::test]
+async fn a_batched_builder_hands_a_batch_handler_groups_each_event_once() {
+    let handler = OpenAll::default();
+    batched_builder("BUILDER_GROUPED", Some(handler.clone())).await;
+    let largest = handler.largest.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(largest > 1, "largest group {largest}");
+}
+
+/// 50 events and 10 copies consumed by a batched builder, with [`Open`] or
+/// with `grouped`: every account opened once.
+async fn batched_builder(stream: &str, grouped: Option<OpenAll>) {
     let db = database().await;
     let nats = outbox_testkit::nats().unwrap();
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = jetstream::new(client.clone());
-    let stream = "BUILDER_BATCHED";
     js.create_stream(jetstream::stream::Config {
         name: stream.into(),
         subjects: vec!["acct.>".into()],
@@ -309,12 +354,12 @@ async fn a_batched_builder_handles_each_event_once_through_duplicates() {
     }
 
     let stop = CancellationToken::new();
-    let consumer = tokio::spawn(
-        Consumer::builder(js.clone(), db.pool.clone(), stream, "batched")
-            .handler(Open)
-            .batched(16)
-            .run(stop.clone().cancelled_owned()),
-    );
+    let builder = Consumer::builder(js.clone(), db.pool.clone(), stream, "batched");
+    let builder = match grouped {
+        Some(handler) => builder.batch_handler(handler),
+        None => builder.handler(Open),
+    };
+    let consumer = tokio::spawn(builder.batched(16).run(stop.clone().cancelled_owned()));
     let mut durable: jetstream::consumer::PullConsumer = loop {
         if let Ok(c) = js
             .get_stream(stream)
