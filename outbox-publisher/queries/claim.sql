@@ -4,7 +4,8 @@
 --   $1 shards (smallint[]); $2 their cursors (bigint[]): every row of the
 --   shard's main lane at or below the cursor is resolved; $3 rows to read per
 --   shard (int[]); $4 max attempts; $5 byte budget of the batch; $6 largest
---   message (bytes); $7 rows to read from the retry lane.
+--   message (bytes); $7 rows to read from the retry lane; $8 the highest seq
+--   the main lane may give (the WAL source publishes the rows above it).
 --
 -- 1. main: per shard, the main lane (fresh rows) after the cursor, in seq
 --    order: one index range scan that starts past every row already published,
@@ -37,6 +38,7 @@ with main as (
         and e.published_at is null
         and e.next_attempt_at is null
         and e.seq > s.after
+        and e.seq <= $8
       order by e.seq
       limit s.rows
    ) r

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::wal::WalSource;
 
 /// Smallest and largest accepted batch.
 pub const BATCH_SIZE_RANGE: std::ops::RangeInclusive<usize> = 1..=5_000;
@@ -31,6 +32,20 @@ pub struct RelayConfig {
     pub(crate) audit_rows: usize,
     pub(crate) require_durable: bool,
     pub(crate) stream_refresh: Duration,
+    pub(crate) source: Source,
+}
+
+/// Where the relay finds new rows.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub enum Source {
+    /// Claims them from the table (the default; any number of replicas
+    /// share the work).
+    #[default]
+    Poll,
+    /// Reads them from a logical replication slot ([`crate::wal`]); one
+    /// replica leads, the others stand by.
+    Wal(WalSource),
 }
 
 impl Default for RelayConfig {
@@ -56,11 +71,25 @@ impl Default for RelayConfig {
             audit_rows: 2_000,
             require_durable: false,
             stream_refresh: Duration::from_secs(30),
+            source: Source::Poll,
         }
     }
 }
 
 impl RelayConfig {
+    /// Reads new rows from PostgreSQL's logical decoding through `wal`
+    /// instead of claiming them ([`crate::wal`]). Default: polling.
+    #[must_use]
+    pub fn source_wal(mut self, wal: WalSource) -> Self {
+        self.source = Source::Wal(wal);
+        self
+    }
+
+    /// Where the relay finds new rows.
+    pub fn source(&self) -> &Source {
+        &self.source
+    }
+
     /// Rows read per batch, split over the shards a worker reads (at least
     /// 16 per shard). Default 1,000; 1 to 5,000.
     #[must_use]

@@ -91,8 +91,10 @@ mod sink;
 mod store;
 mod stream;
 mod stream_view;
+pub mod wal;
 
-pub use config::{BATCH_SIZE_RANGE, RelayConfig};
+pub use config::{BATCH_SIZE_RANGE, RelayConfig, Source};
+pub use wal::WalSource;
 pub use error::{BoxError, Error, ErrorKind, Result};
 pub use health::{DEFAULT_CHECK_TIMEOUT, Readiness};
 pub use relay::{BatchReport, NOTIFY_CHANNEL, Relay, required_privileges};

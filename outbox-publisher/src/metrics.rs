@@ -24,6 +24,11 @@
 //! | `outbox_relay_broker_up` | gauge | 1 while NATS is connected and publishes are acked, else 0 |
 //! | `outbox_relay_horizon_held_seconds` | gauge | how long the settled horizon has waited for transactions still running (0 when it moves); a relay logs who holds it once this passes 30 s |
 //! | `outbox_relay_stream_up` | gauge | 1 while the relay's stream exists (as last read), 0 while it is gone |
+//! | `outbox_relay_wal_up` | gauge | `--source wal`: 1 while this relay leads and reads its slot, else 0 |
+//! | `outbox_relay_wal_lag_bytes` | gauge | WAL between the server's position and the slot's confirmed one |
+//! | `outbox_relay_wal_lag_seconds` | gauge | age of the oldest commit read from the slot and not yet confirmed (0 when caught up) |
+//! | `outbox_relay_wal_slot_lost_total` | counter | slots found dropped or invalidated and made again (their rows went through the polling path) |
+//! | `outbox_relay_wal_slot_lost` | gauge | 1 while the slot's WAL is being reserved past `max_slot_wal_keep_size` (`wal_status` `unreserved`) or it is lost, else 0 |
 //! | `outbox_audit_checked_total` | counter | (published rows whose message the audit read back) |
 //! | `outbox_audit_republished_total` | counter | (rows whose message the stream lost, made unpublished again; once per row) |
 //! | `outbox_audit_lag_seconds` | gauge | (age of the oldest audit mark: rows published after it wait for their check; at least the duplicate window plus its margin) |
@@ -58,6 +63,11 @@ pub(crate) const DATABASE_UP: &str = "outbox_relay_database_up";
 pub(crate) const BROKER_UP: &str = "outbox_relay_broker_up";
 pub(crate) const HORIZON_HELD: &str = "outbox_relay_horizon_held_seconds";
 pub(crate) const STREAM_UP: &str = "outbox_relay_stream_up";
+pub(crate) const WAL_UP: &str = "outbox_relay_wal_up";
+pub(crate) const WAL_LAG_BYTES: &str = "outbox_relay_wal_lag_bytes";
+pub(crate) const WAL_LAG_SECONDS: &str = "outbox_relay_wal_lag_seconds";
+pub(crate) const WAL_SLOT_LOST_TOTAL: &str = "outbox_relay_wal_slot_lost_total";
+pub(crate) const WAL_SLOT_AT_RISK: &str = "outbox_relay_wal_slot_lost";
 
 /// Every metric name the relay records.
 pub const NAMES: &[&str] = &[
@@ -77,6 +87,11 @@ pub const NAMES: &[&str] = &[
     BROKER_UP,
     HORIZON_HELD,
     STREAM_UP,
+    WAL_UP,
+    WAL_LAG_BYTES,
+    WAL_LAG_SECONDS,
+    WAL_SLOT_LOST_TOTAL,
+    WAL_SLOT_AT_RISK,
     crate::audit::CHECKED,
     crate::audit::REPUBLISHED,
     crate::audit::LAG,
@@ -152,6 +167,11 @@ pub fn describe() {
         STREAM_UP,
         "1 while the relay's stream exists (as last read), 0 while it is gone"
     );
+    describe_gauge!(WAL_UP, "1 while this relay leads its WAL source and reads the slot, else 0");
+    describe_gauge!(WAL_LAG_BYTES, Unit::Bytes, "WAL between the server's position and the slot's confirmed one");
+    describe_gauge!(WAL_LAG_SECONDS, Unit::Seconds, "Age of the oldest commit read from the slot and not yet confirmed");
+    describe_counter!(WAL_SLOT_LOST_TOTAL, "Replication slots found dropped or invalidated and made again");
+    describe_gauge!(WAL_SLOT_AT_RISK, "1 while the slot's WAL is unreserved or lost, else 0");
 }
 
 pub(crate) fn published(
@@ -212,4 +232,27 @@ pub(crate) fn broker_up(up: bool) {
 /// Sets `outbox_relay_stream_up`.
 pub(crate) fn stream_up(up: bool) {
     gauge!(STREAM_UP).set(if up { 1.0 } else { 0.0 });
+}
+
+/// Sets `outbox_relay_wal_up`.
+pub(crate) fn wal_up(up: bool) {
+    gauge!(WAL_UP).set(if up { 1.0 } else { 0.0 });
+}
+
+/// Sets the slot's lag gauges and whether its WAL is at risk.
+pub(crate) fn wal_slot(lag_bytes: Option<i64>, at_risk: bool) {
+    if let Some(bytes) = lag_bytes {
+        gauge!(WAL_LAG_BYTES).set(bytes.max(0) as f64);
+    }
+    gauge!(WAL_SLOT_AT_RISK).set(if at_risk { 1.0 } else { 0.0 });
+}
+
+/// Sets `outbox_relay_wal_lag_seconds`.
+pub(crate) fn wal_lag(lag: Duration) {
+    gauge!(WAL_LAG_SECONDS).set(lag.as_secs_f64());
+}
+
+/// Counts a slot found lost and made again.
+pub(crate) fn wal_slot_lost() {
+    counter!(WAL_SLOT_LOST_TOTAL).increment(1);
 }

@@ -184,6 +184,9 @@ pub(crate) struct ClaimRequest<'a> {
     pub(crate) max_attempts: i32,
     pub(crate) byte_budget: usize,
     pub(crate) max_message: usize,
+    /// The highest seq the main lane may give (`i64::MAX` unless a WAL
+    /// source publishes the rows above it).
+    pub(crate) main_until: i64,
 }
 
 /// Where the broker stored a message: a PubAck's stream and sequence.
@@ -310,6 +313,7 @@ impl Store {
             count(req.byte_budget),
             count(req.max_message),
             count(req.retry_limit),
+            req.main_until,
         )
         .fetch(&self.pool);
         let mut out = Vec::new();

@@ -33,6 +33,8 @@ pub struct PgServer {
     port: u16,
     child: Option<Child>,
     tls: bool,
+    /// `name=value` settings given to the server after the harness's own.
+    settings: Vec<String>,
 }
 
 impl PgServer {
@@ -42,7 +44,17 @@ impl PgServer {
     /// If the binaries are missing (the message says how to install them), the
     /// unprivileged user does not exist, or the server does not come up.
     pub fn start() -> Result<Self> {
-        Self::start_inner(None)
+        Self::start_inner(None, &[])
+    }
+
+    /// [`PgServer::start`] with `settings` (`name=value`, e.g.
+    /// `wal_level=replica`) passed to the server after the harness's own
+    /// (`wal_level=logical` among them), which they override.
+    ///
+    /// # Errors
+    /// As [`PgServer::start`].
+    pub fn start_with(settings: &[&str]) -> Result<Self> {
+        Self::start_inner(None, settings)
     }
 
     /// Starts a server that accepts only TLS connections on its TCP port:
@@ -56,10 +68,10 @@ impl PgServer {
     /// # Errors
     /// As [`PgServer::start`]; also if the files cannot be copied.
     pub fn start_tls(certs: &TestCerts) -> Result<Self> {
-        Self::start_inner(Some(certs))
+        Self::start_inner(Some(certs), &[])
     }
 
-    fn start_inner(certs: Option<&TestCerts>) -> Result<Self> {
+    fn start_inner(certs: Option<&TestCerts>, settings: &[&str]) -> Result<Self> {
         remove_stale_dirs(DIR_PREFIX);
         let bin_dir = pg_bin_dir()?;
         let run_as = if current_uid() == Some(0) {
@@ -85,6 +97,7 @@ impl PgServer {
             run_as,
             child: None,
             tls: certs.is_some(),
+            settings: settings.iter().map(|s| (*s).to_owned()).collect(),
         };
         server.initdb()?;
         if let Some(certs) = certs {
@@ -231,7 +244,15 @@ impl PgServer {
                 "full_page_writes=off",
                 "-c",
                 "log_min_messages=warning",
+                // The relay's WAL source (`--source wal`) decodes the outbox.
+                "-c",
+                "wal_level=logical",
+                "-c",
+                "max_replication_slots=32",
+                "-c",
+                "max_wal_senders=32",
             ])
+            .args(self.settings.iter().flat_map(|s| ["-c", s.as_str()]))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);

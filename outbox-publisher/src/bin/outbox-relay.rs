@@ -55,7 +55,7 @@ use clap::{Parser, ValueEnum};
 use outbox_publisher::cli::{
     DatabaseArgs, NatsArgs, TelemetryArgs, cancel_on_signal, parse_ops_addr, serve_ops,
 };
-use outbox_publisher::{Readiness, Relay, RelayConfig, StorageType, StreamSpec};
+use outbox_publisher::{Readiness, Relay, RelayConfig, StorageType, StreamSpec, WalSource};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
@@ -162,7 +162,21 @@ struct Args {
     #[arg(long, env = "OUTBOX_REQUIRE_DURABLE")]
     require_durable: bool,
 
-    /// Drain the table, then exit.
+    /// Where new rows come from: `poll` claims them from the table (any
+    /// number of replicas share the work); `wal` reads them from a logical
+    /// replication slot (needs wal_level=logical and a role with
+    /// REPLICATION; one replica leads, the others stand by). Rows written
+    /// before the slot, and those of a slot that was lost, go through the
+    /// polling path first.
+    #[arg(long, env = "OUTBOX_SOURCE", value_enum, default_value = "poll")]
+    source: SourceArg,
+
+    /// With --source wal: the replication slot's (and publication's) name.
+    /// Default outbox_relay_<database>_<schema>.
+    #[arg(long, env = "OUTBOX_WAL_SLOT", value_name = "NAME")]
+    wal_slot: Option<String>,
+
+    /// Drain the table, then exit (through the polling path, whatever --source).
     #[arg(long)]
     once: bool,
 
@@ -175,6 +189,12 @@ struct Args {
 
     #[command(flatten)]
     telemetry: TelemetryArgs,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum SourceArg {
+    Poll,
+    Wal,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -234,6 +254,15 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .audit_interval(args.audit_interval)
         .require_durable(args.require_durable)
         .stream_refresh(args.stream_refresh);
+    let config = if args.source == SourceArg::Wal && !args.once {
+        let mut wal = WalSource::from_url(args.database.url()?.expose_secret())?;
+        if let Some(slot) = &args.wal_slot {
+            wal = wal.slot(slot.clone());
+        }
+        config.source_wal(wal)
+    } else {
+        config
+    };
     config.validate()?;
 
     let pool = args

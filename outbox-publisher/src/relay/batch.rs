@@ -111,7 +111,11 @@ impl<S: Sink> Relay<S> {
         // Settled before the claim's snapshot is taken: safe to move cursors
         // to, within the same epoch (read first).
         let epoch = self.horizon.epoch();
-        let settled = self.horizon.settled();
+        // Beside a WAL source, the main lane stops where the WAL begins;
+        // cursors never pass it, so rows above it stay readable here if the
+        // WAL source hands them back (a lost slot).
+        let main_until = self.main_until.load(std::sync::atomic::Ordering::Acquire);
+        let settled = self.horizon.settled().min(main_until);
         let cursors = checkout.cursors(epoch);
         // The batch is shared by the shards that had rows at their last read;
         // the others are read a few rows deep, enough to notice new rows. So a
@@ -141,6 +145,7 @@ impl<S: Sink> Relay<S> {
                 max_attempts: self.config.max_attempts,
                 byte_budget: self.config.batch_bytes,
                 max_message: max_payload,
+                main_until,
             })
             .await?;
         metrics::phase("claim", started.elapsed());
@@ -173,6 +178,52 @@ impl<S: Sink> Relay<S> {
             e.0 += 1;
             e.1 = e.1.max(row.seq);
         }
+        let unresolved = self
+            .publish_rows(rows, deadline, max_payload, &mut report)
+            .await?;
+
+        // Cursors: up to the settled horizon, not past the last main-lane row
+        // read when the shard had more, never past an unresolved row.
+        let mut stop: HashMap<i16, i64> = HashMap::new();
+        for row in unresolved.iter().filter(|r| !r.retry) {
+            let e = stop.entry(row.shard).or_insert(i64::MAX);
+            *e = (*e).min(row.seq - 1);
+        }
+        for (i, &shard) in checkout.ids().iter().enumerate() {
+            let mut to = settled;
+            let limit = usize::try_from(limits[i]).unwrap_or(usize::MAX);
+            checkout.set_had_rows(shard, read.contains_key(&shard));
+            if let Some(&(n, last)) = read.get(&shard)
+                && n >= limit
+            {
+                to = to.min(last);
+            }
+            if let Some(&s) = stop.get(&shard) {
+                to = to.min(s);
+            }
+            checkout.advance(shard, to, epoch);
+        }
+        self.tick_horizon().await?;
+        debug!(?report, settled, cursors = ?cursors.iter().take(3).collect::<Vec<_>>(), took = ?claimed_at.elapsed(), "batch done");
+        Ok(report)
+    }
+
+    /// Publishes `rows` (in seq order) and records every outcome: rows
+    /// blocked by an earlier row of their subject in the retry lane are
+    /// deferred behind it, the others published per subject in order
+    /// ([`publish_chain`](Self::publish_chain)), subjects side by side;
+    /// published rows are marked, refused ones recorded (backed off or
+    /// parked), followers of rows published out of the retry lane made due.
+    /// Returns the rows left unresolved (past the byte budget, behind a
+    /// broker fault or an unresolved row of their subject, out of time),
+    /// with nothing written for them; `report` gets the counts.
+    pub(super) async fn publish_rows(
+        &self,
+        rows: Vec<ClaimedRow>,
+        deadline: Instant,
+        max_payload: usize,
+        report: &mut BatchReport,
+    ) -> Result<Vec<ClaimedRow>> {
         let mut deferred: Vec<(Uuid, Option<chrono::DateTime<chrono::Utc>>)> = Vec::new();
         let mut unresolved: Vec<ClaimedRow> = Vec::new();
         let mut chains: Vec<Vec<ClaimedRow>> = Vec::new();
@@ -286,31 +337,7 @@ impl<S: Sink> Relay<S> {
         let woken: Vec<&str> = woken.iter().map(String::as_str).collect();
         self.store.wake_followers(&woken).await?;
         metrics::phase("mark", started.elapsed());
-
-        // Cursors: up to the settled horizon, not past the last main-lane row
-        // read when the shard had more, never past an unresolved row.
-        let mut stop: HashMap<i16, i64> = HashMap::new();
-        for row in unresolved.iter().filter(|r| !r.retry) {
-            let e = stop.entry(row.shard).or_insert(i64::MAX);
-            *e = (*e).min(row.seq - 1);
-        }
-        for (i, &shard) in checkout.ids().iter().enumerate() {
-            let mut to = settled;
-            let limit = usize::try_from(limits[i]).unwrap_or(usize::MAX);
-            checkout.set_had_rows(shard, read.contains_key(&shard));
-            if let Some(&(n, last)) = read.get(&shard)
-                && n >= limit
-            {
-                to = to.min(last);
-            }
-            if let Some(&s) = stop.get(&shard) {
-                to = to.min(s);
-            }
-            checkout.advance(shard, to, epoch);
-        }
-        self.tick_horizon().await?;
-        debug!(?report, settled, cursors = ?cursors.iter().take(3).collect::<Vec<_>>(), took = ?claimed_at.elapsed(), "batch done");
-        Ok(report)
+        Ok(unresolved)
     }
 
     /// Moves the settled horizon on for the next batch, off the path from a

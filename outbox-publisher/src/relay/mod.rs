@@ -101,7 +101,7 @@
 //! that insert events for one entity without touching a common row are
 //! unordered, as they are in the database itself.
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
 
 use outbox_pg::Privilege;
@@ -127,6 +127,7 @@ mod maintenance;
 mod message;
 mod reachability;
 pub mod shards;
+mod wal;
 mod worker;
 
 pub use shards::SHARDS;
@@ -186,6 +187,10 @@ pub struct Relay<S = JetStreamSink> {
     broker_up: AtomicBool,
     db_up: AtomicBool,
     audit: Option<crate::audit::Audit>,
+    /// The highest seq the main lane's claims may read: `i64::MAX` when
+    /// polling; beside a WAL source, the seq up to which the polling path
+    /// publishes (the WAL the rest), `-1` until it leads.
+    main_until: AtomicI64,
 }
 
 /// The privileges a relay with `config` needs: SELECT and UPDATE on
@@ -414,6 +419,7 @@ impl<S: Sink> Relay<S> {
             broker_up: AtomicBool::new(true),
             db_up: AtomicBool::new(true),
             audit: None,
+            main_until: AtomicI64::new(i64::MAX),
         })
     }
 
@@ -451,14 +457,47 @@ impl<S: Sink> Relay<S> {
     /// not run): the relay stops as on shutdown. Database and broker failures
     /// are retried with backoff, not returned.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
+        let crate::config::Source::Wal(wal) = &self.config.source else {
+            return self.run_parts(&shutdown, None).await;
+        };
+        // A standby publishes nothing: the leader's polling workers and WAL
+        // reader do it all (see crate::wal).
+        loop {
+            self.main_until.store(-1, Ordering::Release);
+            let Some((mut lead, names)) = self.wal_lead(wal, &shutdown).await? else {
+                info!("outbox relay stopped");
+                return Ok(());
+            };
+            let stop = shutdown.child_token();
+            let (result, ()) = tokio::join!(
+                self.run_parts(&stop, Some((wal, names))),
+                self.wal_keep_lead(&mut lead, &stop),
+            );
+            result?;
+            if shutdown.is_cancelled() {
+                return Ok(());
+            }
+        }
+    }
+
+    /// The relay's loops until `shutdown`: the polling machinery, and the
+    /// WAL reader when `wal` is given (the polling path then serves the
+    /// backfill and the retry lane).
+    async fn run_parts(
+        &self,
+        shutdown: &CancellationToken,
+        wal: Option<(&crate::wal::WalSource, crate::wal::slot::Names)>,
+    ) -> Result<()> {
         let (wake, wake_rx) = watch::channel(0_u64);
         info!(
             batch_size = self.config.batch_size,
             workers = self.config.workers,
             poll_interval = ?self.config.poll_interval,
             max_attempts = self.config.max_attempts,
+            source = if wal.is_some() { "wal" } else { "poll" },
             "outbox relay started"
         );
+        let wal_failure = std::sync::Mutex::new(None);
         let workers_done = CancellationToken::new();
         // Cancelled by `shutdown`, or when the relay finds it cannot run here
         // (its shard session leads to a transaction pooler).
@@ -479,12 +518,31 @@ impl<S: Sink> Relay<S> {
             },
             // Shards are given back only once no worker can claim any more.
             self.shards.maintain(&workers_done),
-            self.listen_loop(&wake, &stop),
+            async {
+                // The WAL wakes nothing up: its rows come from the slot.
+                if wal.is_none() {
+                    self.listen_loop(&wake, &stop).await;
+                }
+            },
+            async {
+                if let Some((source, names)) = &wal
+                    && let Err(e) = self.wal_loop(source, names.clone(), &wake, &stop).await
+                {
+                    if let Ok(mut failure) = wal_failure.lock() {
+                        *failure = Some(e);
+                    }
+                    stop.cancel();
+                }
+            },
             self.stats_loop(&stop),
             self.prune_loop(&stop),
             self.audit_loop(&stop),
             self.stream_refresh_loop(&stop),
         );
+        if let Some(e) = wal_failure.into_inner().ok().flatten() {
+            error!(error = %e, "outbox relay stopped: its WAL source cannot run here");
+            return Err(e);
+        }
         if let Some(e) = self.shards.take_failure() {
             error!(error = %e, "outbox relay stopped: it cannot run on this database connection");
             return Err(e);

@@ -1,0 +1,281 @@
+//! The WAL source: the relay reads new outbox rows from PostgreSQL's logical
+//! decoding instead of claiming them (`outbox-relay --source wal`,
+//! [`RelayConfig::source_wal`](crate::RelayConfig::source_wal)).
+//!
+//! # What it does
+//!
+//! A logical replication slot with the built-in `pgoutput` plugin and a
+//! publication of `outbox_events` for inserts only stream every committed
+//! row to the relay in commit order: no claim, no horizon, no cursor. Rows are
+//! published as the polling relay publishes them (the same validation, the
+//! same message, per-subject chains in atomic batches where the stream
+//! allows them, subjects side by side) and marked published in bulk with
+//! their stream positions, so `outboxctl status`, the backlog metrics,
+//! retention and the audit see no difference.
+//!
+//! # Order and the slot's position
+//!
+//! Rows of one subject arrive in commit order, which for a writer that
+//! locks its entity row is change order, and each window of them is
+//! published in `seq` order per subject. The slot's confirmed position
+//! moves only past transactions every row of which was published and marked
+//! (or recorded as refused): a relay killed at any point reads again from
+//! there, and the stream's duplicate window absorbs the repeats. A row that
+//! fails goes to the retry lane, exactly as in the polling relay, and every
+//! later row of its subject, from this window or a later one, is deferred
+//! behind it (`queries/wal_blockers.sql`), so a subject is never stored out
+//! of order whatever fails. A broker fault costs no attempt: the window is
+//! retried, with backoff, until it is published.
+//!
+//! # Never lost with the slot
+//!
+//! Rows stay in the table until marked, so the polling path can always
+//! publish them. When the relay takes the lead (first start, a restart, a
+//! takeover) and whenever the slot had to be made again (dropped by an
+//! operator, invalidated by `max_slot_wal_keep_size`, missing after a
+//! failover), it reads the highest `seq` handed out, `S`, *after* the slot
+//! exists, lets the polling workers publish the main lane up to `S`, waits
+//! until the horizon has passed `S` (no transaction can still commit a row at
+//! or below it) and no fresh row at or below `S` is left, and only then
+//! publishes from the WAL, skipping rows at or below `S`. Every row committed
+//! before the slot's start has a seq at or below `S`; every row above `S`
+//! commits after it and is decoded. So the backlog at first start and the
+//! rows of a lost slot are published once each, in order.
+//!
+//! # One reader per slot
+//!
+//! The relay that holds the session advisory lock of the slot leads (runs
+//! the polling workers and the WAL reader); replicas stand by on the lock
+//! and take over when the leader's session ends (a crash, kill -9, a cut
+//! connection), within about a second.
+//!
+//! # The wire crate
+//!
+//! The replication protocol comes from `pgwire-replication` (MIT/Apache-2.0,
+//! tokio, its own small pgwire implementation with SCRAM and rustls, no
+//! second SQL client). It was chosen for two properties the relay relies on:
+//! standby status updates keep flowing while the consumer of the stream is
+//! slow (a walsender that hears nothing for `wal_sender_timeout` kills the
+//! connection), and the confirmed position is only what the caller says it
+//! applied. Begin and Commit are parsed by it; the two `pgoutput` messages
+//! the relay needs (Relation, Insert) by [`pgoutput`]. The slot and the
+//! publication are made with sqlx, on the relay's own pool.
+//!
+//! # Requirements
+//!
+//! `wal_level = logical`, a free replication slot, and a role with the
+//! REPLICATION attribute (`alter role relay replication`); each is checked at
+//! start and refused with a message naming it. The publication is created
+//! if missing (it needs CREATE on the database and ownership of the table,
+//! or create it once as the owner:
+//! `create publication outbox_relay for table outbox_events with (publish = 'insert')`).
+
+pub(crate) mod pgoutput;
+pub(crate) mod row;
+pub(crate) mod slot;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// Where and how the WAL source reads: the replication connection (a
+/// PostgreSQL URL) and the slot's name.
+#[derive(Clone)]
+pub struct WalSource {
+    pub(crate) host: String,
+    pub(crate) port: u16,
+    pub(crate) user: String,
+    pub(crate) password: String,
+    pub(crate) database: String,
+    pub(crate) tls: pgwire_replication::TlsConfig,
+    pub(crate) slot: Option<String>,
+}
+
+impl std::fmt::Debug for WalSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WalSource")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("user", &self.user)
+            .field("database", &self.database)
+            .field("tls", &self.tls.mode)
+            .field("slot", &self.slot)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WalSource {
+    /// The replication connection of a PostgreSQL URL
+    /// (`postgres://user:password@host:port/database?sslmode=…&sslrootcert=…`),
+    /// the URL the relay's pool uses. Without a password in the URL,
+    /// `PGPASSWORD` is used.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] for a URL that is not a PostgreSQL URL, or an
+    /// `sslmode` other than `disable`, `allow`, `prefer`, `require`,
+    /// `verify-ca`, `verify-full` (the message never shows the password).
+    pub fn from_url(url: &str) -> Result<Self> {
+        let bad = |why: &str| Error::new(ErrorKind::Config, format!("the WAL source's database URL {why}"));
+        let parsed = url::Url::parse(url).map_err(|e| bad(&format!("is not a URL: {e}")))?;
+        if !matches!(parsed.scheme(), "postgres" | "postgresql") {
+            return Err(bad("must start with postgres:// or postgresql://"));
+        }
+        let decode = |s: &str| {
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8()
+                .map(|s| s.into_owned())
+                .map_err(|_| bad("has a user or password that is not UTF-8"))
+        };
+        let mut host = parsed.host_str().unwrap_or("localhost").to_owned();
+        let mut port = parsed.port().unwrap_or(5432);
+        let user = match parsed.username() {
+            "" => std::env::var("PGUSER").unwrap_or_else(|_| "postgres".to_owned()),
+            u => decode(u)?,
+        };
+        let password = match parsed.password() {
+            Some(p) => decode(p)?,
+            None => std::env::var("PGPASSWORD").unwrap_or_default(),
+        };
+        let mut database = decode(parsed.path().trim_start_matches('/'))?;
+        let mut mode = "prefer".to_owned();
+        let mut root: Option<PathBuf> = None;
+        for (key, value) in parsed.query_pairs() {
+            match key.as_ref() {
+                "sslmode" => mode = value.into_owned(),
+                "sslrootcert" => root = Some(PathBuf::from(value.as_ref())),
+                "host" => host = value.into_owned(),
+                "port" => {
+                    port = value
+                        .parse()
+                        .map_err(|_| bad("has a port that is not a number"))?;
+                }
+                "dbname" => database = value.into_owned(),
+                _ => {}
+            }
+        }
+        if database.is_empty() {
+            database.clone_from(&user);
+        }
+        let tls = match mode.as_str() {
+            "disable" => pgwire_replication::TlsConfig::disabled(),
+            "allow" | "prefer" => {
+                let mut tls = pgwire_replication::TlsConfig::disabled();
+                tls.mode = pgwire_replication::SslMode::Prefer;
+                tls
+            }
+            "require" => pgwire_replication::TlsConfig::require(),
+            "verify-ca" => pgwire_replication::TlsConfig::verify_ca(root),
+            "verify-full" => pgwire_replication::TlsConfig::verify_full(root),
+            other => {
+                return Err(bad(&format!(
+                    "has sslmode={other}; expected disable, allow, prefer, require, verify-ca or verify-full"
+                )));
+            }
+        };
+        Ok(Self {
+            host,
+            port,
+            user,
+            password,
+            database,
+            tls,
+            slot: None,
+        })
+    }
+
+    /// The replication slot's name (and the publication's). Default:
+    /// `outbox_relay_<database>_<schema>` (letters, digits and `_`, cut to
+    /// 63 characters with a hash), so outboxes of one cluster never share one.
+    #[must_use]
+    pub fn slot(mut self, name: impl Into<String>) -> Self {
+        self.slot = Some(name.into());
+        self
+    }
+
+    /// The replication session's settings for the slot `slot`.
+    pub(crate) fn replication_config(&self, slot: &str) -> pgwire_replication::ReplicationConfig {
+        pgwire_replication::ReplicationConfig::new(
+            self.host.clone(),
+            self.user.clone(),
+            self.password.clone(),
+            self.database.clone(),
+            slot,
+            slot,
+        )
+        .with_port(self.port)
+        .with_tls(self.tls.clone())
+        // Values as the claim reads them: UTC, ISO dates.
+        .with_options("-c timezone=UTC -c datestyle=ISO,MDY -c extra_float_digits=3")
+        .with_application_name("outbox-relay wal")
+        .with_status_interval(Duration::from_secs(1))
+        .with_wakeup_interval(Duration::from_secs(5))
+    }
+}
+
+/// The default slot (and publication) name of the outbox in `schema` of
+/// `database`: `outbox_relay_<database>_<schema>`, lower-case letters,
+/// digits and `_` only, at most 63 characters (longer names are cut and end
+/// with a hash of the whole).
+pub(crate) fn default_slot_name(database: &str, schema: &str) -> String {
+    let raw = format!("outbox_relay_{database}_{schema}");
+    let clean: String = raw
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if clean.len() <= 63 && clean == raw {
+        return clean;
+    }
+    // Cut or changed: a hash of the exact names keeps two outboxes apart.
+    let hash = raw
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    let keep: String = clean.chars().take(46).collect();
+    format!("{keep}_{hash:016x}")
+}
+
+/// Whether `name` is a valid slot name (lower-case letters, digits, `_`; 1–63).
+pub(crate) fn valid_slot_name(name: &str) -> bool {
+    (1..=63).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slot_names_are_valid_and_keep_outboxes_apart() {
+        assert_eq!(default_slot_name("app", "public"), "outbox_relay_app_public");
+        let a = default_slot_name("app", "Tenant-A");
+        let b = default_slot_name("app", "tenant_a");
+        assert_ne!(a, b);
+        let long = default_slot_name(&"d".repeat(60), &"s".repeat(60));
+        for name in [&a, &b, &long] {
+            assert!(valid_slot_name(name), "{name}");
+        }
+        assert!(!valid_slot_name("Has-Caps"));
+    }
+
+    #[test]
+    fn a_url_gives_the_replication_connection_and_debug_hides_the_password() {
+        let w = WalSource::from_url("postgres://relay:p%2Cw@db.example:6543/app?sslmode=disable")
+            .unwrap();
+        assert_eq!(
+            (w.host.as_str(), w.port, w.user.as_str(), w.password.as_str(), w.database.as_str()),
+            ("db.example", 6543, "relay", "p,w", "app")
+        );
+        assert!(!format!("{w:?}").contains("p,w"));
+        let err = WalSource::from_url("postgres://u:secret@h/db?sslmode=bogus").unwrap_err();
+        assert!(!err.to_string().contains("secret"), "{err}");
+        assert!(WalSource::from_url("mysql://h/db").is_err());
+    }
+}

@@ -1,0 +1,272 @@
+//! The slot, the publication and the checks of the WAL source, made and read
+//! with sqlx on the relay's pool (the SQL is in `queries/wal_*.sql`).
+
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgConnection, PgPool};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::store::Blocker;
+
+/// The names the WAL source reads under.
+#[derive(Debug, Clone)]
+pub(crate) struct Names {
+    /// The schema holding `outbox_events`.
+    pub(crate) schema: String,
+    /// The slot's name, which is the publication's too.
+    pub(crate) slot: String,
+}
+
+/// A replication slot as the server sees it.
+#[derive(Debug, Clone)]
+pub(crate) struct SlotState {
+    pub(crate) plugin: Option<String>,
+    pub(crate) database: Option<String>,
+    pub(crate) wal_status: Option<String>,
+    pub(crate) lag_bytes: Option<i64>,
+}
+
+impl SlotState {
+    /// The WAL it needs was removed: it can never be read again.
+    pub(crate) fn is_lost(&self) -> bool {
+        self.wal_status.as_deref() == Some("lost")
+    }
+}
+
+/// The schema of the outbox the pool's sessions find, and the slot's name
+/// (`slot`, or the default for that schema and database).
+///
+/// # Errors
+/// [`ErrorKind::Config`] when there is no `outbox_events` table or `slot` is
+/// not a valid slot name; [`ErrorKind::Database`] when the database cannot
+/// be read.
+pub(crate) async fn names(pool: &PgPool, slot: Option<&str>) -> Result<Names> {
+    let found = sqlx::query_file!("queries/wal_outbox_table.sql")
+        .fetch_optional(pool)
+        .await
+        .map_err(|e| Error::database("finding the outbox table for the WAL source", e))?
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::Config,
+                "no outbox_events table on the search path: run the outbox migrations (outbox_pg::migrate)",
+            )
+        })?;
+    let slot = match slot {
+        Some(name) if super::valid_slot_name(name) => name.to_owned(),
+        Some(name) => {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "`{name}` is not a replication slot name: use 1 to 63 lower-case letters, digits and `_`"
+                ),
+            ));
+        }
+        None => super::default_slot_name(&found.database, &found.schema),
+    };
+    Ok(Names {
+        schema: found.schema,
+        slot,
+    })
+}
+
+/// The start-up checks: `wal_level = logical`, a role that may replicate,
+/// and a free slot when `slot` does not exist yet.
+///
+/// # Errors
+/// [`ErrorKind::Config`] naming `wal_level` or `max_replication_slots` and
+/// what to change; [`ErrorKind::Privilege`] naming the role and the
+/// `alter role … replication` to run.
+pub(crate) async fn check(pool: &PgPool, slot: &str) -> Result<()> {
+    let s = sqlx::query_file!("queries/wal_settings.sql")
+        .fetch_one(pool)
+        .await
+        .map_err(|e| Error::database("reading the server's replication settings", e))?;
+    if s.wal_level != "logical" {
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!(
+                "--source wal needs wal_level=logical; this server has wal_level={}: set \
+                 `wal_level = logical` in postgresql.conf (or `alter system set wal_level = logical`) \
+                 and restart PostgreSQL, or run the relay with --source poll",
+                s.wal_level
+            ),
+        ));
+    }
+    if !s.can_replicate {
+        return Err(Error::new(
+            ErrorKind::Privilege,
+            format!(
+                "role `{}` may not open a replication connection or create a replication slot: \
+                 run `alter role \"{}\" replication` as a superuser, or run the relay with --source poll",
+                s.role, s.role
+            ),
+        ));
+    }
+    if state(pool, slot).await?.is_none() && s.free_slots <= 0 {
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!(
+                "no free replication slot for `{slot}`: every one of max_replication_slots is in use \
+                 (`select slot_name, active from pg_replication_slots` lists them); drop an unused one \
+                 or raise max_replication_slots and restart PostgreSQL"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Creates the publication of `names` if it is missing.
+///
+/// # Errors
+/// [`ErrorKind::Config`] when a publication of that name exists without
+/// `<schema>.outbox_events`; [`ErrorKind::Privilege`] when the role may not
+/// create it (the message gives the statement to run as the table's owner).
+pub(crate) async fn ensure_publication(pool: &PgPool, names: &Names) -> Result<()> {
+    let found = sqlx::query_file!("queries/wal_publication.sql", names.slot, names.schema)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| Error::database("reading the WAL source's publication", e))?;
+    if found.has_table {
+        return Ok(());
+    }
+    if found.exists {
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!(
+                "publication `{}` exists but does not carry {}.outbox_events: \
+                 `alter publication {} add table {}.outbox_events`, or drop it and let the relay create it",
+                names.slot, names.schema, names.slot, names.schema
+            ),
+        ));
+    }
+    let ddl = sqlx::query_file_scalar!("queries/wal_publication_ddl.sql", names.slot, names.schema)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| Error::database("preparing the WAL source's publication", e))?;
+    match sqlx::raw_sql(sqlx::AssertSqlSafe(ddl.clone())).execute(pool).await {
+        Ok(_) => {
+            tracing::info!(publication = %names.slot, "created the publication of outbox_events (inserts)");
+            Ok(())
+        }
+        // Made meanwhile by another relay.
+        Err(e) if outbox_pg::sqlstate(&e).as_deref() == Some("42710") => Ok(()),
+        Err(e) if outbox_pg::is_insufficient_privilege(&e) => Err(Error::new(
+            ErrorKind::Privilege,
+            format!(
+                "the relay's role may not create the publication of outbox_events; run, as the \
+                 table's owner: {ddl}"
+            ),
+        )),
+        Err(e) => Err(Error::database("creating the WAL source's publication", e)),
+    }
+}
+
+/// Slot `slot`, if it exists.
+///
+/// # Errors
+/// [`ErrorKind::Database`].
+pub(crate) async fn state(pool: &PgPool, slot: &str) -> Result<Option<SlotState>> {
+    let row = sqlx::query_file!("queries/wal_slot.sql", slot)
+        .fetch_optional(pool)
+        .await
+        .map_err(|e| Error::database("reading the WAL source's replication slot", e))?;
+    Ok(row.map(|r| SlotState {
+        plugin: r.plugin,
+        database: r.database,
+        wal_status: r.wal_status,
+        lag_bytes: r.lag_bytes,
+    }))
+}
+
+/// Creates slot `slot` (pgoutput); `false` if it existed already.
+///
+/// # Errors
+/// [`ErrorKind::Privilege`] without the REPLICATION attribute;
+/// [`ErrorKind::Database`] otherwise.
+pub(crate) async fn create(pool: &PgPool, slot: &str) -> Result<bool> {
+    match sqlx::query_file_scalar!("queries/wal_slot_create.sql", slot)
+        .fetch_one(pool)
+        .await
+    {
+        Ok(_) => Ok(true),
+        Err(e) if outbox_pg::sqlstate(&e).as_deref() == Some("42710") => Ok(false),
+        Err(e) if outbox_pg::is_insufficient_privilege(&e) => Err(Error::new(
+            ErrorKind::Privilege,
+            format!("the relay's role may not create replication slot `{slot}`: grant it REPLICATION"),
+        )),
+        Err(e) => Err(Error::database("creating the WAL source's replication slot", e)),
+    }
+}
+
+/// Drops slot `slot`.
+///
+/// # Errors
+/// [`ErrorKind::Database`] (a slot in use cannot be dropped).
+pub(crate) async fn drop_slot(pool: &PgPool, slot: &str) -> Result<()> {
+    sqlx::query_file!("queries/wal_slot_drop.sql", slot)
+        .execute(pool)
+        .await
+        .map(drop)
+        .map_err(|e| Error::database("dropping the WAL source's replication slot", e))
+}
+
+/// Tries to take the lead of `slot` on `conn` (a session lock, held while
+/// the session lives).
+///
+/// # Errors
+/// [`ErrorKind::Database`].
+pub(crate) async fn try_lead(conn: &mut PgConnection, slot: &str) -> Result<bool> {
+    sqlx::query_file_scalar!("queries/wal_lead.sql", slot)
+        .fetch_one(conn)
+        .await
+        .map_err(|e| Error::database("taking the lead of the WAL source", e))
+}
+
+/// Whether a fresh row at or below `seq` is still waiting.
+///
+/// # Errors
+/// [`ErrorKind::Database`].
+pub(crate) async fn main_left(pool: &PgPool, seq: i64) -> Result<bool> {
+    sqlx::query_file_scalar!("queries/wal_main_left.sql", seq)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| Error::database("counting the rows left to the polling path", e))
+}
+
+/// For each subject (with the lowest seq the WAL source has of it), the
+/// earlier row of it in the retry lane that holds it back, if any.
+///
+/// # Errors
+/// [`ErrorKind::Database`].
+pub(crate) async fn blockers(
+    pool: &PgPool,
+    subjects: &[(&str, i64)],
+    max_attempts: i32,
+) -> Result<HashMap<String, Blocker>> {
+    if subjects.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let names: Vec<&str> = subjects.iter().map(|s| s.0).collect();
+    let seqs: Vec<i64> = subjects.iter().map(|s| s.1).collect();
+    let rows = sqlx::query_file!(
+        "queries/wal_blockers.sql",
+        &names as &[&str],
+        &seqs,
+        max_attempts
+    )
+    .fetch_all(pool)
+    .await
+    .map_err(|e| Error::database("looking up the subjects waiting in the retry lane", e))?;
+    Ok(rows
+        .into_iter()
+        .map(|r| {
+            let due: Option<DateTime<Utc>> = r.due;
+            let blocker = match (r.parked, due) {
+                (false, Some(t)) => Blocker::Until(t),
+                _ => Blocker::Parked,
+            };
+            (r.subject, blocker)
+        })
+        .collect())
+}
