@@ -19,7 +19,9 @@ use crate::store::ClaimedRow;
 pub(crate) struct Layout {
     id: usize,
     seq: usize,
-    shard: usize,
+    /// A generated column, which pgoutput does not send (PostgreSQL 15);
+    /// the WAL source does not need it.
+    shard: Option<usize>,
     event_type: usize,
     source: usize,
     subject: usize,
@@ -65,7 +67,7 @@ impl Layout {
         Ok(Self {
             id: need("id")?,
             seq: need("seq")?,
-            shard: need("shard")?,
+            shard: find("shard"),
             event_type: need("event_type")?,
             source: need("source")?,
             subject: need("subject")?,
@@ -103,7 +105,7 @@ impl Layout {
         };
         let id = text(self.id, "id");
         let seq = text(self.seq, "seq");
-        let shard = text(self.shard, "shard");
+        let shard = self.shard.and_then(|i| text(i, "shard"));
         let event_type = text(self.event_type, "event_type").unwrap_or_default();
         let source = text(self.source, "source").unwrap_or_default();
         let subject = text(self.subject, "subject").unwrap_or_default();
