@@ -45,7 +45,7 @@ pub enum Source {
     Poll,
     /// Reads them from a logical replication slot ([`crate::wal`]); one
     /// replica leads, the others stand by.
-    Wal(WalSource),
+    Wal(Box<WalSource>),
 }
 
 impl Default for RelayConfig {
@@ -81,7 +81,7 @@ impl RelayConfig {
     /// instead of claiming them ([`crate::wal`]). Default: polling.
     #[must_use]
     pub fn source_wal(mut self, wal: WalSource) -> Self {
-        self.source = Source::Wal(wal);
+        self.source = Source::Wal(Box::new(wal));
         self
     }
 

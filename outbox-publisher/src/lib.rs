@@ -94,7 +94,6 @@ mod stream_view;
 pub mod wal;
 
 pub use config::{BATCH_SIZE_RANGE, RelayConfig, Source};
-pub use wal::WalSource;
 pub use error::{BoxError, Error, ErrorKind, Result};
 pub use health::{DEFAULT_CHECK_TIMEOUT, Readiness};
 pub use relay::{BatchReport, NOTIFY_CHANNEL, Relay, required_privileges};
@@ -104,6 +103,7 @@ pub use sink::{
 };
 pub use stream::{DEFAULT_DUPLICATE_WINDOW, StreamSpec};
 pub use stream_view::StreamView;
+pub use wal::WalSource;
 
 pub use async_nats::jetstream::stream::StorageType;
 

@@ -167,11 +167,28 @@ pub fn describe() {
         STREAM_UP,
         "1 while the relay's stream exists (as last read), 0 while it is gone"
     );
-    describe_gauge!(WAL_UP, "1 while this relay leads its WAL source and reads the slot, else 0");
-    describe_gauge!(WAL_LAG_BYTES, Unit::Bytes, "WAL between the server's position and the slot's confirmed one");
-    describe_gauge!(WAL_LAG_SECONDS, Unit::Seconds, "Age of the oldest commit read from the slot and not yet confirmed");
-    describe_counter!(WAL_SLOT_LOST_TOTAL, "Replication slots found dropped or invalidated and made again");
-    describe_gauge!(WAL_SLOT_AT_RISK, "1 while the slot's WAL is unreserved or lost, else 0");
+    describe_gauge!(
+        WAL_UP,
+        "1 while this relay leads its WAL source and reads the slot, else 0"
+    );
+    describe_gauge!(
+        WAL_LAG_BYTES,
+        Unit::Bytes,
+        "WAL between the server's position and the slot's confirmed one"
+    );
+    describe_gauge!(
+        WAL_LAG_SECONDS,
+        Unit::Seconds,
+        "Age of the oldest commit read from the slot and not yet confirmed"
+    );
+    describe_counter!(
+        WAL_SLOT_LOST_TOTAL,
+        "Replication slots found dropped or invalidated and made again"
+    );
+    describe_gauge!(
+        WAL_SLOT_AT_RISK,
+        "1 while the slot's WAL is unreserved or lost, else 0"
+    );
 }
 
 pub(crate) fn published(

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
 use futures::StreamExt;
-use outbox_testkit::{Program, TestDb, nats, wait_until};
+use outbox_testkit::{PgServer, Program, TestDb, nats, wait_until};
 use serde_json::Value;
 use sqlx::PgPool;
 
@@ -39,7 +39,9 @@ struct Relays {
 impl Relays {
     fn new(db: &TestDb, nats_url: &str) -> Self {
         let unique = &db.name()[db.name().len() - 12..];
-        let log_dir = std::env::temp_dir().join("outbox-wal-relay").join(db.name());
+        let log_dir = std::env::temp_dir()
+            .join("outbox-wal-relay")
+            .join(db.name());
         std::fs::create_dir_all(&log_dir).unwrap();
         Self {
             log_dir,
@@ -53,9 +55,23 @@ impl Relays {
         Program::new(name, support::bin_dir().join("outbox-relay"), &self.log_dir)
             .env("DATABASE_URL", &self.database_url)
             .env("NATS_URL", &self.nats_url)
-            .args(["--stream", &self.stream, "--subjects", "wal.>", "--source", "wal"])
+            .args([
+                "--stream",
+                &self.stream,
+                "--subjects",
+                "wal.>",
+                "--source",
+                "wal",
+            ])
             // Retry quickly in the poison test.
-            .args(["--max-attempts", "2", "--backoff-base", "100ms", "--max-backoff", "200ms"])
+            .args([
+                "--max-attempts",
+                "2",
+                "--backoff-base",
+                "100ms",
+                "--max-backoff",
+                "200ms",
+            ])
     }
 
     async fn start(&self, name: &str) -> Program {
@@ -70,17 +86,24 @@ impl Relays {
 
     fn tail(&self, name: &str) -> String {
         let log = self.log(name);
-        let lines: Vec<&str> = log.lines().filter(|l| !l.contains("INFO async_nats")).collect();
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| !l.contains("INFO async_nats"))
+            .collect();
         lines[lines.len().saturating_sub(20)..].join("\n")
     }
 
     /// Waits until every row is marked published and the stream holds
     /// `total` messages; panics with the relays' logs otherwise.
     async fn wait_all(&self, pool: &PgPool, total: i64, names: &[&str]) {
-        let done = wait_until("every row published and marked", Duration::from_secs(120), || async {
-            count_where(pool, "published_at is not null").await == total
-                && stream_count(&self.nats_url, &self.stream).await == total as u64
-        })
+        let done = wait_until(
+            "every row published and marked",
+            Duration::from_secs(120),
+            || async {
+                count_where(pool, "published_at is not null").await == total
+                    && stream_count(&self.nats_url, &self.stream).await == total as u64
+            },
+        )
         .await;
         if let Err(e) = done {
             let published = count_where(pool, "published_at is not null").await;
@@ -89,7 +112,10 @@ impl Relays {
                 .iter()
                 .map(|n| format!("--- {n}:\n{}", self.tail(n)))
                 .collect();
-            panic!("{e}: {published} of {total} marked, {stored} stored\n{}", logs.join("\n"));
+            panic!(
+                "{e}: {published} of {total} marked, {stored} stored\n{}",
+                logs.join("\n")
+            );
         }
     }
 }
@@ -120,7 +146,14 @@ async fn insert<'e>(pool: impl sqlx::PgExecutor<'e>, subject: &str, first: i64, 
 
 /// `rounds` transactions per subject, `per` events each, over `subjects`
 /// subjects named `<prefix>-<i>`, written by 4 concurrent writers.
-async fn write_spread(pool: &PgPool, prefix: &str, subjects: usize, rounds: i64, per: i64, first: i64) {
+async fn write_spread(
+    pool: &PgPool,
+    prefix: &str,
+    subjects: usize,
+    rounds: i64,
+    per: i64,
+    first: i64,
+) {
     let writers: Vec<_> = (0..4)
         .map(|w| {
             let pool = pool.clone();
@@ -207,17 +240,28 @@ fn assert_once_in_order(messages: &[Value]) {
         if let Some((before, seq_before)) = last.get(&subject)
             && (n != before + 1 || sequence <= *seq_before)
         {
-            problems.push(format!("{subject}: n {n} after {before}, sequence {sequence} after {seq_before}"));
+            problems.push(format!(
+                "{subject}: n {n} after {before}, sequence {sequence} after {seq_before}"
+            ));
         }
         last.insert(subject, (n, sequence));
     }
-    assert!(problems.is_empty(), "{} problems, e.g. {:?}", problems.len(), &problems[..problems.len().min(5)]);
+    assert!(
+        problems.is_empty(),
+        "{} problems, e.g. {:?}",
+        problems.len(),
+        &problems[..problems.len().min(5)]
+    );
 }
 
 /// Every published row carries its stream position.
 async fn assert_positions(pool: &PgPool) {
     assert_eq!(
-        count_where(pool, "published_at is not null and (published_stream is null or published_seq is null)").await,
+        count_where(
+            pool,
+            "published_at is not null and (published_stream is null or published_seq is null)"
+        )
+        .await,
         0,
         "rows marked without their stream position"
     );
@@ -243,24 +287,32 @@ async fn a_backlog_and_concurrent_writers_are_published_once_in_change_order() {
         .execute(&db.pool)
         .await
         .unwrap();
-    sqlx::query("insert into accounts values ('acct', 0)").execute(&db.pool).await.unwrap();
+    sqlx::query("insert into accounts values ('acct', 0)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     let mut first = db.pool.begin().await.unwrap();
     sqlx::query("select 1").execute(&mut *first).await.unwrap();
-    let mut second = db.pool.begin().await.unwrap();
+    let second = db.pool.begin().await.unwrap();
     // The later one locks the entity row and commits first; the earlier one
     // then makes the next change.
     for mut tx in [second, first] {
-        let n: i64 = sqlx::query_scalar("update accounts set n = n + 1 where id = 'acct' returning n - 1")
-            .fetch_one(&mut *tx)
-            .await
-            .unwrap();
+        let n: i64 =
+            sqlx::query_scalar("update accounts set n = n + 1 where id = 'acct' returning n - 1")
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
         insert(&mut *tx, "entity", n, 1).await;
         tx.commit().await.unwrap();
     }
     write_spread(&db.pool, "live", 100, 5, 6, 0).await;
     let total = 20 * 2 * 10 + 2 + 100 * 5 * 6;
     relays.wait_all(&db.pool, total, &["wal-1"]).await;
-    assert!(relay.is_running() && !relay.died(), "{}", relays.tail("wal-1"));
+    assert!(
+        relay.is_running() && !relay.died(),
+        "{}",
+        relays.tail("wal-1")
+    );
     let messages = read_stream(nats.url(), &relays.stream).await;
     assert_once_in_order(&messages);
     assert_positions(&db.pool).await;
@@ -269,4 +321,242 @@ async fn a_backlog_and_concurrent_writers_are_published_once_in_change_order() {
     let slot = slot_of(&db.pool).await.expect("a replication slot");
     assert!(slot.0.starts_with("outbox_relay_"), "{slot:?}");
     assert_eq!(relay.terminate().await, Some(0), "{}", relays.tail("wal-1"));
+}
+
+/// Drops the database's slot as an operator would: ends the walsender
+/// reading it, then drops it (retried while the relay reconnects).
+async fn drop_slot(pool: &PgPool) {
+    wait_until("the slot dropped", Duration::from_secs(30), || async {
+        let _ = sqlx::query(
+            "select pg_terminate_backend(active_pid) from pg_replication_slots
+              where database = current_database() and active_pid is not null",
+        )
+        .execute(pool)
+        .await;
+        sqlx::query(
+            "select pg_drop_replication_slot(slot_name) from pg_replication_slots
+              where database = current_database()",
+        )
+        .execute(pool)
+        .await
+        .is_ok()
+            && slot_of(pool).await.is_none()
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slot_dropped_while_running_or_stopped_loses_nothing() {
+    let db = TestDb::new().await.unwrap();
+    let nats = nats().unwrap();
+    let relays = Relays::new(&db, nats.url());
+    let mut relay = relays.start("wal-1").await;
+    write_spread(&db.pool, "a", 40, 2, 5, 0).await;
+    relays.wait_all(&db.pool, 400, &["wal-1"]).await;
+
+    // Dropped while it runs, with writers going on meanwhile.
+    let writer = {
+        let pool = db.pool.clone();
+        tokio::spawn(async move { write_spread(&pool, "a", 40, 10, 5, 10).await })
+    };
+    drop_slot(&db.pool).await;
+    writer.await.unwrap();
+    relays.wait_all(&db.pool, 400 + 2_000, &["wal-1"]).await;
+    wait_until(
+        "the slot made again and read",
+        Duration::from_secs(30),
+        || async { slot_of(&db.pool).await.is_some_and(|(_, active)| active) },
+    )
+    .await
+    .unwrap();
+    assert!(
+        relays.log("wal-1").contains("the replication slot is gone"),
+        "{}",
+        relays.tail("wal-1")
+    );
+
+    // Dropped while it is stopped, rows written meanwhile.
+    assert_eq!(relay.terminate().await, Some(0), "{}", relays.tail("wal-1"));
+    drop_slot(&db.pool).await;
+    write_spread(&db.pool, "a", 40, 1, 5, 60).await;
+    let mut relay = relays.start("wal-2").await;
+    write_spread(&db.pool, "a", 40, 1, 5, 65).await;
+    relays
+        .wait_all(&db.pool, 2_400 + 400, &["wal-1", "wal-2"])
+        .await;
+    let messages = read_stream(nats.url(), &relays.stream).await;
+    assert_once_in_order(&messages);
+    assert_positions(&db.pool).await;
+    assert_eq!(relay.terminate().await, Some(0), "{}", relays.tail("wal-2"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_standby_takes_over_from_a_killed_leader_in_order() {
+    let db = TestDb::new().await.unwrap();
+    let nats = nats().unwrap();
+    let relays = Relays::new(&db, nats.url());
+    let mut leader = relays.start("wal-1").await;
+    wait_until("wal-1 reads the WAL", Duration::from_secs(30), || async {
+        relays.log("wal-1").contains("reading the WAL")
+    })
+    .await
+    .unwrap();
+    // One row per transaction, round after round over 40 subjects, until
+    // the third kill is done.
+    let writing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let writer = {
+        let pool = db.pool.clone();
+        let writing = writing.clone();
+        tokio::spawn(async move {
+            let mut rounds = 0;
+            while writing.load(std::sync::atomic::Ordering::Relaxed) {
+                write_spread(&pool, "k", 40, 1, 1, rounds).await;
+                rounds += 1;
+            }
+            rounds
+        })
+    };
+    let mut names = vec!["wal-1".to_owned()];
+    for kill in 1..=3 {
+        let standby = format!("wal-{}", kill + 1);
+        let next = relays.start(&standby).await;
+        wait_until(
+            "the new replica stands by",
+            Duration::from_secs(30),
+            || async { relays.log(&standby).contains("standing by") },
+        )
+        .await
+        .unwrap();
+        let published = count_where(&db.pool, "published_at is not null").await;
+        wait_until("more rows published", Duration::from_secs(60), || async {
+            count_where(&db.pool, "published_at is not null").await >= published + 300
+        })
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "{e} (kill {kill}, {published} before)\n{}",
+                relays.tail(names.last().map_or("wal-1", String::as_str))
+            )
+        });
+        leader.kill9().await;
+        wait_until("the standby leads", Duration::from_secs(30), || async {
+            relays.log(&standby).contains("reading the WAL")
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", relays.tail(&standby)));
+        names.push(standby);
+        leader = next;
+    }
+    writing.store(false, std::sync::atomic::Ordering::Relaxed);
+    let rounds = writer.await.unwrap();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    relays.wait_all(&db.pool, rounds * 40, &names).await;
+    let messages = read_stream(nats.url(), &relays.stream).await;
+    assert_once_in_order(&messages);
+    assert_positions(&db.pool).await;
+    assert_eq!(
+        leader.terminate().await,
+        Some(0),
+        "{}",
+        relays.tail(names[3])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_poison_row_is_parked_and_holds_back_only_its_subject() {
+    let db = TestDb::new().await.unwrap();
+    let nats = nats().unwrap();
+    let relays = Relays::new(&db, nats.url());
+    let mut relay = relays.start("wal-1").await;
+    wait_until("reading the WAL", Duration::from_secs(30), || async {
+        relays.log("wal-1").contains("reading the WAL")
+    })
+    .await
+    .unwrap();
+    insert(&db.pool, "poisoned", 0, 3).await;
+    // A time no CloudEvents client can carry, written by plain SQL.
+    sqlx::query(
+        "insert into outbox_events (id, event_type, source, subject, time, data)
+         values (gen_random_uuid(), 'wal.happened', 'sql-writer', 'poisoned', 'infinity', '{\"n\": 3}')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    insert(&db.pool, "poisoned", 4, 3).await;
+    insert(&db.pool, "healthy", 0, 50).await;
+    wait_until(
+        "the healthy subject published, the poison parked",
+        Duration::from_secs(60),
+        || async {
+            count_where(&db.pool, "subject = 'healthy' and published_at is not null").await == 50
+                && count_where(
+                    &db.pool,
+                    "subject = 'poisoned' and published_at is not null",
+                )
+                .await
+                    == 3
+                && count_where(&db.pool, "attempts >= 2 and last_error like '%time%'").await == 1
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", relays.tail("wal-1")));
+    // The rows behind the poison wait in the retry lane, unpublished.
+    wait_until(
+        "the rows behind the poison deferred",
+        Duration::from_secs(30),
+        || async {
+            count_where(
+                &db.pool,
+                "subject = 'poisoned' and published_at is null and next_attempt_at is not null",
+            )
+            .await
+                == 4
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", relays.tail("wal-1")));
+    insert(&db.pool, "healthy", 50, 10).await;
+    wait_until(
+        "later rows of other subjects published",
+        Duration::from_secs(30),
+        || async {
+            count_where(&db.pool, "subject = 'healthy' and published_at is not null").await == 60
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(stream_count(nats.url(), &relays.stream).await, 63);
+    assert!(
+        relay.is_running() && !relay.died(),
+        "{}",
+        relays.tail("wal-1")
+    );
+    let messages = read_stream(nats.url(), &relays.stream).await;
+    assert_once_in_order(&messages);
+    assert_eq!(relay.terminate().await, Some(0), "{}", relays.tail("wal-1"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_level_replica_is_refused_at_start_naming_the_setting() {
+    let server = tokio::task::spawn_blocking(|| PgServer::start_with(&["wal_level=replica"]))
+        .await
+        .unwrap()
+        .unwrap();
+    let db = TestDb::on(&server).await.unwrap();
+    let nats = nats().unwrap();
+    let relays = Relays::new(&db, nats.url());
+    let mut relay = relays.start("wal-1").await;
+    let code = relay.wait_exit(Duration::from_secs(30)).await;
+    assert!(
+        matches!(code, Some(c) if c != 0),
+        "exit {code:?}: {}",
+        relays.tail("wal-1")
+    );
+    let log = relays.log("wal-1");
+    assert!(
+        log.contains("wal_level=logical") && log.contains("wal_level=replica"),
+        "{}",
+        relays.tail("wal-1")
+    );
 }

@@ -470,7 +470,12 @@ impl<S: Sink> Relay<S> {
             };
             let stop = shutdown.child_token();
             let (result, ()) = tokio::join!(
-                self.run_parts(&stop, Some((wal, names))),
+                async {
+                    let result = self.run_parts(&stop, Some((wal, names))).await;
+                    // Done, or stopped by a failure of its own: let go of the lead.
+                    stop.cancel();
+                    result
+                },
                 self.wal_keep_lead(&mut lead, &stop),
             );
             result?;

@@ -246,7 +246,8 @@ impl<S: Sink> Relay<S> {
         wake.send_modify(|n| *n = n.wrapping_add(1));
         let started = Instant::now();
         loop {
-            if self.horizon.settled() >= floor && !slot::main_left(self.store.pool(), floor).await? {
+            if self.horizon.settled() >= floor && !slot::main_left(self.store.pool(), floor).await?
+            {
                 info!(
                     up_to_seq = floor,
                     took = ?started.elapsed(),
@@ -293,7 +294,9 @@ impl<S: Sink> Relay<S> {
         let mut skip = false;
         let mut in_txn = false;
         loop {
-            let event = if window.is_empty() && confirmable.is_none() {
+            // Wait for the stream when nothing read is waiting to be
+            // published or confirmed (or the rest of a transaction is due).
+            let event = if window.is_empty() && (confirmable.is_none() || in_txn) {
                 tokio::select! {
                     () = stop.cancelled() => return Ok(()),
                     ev = client.recv() => Some(ev),
@@ -325,7 +328,9 @@ impl<S: Sink> Relay<S> {
                     skip = final_lsn < p.done;
                 }
                 ReplicationEvent::XLogData { data, .. } => {
-                    match pgoutput::decode(&data).map_err(|e| Error::new(ErrorKind::Database, e.to_string()))? {
+                    match pgoutput::decode(&data)
+                        .map_err(|e| Error::new(ErrorKind::Database, e.to_string()))?
+                    {
                         Message::Relation(r) => {
                             let ours = r.name == "outbox_events" && r.namespace == names.schema;
                             let layout = if ours { Some(Layout::of(&r)?) } else { None };
@@ -369,13 +374,16 @@ impl<S: Sink> Relay<S> {
                         }
                     }
                 }
-                ReplicationEvent::KeepAlive { wal_end, .. } => {
-                    // Idle: nothing read is waiting, so the slot may move on
-                    // (an idle outbox must not hold WAL back).
-                    if window.is_empty() && confirmable.is_none() && !in_txn && wal_end > p.done {
-                        client.update_applied_lsn(wal_end);
-                        p.done = wal_end;
-                    }
+                // Idle: nothing read is waiting, so the slot may move on
+                // (an idle outbox must not hold WAL back).
+                ReplicationEvent::KeepAlive { wal_end, .. }
+                    if window.is_empty()
+                        && confirmable.is_none()
+                        && !in_txn
+                        && wal_end > p.done =>
+                {
+                    client.update_applied_lsn(wal_end);
+                    p.done = wal_end;
                 }
                 _ => {}
             }

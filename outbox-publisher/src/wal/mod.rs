@@ -116,7 +116,12 @@ impl WalSource {
     /// `sslmode` other than `disable`, `allow`, `prefer`, `require`,
     /// `verify-ca`, `verify-full` (the message never shows the password).
     pub fn from_url(url: &str) -> Result<Self> {
-        let bad = |why: &str| Error::new(ErrorKind::Config, format!("the WAL source's database URL {why}"));
+        let bad = |why: &str| {
+            Error::new(
+                ErrorKind::Config,
+                format!("the WAL source's database URL {why}"),
+            )
+        };
         let parsed = url::Url::parse(url).map_err(|e| bad(&format!("is not a URL: {e}")))?;
         if !matches!(parsed.scheme(), "postgres" | "postgresql") {
             return Err(bad("must start with postgres:// or postgresql://"));
@@ -233,9 +238,9 @@ pub(crate) fn default_slot_name(database: &str, schema: &str) -> String {
         return clean;
     }
     // Cut or changed: a hash of the exact names keeps two outboxes apart.
-    let hash = raw
-        .bytes()
-        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    let hash = raw.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
     let keep: String = clean.chars().take(46).collect();
     format!("{keep}_{hash:016x}")
 }
@@ -254,7 +259,10 @@ mod tests {
 
     #[test]
     fn slot_names_are_valid_and_keep_outboxes_apart() {
-        assert_eq!(default_slot_name("app", "public"), "outbox_relay_app_public");
+        assert_eq!(
+            default_slot_name("app", "public"),
+            "outbox_relay_app_public"
+        );
         let a = default_slot_name("app", "Tenant-A");
         let b = default_slot_name("app", "tenant_a");
         assert_ne!(a, b);
@@ -270,7 +278,13 @@ mod tests {
         let w = WalSource::from_url("postgres://relay:p%2Cw@db.example:6543/app?sslmode=disable")
             .unwrap();
         assert_eq!(
-            (w.host.as_str(), w.port, w.user.as_str(), w.password.as_str(), w.database.as_str()),
+            (
+                w.host.as_str(),
+                w.port,
+                w.user.as_str(),
+                w.password.as_str(),
+                w.database.as_str()
+            ),
             ("db.example", 6543, "relay", "p,w", "app")
         );
         assert!(!format!("{w:?}").contains("p,w"));

@@ -36,7 +36,10 @@ pub(crate) enum Value {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Message {
     Relation(Relation),
-    Insert { relation: u32, values: Vec<Value> },
+    Insert {
+        relation: u32,
+        values: Vec<Value>,
+    },
     /// Any other message (its tag).
     Other(u8),
 }
@@ -122,10 +125,7 @@ fn tuple(data: &mut &[u8]) -> Result<Vec<Value>, DecodeError> {
                 }
             }
             other => {
-                return Err(DecodeError(format!(
-                    "value kind {:?}",
-                    char::from(other)
-                )));
+                return Err(DecodeError(format!("value kind {:?}", char::from(other))));
             }
         });
     }
@@ -158,7 +158,10 @@ fn take_u32(data: &mut &[u8], what: &str) -> Result<u32, DecodeError> {
 }
 
 fn take_cstr(data: &mut &[u8], what: &str) -> Result<String, DecodeError> {
-    let end = data.iter().position(|&b| b == 0).ok_or_else(|| short(what))?;
+    let end = data
+        .iter()
+        .position(|&b| b == 0)
+        .ok_or_else(|| short(what))?;
     let s = String::from_utf8(data[..end].to_vec())
         .map_err(|e| DecodeError(format!("{what} is not UTF-8: {e}")))?;
     *data = &data[end + 1..];

@@ -84,7 +84,9 @@ impl Layout {
 
     /// The row of an insert's `values`; `max_payload` bounds the data kept.
     pub(crate) fn row(&self, values: &[Value], max_payload: usize) -> Inserted {
-        let present = |i: Option<usize>| i.is_some_and(|i| !matches!(values.get(i), None | Some(Value::Null)));
+        let present = |i: Option<usize>| {
+            i.is_some_and(|i| !matches!(values.get(i), None | Some(Value::Null)))
+        };
         if present(self.published_at) || present(self.next_attempt_at) {
             return Inserted::NotFresh;
         }
@@ -170,8 +172,19 @@ mod tests {
     }
 
     const COLUMNS: &[&str] = &[
-        "id", "event_type", "source", "subject", "time", "data", "created_at",
-        "published_at", "attempts", "next_attempt_at", "traceparent", "seq", "shard",
+        "id",
+        "event_type",
+        "source",
+        "subject",
+        "time",
+        "data",
+        "created_at",
+        "published_at",
+        "attempts",
+        "next_attempt_at",
+        "traceparent",
+        "seq",
+        "shard",
     ];
 
     fn values(time: &str, published: Option<&str>) -> Vec<Value> {
@@ -196,7 +209,8 @@ mod tests {
     #[test]
     fn an_insert_becomes_the_row_a_claim_reads() {
         let layout = Layout::of(&relation(COLUMNS)).unwrap();
-        let Inserted::Fresh(row) = layout.row(&values("2026-12-02 16:07:46.123456+00", None), 1 << 20)
+        let Inserted::Fresh(row) =
+            layout.row(&values("2026-12-02 16:07:46.123456+00", None), 1 << 20)
         else {
             panic!("not fresh")
         };
@@ -214,7 +228,12 @@ mod tests {
     #[test]
     fn times_no_client_can_carry_become_none_and_big_data_is_not_kept() {
         let layout = Layout::of(&relation(COLUMNS)).unwrap();
-        for time in ["infinity", "-infinity", "0044-03-15 00:00:00+00 BC", "12000-01-01 00:00:00+00"] {
+        for time in [
+            "infinity",
+            "-infinity",
+            "0044-03-15 00:00:00+00 BC",
+            "12000-01-01 00:00:00+00",
+        ] {
             let Inserted::Fresh(row) = layout.row(&values(time, None), 1 << 20) else {
                 panic!("not fresh")
             };
@@ -230,7 +249,10 @@ mod tests {
     fn rows_inserted_published_are_not_fresh_and_missing_columns_are_named() {
         let layout = Layout::of(&relation(COLUMNS)).unwrap();
         assert!(matches!(
-            layout.row(&values("2026-01-01 00:00:00+00", Some("2026-01-01 00:00:00+00")), 1 << 20),
+            layout.row(
+                &values("2026-01-01 00:00:00+00", Some("2026-01-01 00:00:00+00")),
+                1 << 20
+            ),
             Inserted::NotFresh
         ));
         let err = Layout::of(&relation(&["id", "data"])).unwrap_err();

@@ -144,7 +144,10 @@ pub(crate) async fn ensure_publication(pool: &PgPool, names: &Names) -> Result<(
         .fetch_one(pool)
         .await
         .map_err(|e| Error::database("preparing the WAL source's publication", e))?;
-    match sqlx::raw_sql(sqlx::AssertSqlSafe(ddl.clone())).execute(pool).await {
+    match sqlx::raw_sql(sqlx::AssertSqlSafe(ddl.clone()))
+        .execute(pool)
+        .await
+    {
         Ok(_) => {
             tracing::info!(publication = %names.slot, "created the publication of outbox_events (inserts)");
             Ok(())
@@ -193,9 +196,14 @@ pub(crate) async fn create(pool: &PgPool, slot: &str) -> Result<bool> {
         Err(e) if outbox_pg::sqlstate(&e).as_deref() == Some("42710") => Ok(false),
         Err(e) if outbox_pg::is_insufficient_privilege(&e) => Err(Error::new(
             ErrorKind::Privilege,
-            format!("the relay's role may not create replication slot `{slot}`: grant it REPLICATION"),
+            format!(
+                "the relay's role may not create replication slot `{slot}`: grant it REPLICATION"
+            ),
         )),
-        Err(e) => Err(Error::database("creating the WAL source's replication slot", e)),
+        Err(e) => Err(Error::database(
+            "creating the WAL source's replication slot",
+            e,
+        )),
     }
 }
 
