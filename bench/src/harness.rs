@@ -631,6 +631,22 @@ impl RelayProc {
         Ok(())
     }
 
+    /// Waits (at most 60 s) until the process has logged `marker`.
+    pub(crate) async fn wait_logged(&mut self, marker: &str) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .contains(marker)
+        {
+            self.check_alive(&format!("before it logged {marker:?}"))?;
+            if Instant::now() >= deadline {
+                return Err(format!("{} did not log {marker:?} within 60 s", self.name()).into());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+
     fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();

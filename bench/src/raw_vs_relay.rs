@@ -12,9 +12,15 @@
 //!   `update … set published_at = now() where id = any($1); commit`.
 //! - **outbox-relay × N**: the shipped binary as N processes with default
 //!   flags.
+//! - **outbox-relay --source wal**: the shipped binary, one process, default
+//!   flags but the source, reading the rows from its replication slot.
 //!
-//! Rows are written (one statement) and vacuumed before the relays start; the
-//! clock runs from the start until the stream holds every event.
+//! Rows are written (one statement) and vacuumed before the polling relays
+//! start, and the clock runs from their start until the stream holds every
+//! event. The WAL relay is started first and reads its slot (rows written
+//! before the slot go through the polling path, which this would measure
+//! again); the rows are written then, in the same one statement, and the
+//! clock runs from its commit.
 
 use std::time::{Duration, Instant};
 
@@ -27,8 +33,9 @@ use uuid::Uuid;
 
 use crate::Args;
 use crate::harness::{
-    Db, Env, Phases, Result, TAIL, bulk_rate, drain, envelopes, insert_events, pad, publish_all,
-    repeat_if_killed, stop_all, tail_secs, wait_for_messages, wait_marked,
+    Db, Drain, Env, Phases, RelayProc, Result, SUBJECTS, TAIL, bulk_rate, drain, envelopes,
+    insert_events, pad, publish_all, repeat_if_killed, stop_all, tail_secs, wait_for_messages,
+    wait_marked,
 };
 use crate::stats::{Spread, num, ratios};
 
@@ -37,6 +44,7 @@ enum Mode {
     Raw,
     Simple,
     Relay(usize),
+    Wal,
 }
 
 impl Mode {
@@ -46,6 +54,7 @@ impl Mode {
             Self::Simple => "simple batched relay (500, skip locked)".into(),
             Self::Relay(1) => "outbox-relay, 1 process".into(),
             Self::Relay(n) => format!("outbox-relay, {n} processes"),
+            Self::Wal => "outbox-relay --source wal, 1 process".into(),
         }
     }
 }
@@ -64,6 +73,7 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
     );
     let mut modes = vec![Mode::Raw, Mode::Simple];
     modes.extend(args.replicas.iter().map(|&n| Mode::Relay(n)));
+    modes.push(Mode::Wal);
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
     let mut bulks: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
     let mut tails: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
@@ -76,6 +86,7 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
                 Mode::Raw => raw(env, &events).await?,
                 Mode::Simple => simple(env, &events).await?,
                 Mode::Relay(n) => repeat_if_killed(env, || relays(env, &events, n)).await?,
+                Mode::Wal => repeat_if_killed(env, || wal(env, &events)).await?,
             };
             println!(
                 "round {round}: {:<42} {:>9} events/s{}",
@@ -205,6 +216,80 @@ async fn relays_on(
         phases: run.phases,
     };
     stop_all(env, run.relays).await;
+    Ok(result)
+}
+
+async fn wal(env: &Env, events: &[Envelope]) -> Result<Run> {
+    let db = env.database("wal").await?;
+    let stream = env.stream_name();
+    let result = wal_on(env, &db, &stream, events).await;
+    env.delete_stream(&stream).await;
+    // A database with a replication slot cannot be dropped.
+    sqlx::query(
+        "select pg_drop_replication_slot(slot_name) from pg_replication_slots
+          where database = current_database()",
+    )
+    .execute(&db.pool)
+    .await?;
+    env.drop_database(db).await?;
+    result
+}
+
+async fn wal_on(env: &Env, db: &Db, stream: &str, events: &[Envelope]) -> Result<Run> {
+    let mut relay = RelayProc::start_with_args(
+        env,
+        &format!("{stream}_wal"),
+        &db.url,
+        stream,
+        SUBJECTS,
+        &["--source", "wal"],
+    )
+    .await?;
+    let ready = relay.wait_logged("reading the WAL").await;
+    let run = match ready {
+        Ok(()) => {
+            insert_events(&db.pool, events).await?;
+            let started = Instant::now();
+            let mut relays = vec![relay];
+            let samples =
+                wait_for_messages(env, stream, events.len(), started, &mut relays, |_, _| {
+                    Ok(())
+                })
+                .await;
+            let elapsed = started.elapsed();
+            (samples, elapsed, relays)
+        }
+        Err(e) => {
+            stop_all(env, vec![relay]).await;
+            return Err(e);
+        }
+    };
+    let (samples, elapsed, relays) = run;
+    let samples = match samples {
+        Ok(samples) => samples,
+        Err(e) => {
+            stop_all(env, relays).await;
+            return Err(e);
+        }
+    };
+    wait_marked(&db.pool).await?;
+    let mut phases = Phases::default();
+    for relay in &relays {
+        phases.add(&relay.phases().await?);
+    }
+    let drained = Drain {
+        elapsed,
+        samples,
+        phases,
+        relays,
+    };
+    let result = Run {
+        rate: drained.rate(events.len()),
+        bulk: drained.bulk_rate(events.len()),
+        tail: Some(drained.tail(events.len())),
+        phases: drained.phases.clone(),
+    };
+    stop_all(env, drained.relays).await;
     Ok(result)
 }
 

@@ -26,6 +26,7 @@ mod inbox;
 mod nats;
 mod outbox;
 mod output;
+mod wal;
 
 use std::process::ExitCode;
 
@@ -77,6 +78,9 @@ enum Command {
     /// report those it lost after acking them; `--republish` has the relay
     /// publish them again.
     Audit(Box<audit::Args>),
+    /// The replication slots of a WAL relay (`outbox-relay --source wal`).
+    #[command(subcommand)]
+    Wal(wal::Command),
 }
 
 async fn run(cli: Cli) -> Result<()> {
@@ -91,6 +95,7 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Inbox(command) => inbox::run(db, command, json).await,
         Command::DeadLetters(command) => dead_letters::run(db, command, json).await,
         Command::Audit(args) => audit::run(db, args, json).await,
+        Command::Wal(command) => wal::run(db, command, json).await,
     }
 }
 

@@ -320,7 +320,44 @@ async fn a_backlog_and_concurrent_writers_are_published_once_in_change_order() {
     assert!(log.contains("reading the WAL"), "{}", relays.tail("wal-1"));
     let slot = slot_of(&db.pool).await.expect("a replication slot");
     assert!(slot.0.starts_with("outbox_relay_"), "{slot:?}");
+
+    // outboxctl shows the slot, and drops it only once nobody reads it.
+    let status = outboxctl(db.url(), &["wal", "status"]);
+    assert!(
+        status.status.success() && status.stdout.contains(&slot.0),
+        "{}{}",
+        status.stdout,
+        status.stderr
+    );
+    let refused = outboxctl(db.url(), &["wal", "drop-slot", &slot.0]);
+    assert!(
+        !refused.status.success() && refused.stderr.contains("being read"),
+        "{}",
+        refused.stderr
+    );
     assert_eq!(relay.terminate().await, Some(0), "{}", relays.tail("wal-1"));
+    wait_until("the slot let go", Duration::from_secs(10), || async {
+        slot_of(&db.pool).await.is_some_and(|(_, active)| !active)
+    })
+    .await
+    .unwrap();
+    let dropped = outboxctl(db.url(), &["wal", "drop-slot", &slot.0]);
+    assert!(dropped.status.success(), "{}", dropped.stderr);
+    assert!(slot_of(&db.pool).await.is_none());
+}
+
+/// `outboxctl` with `args`, against `url`.
+fn outboxctl(url: &str, args: &[&str]) -> support::Output {
+    let out = std::process::Command::new(support::bin_dir().join("outboxctl"))
+        .env("DATABASE_URL", url)
+        .args(args)
+        .output()
+        .unwrap();
+    support::Output {
+        status: out.status,
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
 }
 
 /// Drops the database's slot as an operator would: ends the walsender
