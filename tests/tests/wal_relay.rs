@@ -597,3 +597,53 @@ async fn wal_level_replica_is_refused_at_start_naming_the_setting() {
         relays.tail("wal-1")
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_crashed_and_the_broker_down_mid_stream_store_each_event_once() {
+    let mut pg = tokio::task::spawn_blocking(PgServer::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let db = TestDb::on(&pg).await.unwrap();
+    let mut broker = tokio::task::spawn_blocking(outbox_testkit::NatsServer::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let relays = Relays::new(&db, &broker.url());
+    let mut relay = relays.start("wal-1").await;
+    wait_until("reading the WAL", Duration::from_secs(30), || async {
+        relays.log("wal-1").contains("reading the WAL")
+    })
+    .await
+    .unwrap();
+    write_spread(&db.pool, "p", 40, 2, 5, 0).await;
+    relays.wait_all(&db.pool, 400, &["wal-1"]).await;
+
+    // PostgreSQL crashes (immediate shutdown) right after more commits: the
+    // slot may hand back transactions the relay published already.
+    write_spread(&db.pool, "p", 40, 2, 5, 10).await;
+    tokio::task::block_in_place(|| pg.restart()).unwrap();
+    relays.wait_all(&db.pool, 800, &["wal-1"]).await;
+
+    // The broker down for 30 s while rows are written: no attempt burnt.
+    tokio::task::block_in_place(|| broker.kill()).unwrap();
+    write_spread(&db.pool, "p", 40, 2, 5, 20).await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert!(
+        relay.is_running() && !relay.died(),
+        "{}",
+        relays.tail("wal-1")
+    );
+    assert_eq!(count_where(&db.pool, "published_at is not null").await, 800);
+    tokio::task::block_in_place(|| broker.start_again()).unwrap();
+    relays.wait_all(&db.pool, 1_200, &["wal-1"]).await;
+    assert_eq!(
+        count_where(&db.pool, "attempts > 0").await,
+        0,
+        "a broker outage cost attempts"
+    );
+    let messages = read_stream(&broker.url(), &relays.stream).await;
+    assert_once_in_order(&messages);
+    assert_positions(&db.pool).await;
+    assert_eq!(relay.terminate().await, Some(0), "{}", relays.tail("wal-1"));
+}
