@@ -122,6 +122,11 @@ struct Args {
     /// stream, then the stream leader (each restarted later).
     #[arg(long)]
     cluster: bool,
+    /// Where the two `outbox-relay` replicas read new rows: `poll` claims
+    /// them from the table, `wal` reads them from a replication slot (one
+    /// replica leads, the other stands by).
+    #[arg(long, default_value = "poll", value_parser = ["poll", "wal"])]
+    source: String,
 }
 
 /// The broker: one nats-server (or `NATS_URL`), or a 3-node cluster.
@@ -256,6 +261,7 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
             .env("DATABASE_URL", &subs_url)
             .env("NATS_URL", &nats_url)
             .args(["--stream", STREAM, "--subjects", SUBJECTS])
+            .args(["--source", args.source.as_str()])
             .args([
                 "--poll-interval",
                 "100ms",
