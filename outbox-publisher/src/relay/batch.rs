@@ -179,7 +179,7 @@ impl<S: Sink> Relay<S> {
             e.1 = e.1.max(row.seq);
         }
         let unresolved = self
-            .publish_rows(rows, deadline, max_payload, &mut report)
+            .publish_rows(rows, deadline, max_payload, &mut report, None)
             .await?;
 
         // Cursors: up to the settled horizon, not past the last main-lane row
@@ -216,13 +216,16 @@ impl<S: Sink> Relay<S> {
     /// parked), followers of rows published out of the retry lane made due.
     /// Returns the rows left unresolved (past the byte budget, behind a
     /// broker fault or an unresolved row of their subject, out of time),
-    /// with nothing written for them; `report` gets the counts.
+    /// with nothing written for them; `report` gets the counts. With
+    /// `marks`, the published rows are not marked here but added to it, for
+    /// the caller to mark off the publish path.
     pub(super) async fn publish_rows(
         &self,
         rows: Vec<ClaimedRow>,
         deadline: Instant,
         max_payload: usize,
         report: &mut BatchReport,
+        marks: Option<&mut Vec<(Uuid, Option<Position>)>>,
     ) -> Result<Vec<ClaimedRow>> {
         let mut deferred: Vec<(Uuid, Option<chrono::DateTime<chrono::Utc>>)> = Vec::new();
         let mut unresolved: Vec<ClaimedRow> = Vec::new();
@@ -313,7 +316,12 @@ impl<S: Sink> Relay<S> {
         self.note_broker_health(report.published, broker_faults, first_fault.as_deref());
 
         let started = Instant::now();
-        self.store.mark_published(&published).await?;
+        match marks {
+            Some(marks) => marks.extend(published),
+            None => {
+                self.store.mark_published(&published).await?;
+            }
+        }
         let capped = self
             .store
             .mark_failed(&failures, self.config.max_attempts)

@@ -293,12 +293,33 @@ impl<S: Sink> Relay<S> {
         let mut oldest: Option<i64> = None;
         let mut skip = false;
         let mut in_txn = false;
+        // The marks of the last window published, being written.
+        let mut inflight: Option<Inflight> = None;
         loop {
             // Wait for the stream when nothing read is waiting to be
             // published or confirmed (or the rest of a transaction is due).
             let event = if window.is_empty() && (confirmable.is_none() || in_txn) {
                 tokio::select! {
-                    () = stop.cancelled() => return Ok(()),
+                    () = stop.cancelled() => {
+                        if let Some(job) = inflight.take() {
+                            job.land(client, p).await?;
+                        }
+                        return Ok(());
+                    }
+                    landed = async {
+                        match inflight.as_mut() {
+                            Some(job) => (&mut job.marks).await,
+                            None => std::future::pending().await,
+                        }
+                    } => {
+                        let confirm = inflight.take().and_then(|job| job.confirm);
+                        marked(landed)?;
+                        if let Some(lsn) = confirm {
+                            client.update_applied_lsn(lsn);
+                            p.done = lsn;
+                        }
+                        continue;
+                    }
                     ev = client.recv() => Some(ev),
                 }
             } else {
@@ -306,12 +327,14 @@ impl<S: Sink> Relay<S> {
             };
             let Some(event) = event else {
                 // Nothing more right now: publish what is there.
-                if !self.wal_flush(&mut window, oldest, stop).await? {
+                let confirm = if in_txn { None } else { confirmable.take() };
+                if !self
+                    .wal_settle(client, p, &mut window, confirm, oldest, &mut inflight, stop)
+                    .await?
+                {
                     return Ok(());
                 }
-                if !in_txn && let Some(lsn) = confirmable.take() {
-                    client.update_applied_lsn(lsn);
-                    p.done = lsn;
+                if confirm.is_some() {
                     oldest = None;
                     metrics::wal_lag(Duration::ZERO);
                 }
@@ -347,7 +370,9 @@ impl<S: Sink> Relay<S> {
                         _ => {}
                     }
                     if window.len() >= self.config.batch_size
-                        && !self.wal_flush(&mut window, oldest, stop).await?
+                        && !self
+                            .wal_settle(client, p, &mut window, None, oldest, &mut inflight, stop)
+                            .await?
                     {
                         return Ok(());
                     }
@@ -364,14 +389,22 @@ impl<S: Sink> Relay<S> {
                     }
                     skip = false;
                     if window.len() >= self.config.batch_size {
-                        if !self.wal_flush(&mut window, oldest, stop).await? {
+                        let confirm = confirmable.take();
+                        if !self
+                            .wal_settle(
+                                client,
+                                p,
+                                &mut window,
+                                confirm,
+                                oldest,
+                                &mut inflight,
+                                stop,
+                            )
+                            .await?
+                        {
                             return Ok(());
                         }
-                        if let Some(lsn) = confirmable.take() {
-                            client.update_applied_lsn(lsn);
-                            p.done = lsn;
-                            oldest = None;
-                        }
+                        oldest = None;
                     }
                 }
                 // Idle: nothing read is waiting, so the slot may move on
@@ -379,6 +412,7 @@ impl<S: Sink> Relay<S> {
                 ReplicationEvent::KeepAlive { wal_end, .. }
                     if window.is_empty()
                         && confirmable.is_none()
+                        && inflight.is_none()
                         && !in_txn
                         && wal_end > p.done =>
                 {
@@ -390,18 +424,63 @@ impl<S: Sink> Relay<S> {
         }
     }
 
+    /// Publishes `window` ([`wal_flush`](Self::wal_flush)), then lets the
+    /// marks of the window before land and confirms its commit, and starts
+    /// this window's marks, to be confirmed up to `confirm` once written. So
+    /// one window is marked while the next is read and published, and the
+    /// slot never passes a row not yet marked. `false` when `stop` came first.
+    #[allow(clippy::too_many_arguments)]
+    async fn wal_settle(
+        &self,
+        client: &mut ReplicationClient,
+        p: &mut Progress,
+        window: &mut Vec<ClaimedRow>,
+        confirm: Option<Lsn>,
+        oldest_commit: Option<i64>,
+        inflight: &mut Option<Inflight>,
+        stop: &CancellationToken,
+    ) -> Result<bool> {
+        let Some(marks) = self.wal_flush(window, oldest_commit, stop).await? else {
+            return Ok(false);
+        };
+        if let Some(job) = inflight.take() {
+            job.land(client, p).await?;
+        }
+        if marks.is_empty() {
+            if let Some(lsn) = confirm {
+                client.update_applied_lsn(lsn);
+                p.done = lsn;
+            }
+        } else {
+            let store = self.store.clone();
+            *inflight = Some(Inflight {
+                marks: tokio::spawn(async move {
+                    let started = Instant::now();
+                    let marked = store.mark_published(&marks).await;
+                    metrics::phase("mark", started.elapsed());
+                    marked
+                }),
+                confirm,
+            });
+        }
+        Ok(true)
+    }
+
     /// Publishes and records `window` (emptying it): rows behind a row of
     /// their subject in the retry lane are deferred behind it, rows behind a
     /// broker fault are tried again with backoff until they are published or
-    /// refused. `false` when `stop` came before that (nothing may be confirmed).
+    /// refused. Returns the marks of the published rows, for the caller to
+    /// write off the publish path; `None` when `stop` came before that
+    /// (nothing may be confirmed).
     async fn wal_flush(
         &self,
         window: &mut Vec<ClaimedRow>,
         oldest_commit: Option<i64>,
         stop: &CancellationToken,
-    ) -> Result<bool> {
+    ) -> Result<Option<Marks>> {
+        let mut marks = Marks::new();
         if window.is_empty() {
-            return Ok(true);
+            return Ok(Some(marks));
         }
         let mut pending = std::mem::take(window);
         let max_payload = self.sink.max_payload();
@@ -435,7 +514,13 @@ impl<S: Sink> Relay<S> {
             };
             metrics::batch(pending.len());
             let result = self
-                .publish_rows(pending, deadline, max_payload, &mut report)
+                .publish_rows(
+                    pending,
+                    deadline,
+                    max_payload,
+                    &mut report,
+                    Some(&mut marks),
+                )
                 .await;
             let unresolved = match result {
                 Ok(unresolved) => {
@@ -449,12 +534,12 @@ impl<S: Sink> Relay<S> {
                     let failed = Err(e);
                     self.note_db_health(&failed);
                     self.report_health();
-                    return failed.map(|_: BatchReport| false);
+                    return failed.map(|_: BatchReport| None);
                 }
             };
             metrics::phase("wal", started.elapsed());
             if unresolved.is_empty() {
-                return Ok(true);
+                return Ok(Some(marks));
             }
             pending = unresolved;
             for row in &mut pending {
@@ -462,7 +547,7 @@ impl<S: Sink> Relay<S> {
             }
             if report.progress() == 0 {
                 tokio::select! {
-                    () = stop.cancelled() => return Ok(false),
+                    () = stop.cancelled() => return Ok(None),
                     () = tokio::time::sleep(idle.next()) => {}
                 }
             } else {
@@ -470,6 +555,35 @@ impl<S: Sink> Relay<S> {
             }
         }
     }
+}
+
+/// The marks of published rows: id and stream position.
+type Marks = Vec<(uuid::Uuid, Option<crate::store::Position>)>;
+
+/// A window's marks being written, and the commit to confirm after them.
+#[derive(Debug)]
+struct Inflight {
+    marks: tokio::task::JoinHandle<Result<u64>>,
+    confirm: Option<Lsn>,
+}
+
+impl Inflight {
+    /// Waits for the marks, then confirms.
+    async fn land(self, client: &ReplicationClient, p: &mut Progress) -> Result<()> {
+        marked(self.marks.await)?;
+        if let Some(lsn) = self.confirm {
+            client.update_applied_lsn(lsn);
+            p.done = lsn;
+        }
+        Ok(())
+    }
+}
+
+/// The outcome of a marks task.
+fn marked(joined: std::result::Result<Result<u64>, tokio::task::JoinError>) -> Result<()> {
+    joined
+        .map_err(|e| Error::new(ErrorKind::Database, format!("marking rows published: {e}")))?
+        .map(drop)
 }
 
 /// A replication client's error as the relay's.
