@@ -28,6 +28,10 @@ use crate::wal::{WalSource, slot};
 const LEAD_CHECK: Duration = Duration::from_secs(1);
 /// How long the backfill waits between looks at what is left.
 const BACKFILL_RECHECK: Duration = Duration::from_millis(100);
+/// A window of rows read from the WAL holds up to this many batches
+/// (`batch_size` rows, `batch_bytes` of payloads, each): every window ends
+/// with a wait for its last PubAcks, which fewer, larger windows pay less often.
+const WINDOW_BATCHES: usize = 4;
 
 /// What the WAL task keeps from one replication session to the next.
 #[derive(Debug, Default)]
@@ -295,10 +299,17 @@ impl<S: Sink> Relay<S> {
         let mut in_txn = false;
         // The marks of the last window published, being written.
         let mut inflight: Option<Inflight> = None;
+        // The payload bytes in `window`.
+        let mut window_bytes = 0usize;
         loop {
-            // Wait for the stream when nothing read is waiting to be
-            // published or confirmed (or the rest of a transaction is due).
-            let event = if window.is_empty() && (confirmable.is_none() || in_txn) {
+            if window.is_empty() {
+                window_bytes = 0;
+            }
+            // Wait for the stream inside a transaction (its rest is
+            // committed and on its way: a window is not cut short while the
+            // client catches up) and when nothing read waits to be published
+            // or confirmed; otherwise publish what is there.
+            let event = if in_txn || (window.is_empty() && confirmable.is_none()) {
                 tokio::select! {
                     () = stop.cancelled() => {
                         if let Some(job) = inflight.take() {
@@ -364,12 +375,13 @@ impl<S: Sink> Relay<S> {
                                 && let Inserted::Fresh(row) = layout.row(&values, max_payload)
                                 && row.seq > floor
                             {
+                                window_bytes += usize::try_from(row.data_len).unwrap_or(usize::MAX);
                                 window.push(*row);
                             }
                         }
                         _ => {}
                     }
-                    if window.len() >= self.config.batch_size
+                    if self.window_full(&window, window_bytes)
                         && !self
                             .wal_settle(client, p, &mut window, None, oldest, &mut inflight, stop)
                             .await?
@@ -388,7 +400,7 @@ impl<S: Sink> Relay<S> {
                         oldest.get_or_insert(commit_time_micros);
                     }
                     skip = false;
-                    if window.len() >= self.config.batch_size {
+                    if self.window_full(&window, window_bytes) {
                         let confirm = confirmable.take();
                         if !self
                             .wal_settle(
@@ -422,6 +434,14 @@ impl<S: Sink> Relay<S> {
                 _ => {}
             }
         }
+    }
+
+    /// Whether `window` (`bytes` of payloads) is as large as a window gets:
+    /// [`WINDOW_BATCHES`] batches of rows, or the batch byte budget as many
+    /// times.
+    fn window_full(&self, window: &[ClaimedRow], bytes: usize) -> bool {
+        window.len() >= self.config.batch_size.saturating_mul(WINDOW_BATCHES)
+            || bytes >= self.config.batch_bytes.saturating_mul(WINDOW_BATCHES)
     }
 
     /// Publishes `window` ([`wal_flush`](Self::wal_flush)), then lets the
