@@ -646,8 +646,13 @@ async fn subject_lookups_stay_on_the_hashed_index() {
     let cases = [
         (
             "outbox-publisher/queries/claim.sql",
-            "smallint[], bigint[], int[], int, bigint, bigint, int",
-            "'{1,2,3,4}', '{0,0,0,0}', '{50,50,50,50}', 20, 1000000, 1048576, 50",
+            "smallint[], bigint[], int[], int, bigint, bigint, int, bigint",
+            "'{1,2,3,4}', '{0,0,0,0}', '{50,50,50,50}', 20, 1000000, 1048576, 50, 9223372036854775807",
+        ),
+        (
+            "outbox-publisher/queries/wal_blockers.sql",
+            "text[], bigint[], int",
+            "'{ent-1,ent-2}', '{100,100}', 20",
         ),
         (
             "outbox-publisher/queries/wake_followers.sql",
