@@ -58,6 +58,12 @@
 //!   the audit) is logged at start, risky settings warned on or, with
 //!   [`RelayConfig::require_durable`], refused.
 //!
+//! # Sources
+//!
+//! By default the relay claims new rows from the table ([`Source::Poll`]);
+//! [`RelayConfig::source_wal`] reads them from PostgreSQL's logical decoding
+//! instead, in commit order, with the same guarantees (see [`wal`]).
+//!
 //! # Features
 //!
 //! - `cli` (off by default): the `outbox-relay` binary and the helpers

@@ -251,6 +251,16 @@ pub(crate) fn stream_up(up: bool) {
     gauge!(STREAM_UP).set(if up { 1.0 } else { 0.0 });
 }
 
+/// Registers the WAL source's series at their resting values, so they are
+/// exported (and alerted on) from its start.
+pub(crate) fn wal_registered() {
+    counter!(WAL_SLOT_LOST_TOTAL).increment(0);
+    gauge!(WAL_UP).set(0.0);
+    gauge!(WAL_LAG_SECONDS).set(0.0);
+    gauge!(WAL_LAG_BYTES).set(0.0);
+    gauge!(WAL_SLOT_AT_RISK).set(0.0);
+}
+
 /// Sets `outbox_relay_wal_up`.
 pub(crate) fn wal_up(up: bool) {
     gauge!(WAL_UP).set(if up { 1.0 } else { 0.0 });

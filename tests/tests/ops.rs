@@ -453,6 +453,22 @@ async fn binaries_export_what_the_dashboard_and_alerts_use_and_answer_probes() {
         &[("DATABASE_URL", upstream.url()), ("NATS_URL", &nats_url)],
         &["--stream", STREAM, "--subjects", "subscription.>,invoice.>"],
     );
+    // A WAL relay exports the slot's series besides.
+    let wal_db = TestDb::new().await.unwrap();
+    let mut wal_relay = Proc::spawn(
+        "outbox-relay",
+        "outbox-relay-wal",
+        dir.path(),
+        &[("DATABASE_URL", wal_db.url()), ("NATS_URL", &nats_url)],
+        &[
+            "--stream",
+            "OPS_WAL",
+            "--subjects",
+            "wal.>",
+            "--source",
+            "wal",
+        ],
+    );
     let mut billing = Proc::spawn(
         "billing",
         "billing",
@@ -574,9 +590,21 @@ async fn binaries_export_what_the_dashboard_and_alerts_use_and_answer_probes() {
         );
     }
 
+    let (_, wal_text) = wal_relay
+        .wait_for("the WAL source's series", "/metrics", |_, b| {
+            b.contains("outbox_relay_wal_up 1")
+                && b.contains("outbox_relay_wal_lag_bytes ")
+                && b.contains("outbox_relay_wal_slot_lost_total ")
+        })
+        .await;
+
     // Every exported name follows the rules.
     let mut exported_names = BTreeMap::new();
-    for (who, text) in [("outbox-relay", &relay_text), ("billing", &billing_text)] {
+    for (who, text) in [
+        ("outbox-relay", &relay_text),
+        ("outbox-relay --source wal", &wal_text),
+        ("billing", &billing_text),
+    ] {
         for (name, kind) in exported(text) {
             check_name(&name, &kind).unwrap_or_else(|e| panic!("{who} exports {e}"));
             exported_names.insert(name, kind);

@@ -84,6 +84,24 @@ impl Relays {
         relay
     }
 
+    /// Starts `name` and waits until it reads the WAL (its backfill done).
+    async fn start_reading(&self, name: &str) -> Program {
+        let relay = self.start(name).await;
+        self.wait_logged(name, "reading the WAL").await;
+        relay
+    }
+
+    /// Waits until `name` has logged `marker`; panics with its log otherwise.
+    async fn wait_logged(&self, name: &str, marker: &str) {
+        wait_until(
+            &format!("{name} logs {marker:?}"),
+            Duration::from_secs(30),
+            || async { self.log(name).contains(marker) },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", self.tail(name)));
+    }
+
     fn log(&self, name: &str) -> String {
         std::fs::read_to_string(self.log_dir.join(format!("{name}.log"))).unwrap_or_default()
     }
@@ -437,12 +455,7 @@ async fn a_standby_takes_over_from_a_killed_leader_in_order() {
     let db = TestDb::new().await.unwrap();
     let nats = nats().unwrap();
     let relays = Relays::new(&db, nats.url());
-    let mut leader = relays.start("wal-1").await;
-    wait_until("wal-1 reads the WAL", Duration::from_secs(30), || async {
-        relays.log("wal-1").contains("reading the WAL")
-    })
-    .await
-    .unwrap();
+    let mut leader = relays.start_reading("wal-1").await;
     // One row per transaction, round after round over 40 subjects, until
     // the third kill is done.
     let writing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
@@ -462,13 +475,7 @@ async fn a_standby_takes_over_from_a_killed_leader_in_order() {
     for kill in 1..=3 {
         let standby = format!("wal-{}", kill + 1);
         let next = relays.start(&standby).await;
-        wait_until(
-            "the new replica stands by",
-            Duration::from_secs(30),
-            || async { relays.log(&standby).contains("standing by") },
-        )
-        .await
-        .unwrap();
+        relays.wait_logged(&standby, "standing by").await;
         let published = count_where(&db.pool, "published_at is not null").await;
         wait_until("more rows published", Duration::from_secs(60), || async {
             count_where(&db.pool, "published_at is not null").await >= published + 300
@@ -481,11 +488,7 @@ async fn a_standby_takes_over_from_a_killed_leader_in_order() {
             )
         });
         leader.kill9().await;
-        wait_until("the standby leads", Duration::from_secs(30), || async {
-            relays.log(&standby).contains("reading the WAL")
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e}\n{}", relays.tail(&standby)));
+        relays.wait_logged(&standby, "reading the WAL").await;
         names.push(standby);
         leader = next;
     }
@@ -509,12 +512,7 @@ async fn a_poison_row_is_parked_and_holds_back_only_its_subject() {
     let db = TestDb::new().await.unwrap();
     let nats = nats().unwrap();
     let relays = Relays::new(&db, nats.url());
-    let mut relay = relays.start("wal-1").await;
-    wait_until("reading the WAL", Duration::from_secs(30), || async {
-        relays.log("wal-1").contains("reading the WAL")
-    })
-    .await
-    .unwrap();
+    let mut relay = relays.start_reading("wal-1").await;
     insert(&db.pool, "poisoned", 0, 3).await;
     // A time no CloudEvents client can carry, written by plain SQL.
     sqlx::query(
@@ -614,12 +612,7 @@ async fn postgres_crashed_and_the_broker_down_mid_stream_store_each_event_once()
         .unwrap()
         .unwrap();
     let relays = Relays::new(&db, &broker.url());
-    let mut relay = relays.start("wal-1").await;
-    wait_until("reading the WAL", Duration::from_secs(30), || async {
-        relays.log("wal-1").contains("reading the WAL")
-    })
-    .await
-    .unwrap();
+    let mut relay = relays.start_reading("wal-1").await;
     write_spread(&db.pool, "p", 40, 2, 5, 0).await;
     relays.wait_all(&db.pool, 400, &["wal-1"]).await;
 
@@ -657,12 +650,7 @@ async fn an_idle_outbox_does_not_hold_wal_back() {
     let db = TestDb::new().await.unwrap();
     let nats = nats().unwrap();
     let relays = Relays::new(&db, nats.url());
-    let mut relay = relays.start("wal-1").await;
-    wait_until("reading the WAL", Duration::from_secs(30), || async {
-        relays.log("wal-1").contains("reading the WAL")
-    })
-    .await
-    .unwrap();
+    let mut relay = relays.start_reading("wal-1").await;
     insert(&db.pool, "idle", 0, 5).await;
     relays.wait_all(&db.pool, 5, &["wal-1"]).await;
     // Other tables' writes move the server's WAL on; nothing of the outbox's.

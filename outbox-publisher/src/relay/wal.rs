@@ -130,6 +130,7 @@ impl<S: Sink> Relay<S> {
         wake: &watch::Sender<u64>,
         stop: &CancellationToken,
     ) -> Result<()> {
+        metrics::wal_registered();
         let mut progress = Progress {
             names: Some(names),
             ..Progress::default()
