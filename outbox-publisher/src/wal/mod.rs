@@ -52,8 +52,12 @@
 //! # The wire crate
 //!
 //! The replication protocol comes from `pgwire-replication` (MIT/Apache-2.0,
-//! tokio, its own small pgwire implementation with SCRAM and rustls, no
-//! second SQL client). It was chosen for two properties the relay relies on:
+//! tokio, its own small pgwire implementation with SCRAM, no second SQL
+//! client), without its TLS feature: that feature turns on rustls' default
+//! crypto provider beside the one the rest of the tree uses, which leaves
+//! rustls without a process default. So the replication connection does not
+//! use TLS yet, and a URL that requires it (`sslmode=require`, `verify-*`) is
+//! refused at start, never connected in the clear. It was chosen for two properties the relay relies on:
 //! standby status updates keep flowing while the consumer of the stream is
 //! slow (a walsender that hears nothing for `wal_sender_timeout` kills the
 //! connection), and the confirmed position is only what the caller says it
@@ -113,8 +117,10 @@ impl WalSource {
     ///
     /// # Errors
     /// [`ErrorKind::Config`] for a URL that is not a PostgreSQL URL, or an
-    /// `sslmode` other than `disable`, `allow`, `prefer`, `require`,
-    /// `verify-ca`, `verify-full` (the message never shows the password).
+    /// `sslmode` other than `disable`, `allow`, `prefer` (which connect
+    /// without TLS): the replication connection does not use TLS yet, so
+    /// `require`, `verify-ca` and `verify-full` are refused rather than
+    /// connected in the clear (the message never shows the password).
     pub fn from_url(url: &str) -> Result<Self> {
         let bad = |why: &str| {
             Error::new(
@@ -162,16 +168,17 @@ impl WalSource {
         if database.is_empty() {
             database.clone_from(&user);
         }
+        let _ = root;
         let tls = match mode.as_str() {
-            "disable" => pgwire_replication::TlsConfig::disabled(),
-            "allow" | "prefer" => {
-                let mut tls = pgwire_replication::TlsConfig::disabled();
-                tls.mode = pgwire_replication::SslMode::Prefer;
-                tls
+            // `prefer` (sqlx's default) and `allow` connect without TLS.
+            "disable" | "allow" | "prefer" => pgwire_replication::TlsConfig::disabled(),
+            "require" | "verify-ca" | "verify-full" => {
+                return Err(bad(&format!(
+                    "has sslmode={mode}, and the WAL source's replication connection does not \
+                     use TLS yet: run the relay with --source poll, or give the WAL source a \
+                     URL with sslmode=disable on a network you trust"
+                )));
             }
-            "require" => pgwire_replication::TlsConfig::require(),
-            "verify-ca" => pgwire_replication::TlsConfig::verify_ca(root),
-            "verify-full" => pgwire_replication::TlsConfig::verify_full(root),
             other => {
                 return Err(bad(&format!(
                     "has sslmode={other}; expected disable, allow, prefer, require, verify-ca or verify-full"
@@ -290,6 +297,8 @@ mod tests {
         assert!(!format!("{w:?}").contains("p,w"));
         let err = WalSource::from_url("postgres://u:secret@h/db?sslmode=bogus").unwrap_err();
         assert!(!err.to_string().contains("secret"), "{err}");
+        let err = WalSource::from_url("postgres://u:secret@h/db?sslmode=verify-full").unwrap_err();
+        assert!(err.to_string().contains("--source poll"), "{err}");
         assert!(WalSource::from_url("mysql://h/db").is_err());
     }
 }
