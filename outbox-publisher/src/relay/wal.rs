@@ -36,7 +36,6 @@ const WINDOW_BATCHES: usize = 4;
 /// What the WAL task keeps from one replication session to the next.
 #[derive(Debug, Default)]
 struct Progress {
-    names: Option<slot::Names>,
     /// Rows at or below it belong to the polling path (the backfill);
     /// `None`: the next session backfills first.
     floor: Option<i64>,
@@ -131,13 +130,12 @@ impl<S: Sink> Relay<S> {
         stop: &CancellationToken,
     ) -> Result<()> {
         metrics::wal_registered();
-        let mut progress = Progress {
-            names: Some(names),
-            ..Progress::default()
-        };
+        let mut progress = Progress::default();
         let mut retry = LoopBackoff::new(Duration::from_millis(500), Duration::from_secs(10));
         while !stop.is_cancelled() {
-            let result = self.wal_session(wal, wake, stop, &mut progress).await;
+            let result = self
+                .wal_session(wal, &names, wake, stop, &mut progress)
+                .await;
             metrics::wal_up(false);
             match result {
                 Ok(()) => retry.reset(),
@@ -163,17 +161,14 @@ impl<S: Sink> Relay<S> {
     async fn wal_session(
         &self,
         wal: &WalSource,
+        names: &slot::Names,
         wake: &watch::Sender<u64>,
         stop: &CancellationToken,
         p: &mut Progress,
     ) -> Result<()> {
         let pool = self.store.pool();
-        let names = match &p.names {
-            Some(names) => names.clone(),
-            None => slot::names(pool, wal.slot.as_deref()).await?,
-        };
         slot::check(pool, &names.slot).await?;
-        slot::ensure_publication(pool, &names).await?;
+        slot::ensure_publication(pool, names).await?;
         let existing = slot::state(pool, &names.slot).await?;
         if let Some(state) = &existing {
             let database = wal.database.as_str();

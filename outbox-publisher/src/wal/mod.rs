@@ -78,7 +78,6 @@ pub(crate) mod pgoutput;
 pub(crate) mod row;
 pub(crate) mod slot;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::error::{Error, ErrorKind, Result};
@@ -111,7 +110,7 @@ impl std::fmt::Debug for WalSource {
 
 impl WalSource {
     /// The replication connection of a PostgreSQL URL
-    /// (`postgres://user:password@host:port/database?sslmode=…&sslrootcert=…`),
+    /// (`postgres://user:password@host:port/database?sslmode=…`),
     /// the URL the relay's pool uses. Without a password in the URL,
     /// `PGPASSWORD` is used.
     ///
@@ -150,11 +149,9 @@ impl WalSource {
         };
         let mut database = decode(parsed.path().trim_start_matches('/'))?;
         let mut mode = "prefer".to_owned();
-        let mut root: Option<PathBuf> = None;
         for (key, value) in parsed.query_pairs() {
             match key.as_ref() {
                 "sslmode" => mode = value.into_owned(),
-                "sslrootcert" => root = Some(PathBuf::from(value.as_ref())),
                 "host" => host = value.into_owned(),
                 "port" => {
                     port = value
@@ -168,7 +165,6 @@ impl WalSource {
         if database.is_empty() {
             database.clone_from(&user);
         }
-        let _ = root;
         let tls = match mode.as_str() {
             // `prefer` (sqlx's default) and `allow` connect without TLS.
             "disable" | "allow" | "prefer" => pgwire_replication::TlsConfig::disabled(),
