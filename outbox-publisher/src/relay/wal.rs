@@ -225,7 +225,7 @@ impl<S: Sink> Relay<S> {
             p.failing = false;
         }
         let result = tokio::select! {
-            r = self.wal_read(&mut client, &names, floor, stop, p) => r,
+            r = self.wal_read(&mut client, names, floor, stop, p) => r,
             () = self.wal_slot_stats(&names.slot) => Ok(()),
         };
         let _ = tokio::time::timeout(Duration::from_secs(5), client.shutdown()).await;
