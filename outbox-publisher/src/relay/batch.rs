@@ -94,7 +94,7 @@ const MIN_BATCH: usize = 16;
 
 /// What happened to one publishable row.
 #[derive(Debug)]
-enum Outcome {
+pub(super) enum Outcome {
     Published {
         duplicate: bool,
         /// Where the broker stored it, if the sink said.
@@ -281,30 +281,7 @@ impl<S: Sink> Relay<S> {
                     first_fault.get_or_insert_with(|| failure.to_string());
                     unresolved.push(row);
                 }
-                Outcome::Failed(failure) if !failure.kind().counts_as_attempt() => {
-                    // Not captured by the stream, read again: the operator's
-                    // fix is on the stream. It waits a refresh interval in the
-                    // retry lane (out of the cursor's way) at no cost.
-                    metrics::failed(failure.kind());
-                    failures.push(Failure {
-                        id: row.id,
-                        error: failure.to_string(),
-                        retry_in: self.config.stream_refresh,
-                        permanent: false,
-                        counted: false,
-                    });
-                }
-                Outcome::Failed(failure) => {
-                    metrics::failed(failure.kind());
-                    let attempt = u32::try_from(row.attempts).unwrap_or(0).saturating_add(1);
-                    failures.push(Failure {
-                        id: row.id,
-                        error: failure.to_string(),
-                        retry_in: self.backoff.delay(attempt),
-                        permanent: failure.kind().is_permanent(),
-                        counted: true,
-                    });
-                }
+                Outcome::Failed(failure) => failures.push(self.refusal(&row, &failure)),
                 Outcome::Unresolved => unresolved.push(row),
             }
         }
@@ -322,9 +299,49 @@ impl<S: Sink> Relay<S> {
                 self.store.mark_published(&published).await?;
             }
         }
+        self.record_refusals(&failures).await?;
+        self.store.defer(&deferred, self.config.backoff_max).await?;
+        woken.sort_unstable();
+        woken.dedup();
+        let woken: Vec<&str> = woken.iter().map(String::as_str).collect();
+        self.store.wake_followers(&woken).await?;
+        metrics::phase("mark", started.elapsed());
+        Ok(unresolved)
+    }
+
+    /// How a row refused for a reason of its own (not a broker fault) is
+    /// recorded: backed off (or parked at once when it can never be
+    /// published as it is), counting an attempt, or, when the stream read
+    /// again does not capture its type (the operator's fix is on the stream),
+    /// waiting a refresh interval in the retry lane at no cost.
+    pub(super) fn refusal(&self, row: &ClaimedRow, failure: &PublishFailure) -> Failure {
+        metrics::failed(failure.kind());
+        if failure.kind().counts_as_attempt() {
+            let attempt = u32::try_from(row.attempts).unwrap_or(0).saturating_add(1);
+            Failure {
+                id: row.id,
+                error: failure.to_string(),
+                retry_in: self.backoff.delay(attempt),
+                permanent: failure.kind().is_permanent(),
+                counted: true,
+            }
+        } else {
+            Failure {
+                id: row.id,
+                error: failure.to_string(),
+                retry_in: self.config.stream_refresh,
+                permanent: false,
+                counted: false,
+            }
+        }
+    }
+
+    /// Records refused rows ([`refusal`](Self::refusal)); one error line per
+    /// row that reached the attempt cap.
+    pub(super) async fn record_refusals(&self, failures: &[Failure]) -> Result<()> {
         let capped = self
             .store
-            .mark_failed(&failures, self.config.max_attempts)
+            .mark_failed(failures, self.config.max_attempts)
             .await?;
         // One line per row parked, its column values cut short (a writer may
         // put text of any length in them; the error is the relay's own, short).
@@ -339,13 +356,7 @@ impl<S: Sink> Relay<S> {
             );
         }
         metrics::capped(capped.len());
-        self.store.defer(&deferred, self.config.backoff_max).await?;
-        woken.sort_unstable();
-        woken.dedup();
-        let woken: Vec<&str> = woken.iter().map(String::as_str).collect();
-        self.store.wake_followers(&woken).await?;
-        metrics::phase("mark", started.elapsed());
-        Ok(unresolved)
+        Ok(())
     }
 
     /// Moves the settled horizon on for the next batch, off the path from a
@@ -367,7 +378,7 @@ impl<S: Sink> Relay<S> {
     /// one at a time, which finds the row refused (and lets dedupe answer for
     /// rows already stored), and batching resumes after them. A broker fault during a
     /// batch leaves all of its rows and the rest unresolved.
-    async fn publish_chain(
+    pub(super) async fn publish_chain(
         &self,
         chain: Vec<ClaimedRow>,
         deadline: Instant,

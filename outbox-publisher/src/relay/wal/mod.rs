@@ -1,0 +1,275 @@
+//! The WAL source inside the relay: leadership of the slot, the backfill
+//! through the polling path, and the read → publish → mark → confirm loop.
+//! The design is in [`crate::wal`].
+
+mod pipeline;
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use pgwire_replication::{Lsn, PgWireError, ReplicationClient};
+use sqlx::{Connection, PgConnection};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use self::pipeline::Pipeline;
+use super::Relay;
+use crate::backoff::LoopBackoff;
+use crate::error::{Error, ErrorKind, Result};
+use crate::metrics;
+use crate::sink::Sink;
+use crate::wal::{WalSource, slot};
+
+/// How often the leader checks that its session (and so its lock) lives,
+/// and a standby tries to take the lead.
+const LEAD_CHECK: Duration = Duration::from_secs(1);
+/// How long the backfill waits between looks at what is left.
+const BACKFILL_RECHECK: Duration = Duration::from_millis(100);
+
+/// What the WAL task keeps from one replication session to the next.
+#[derive(Debug, Default)]
+struct Progress {
+    /// Rows at or below it belong to the polling path (the backfill);
+    /// `None`: the next session backfills first.
+    floor: Option<i64>,
+    /// Every transaction ending at or before it is published and recorded.
+    done: Lsn,
+    /// A session failed and was not followed by a good one yet.
+    failing: bool,
+}
+
+impl<S: Sink> Relay<S> {
+    /// Waits for the lead of the WAL source's slot: a session holding its
+    /// advisory lock. `None` when `shutdown` came first.
+    pub(super) async fn wal_lead(
+        &self,
+        wal: &WalSource,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<(PgConnection, slot::Names)>> {
+        let options = (*self.store.pool().connect_options()).clone();
+        let mut said = false;
+        let mut retry = LoopBackoff::new(LEAD_CHECK, Duration::from_secs(10));
+        loop {
+            let attempt = async {
+                let names = slot::names(self.store.pool(), wal.slot.as_deref()).await?;
+                let mut conn = PgConnection::connect_with(&options)
+                    .await
+                    .map_err(|e| Error::database("connecting for the WAL source's lead", e))?;
+                let led = slot::try_lead(&mut conn, &names.slot).await?;
+                Ok::<_, Error>(led.then_some((conn, names.clone())).ok_or(names))
+            };
+            let pause = match tokio::select! {
+                () = shutdown.cancelled() => return Ok(None),
+                r = attempt => r,
+            } {
+                Ok(Ok(lead)) => {
+                    info!(slot = %lead.1.slot, "leading the WAL source");
+                    return Ok(Some(lead));
+                }
+                Ok(Err(names)) => {
+                    if !said {
+                        info!(slot = %names.slot, "another relay leads the WAL source; standing by");
+                        said = true;
+                    }
+                    retry.reset();
+                    LEAD_CHECK
+                }
+                Err(e) if e.kind() == ErrorKind::Config => return Err(e),
+                Err(e) => {
+                    if !said {
+                        warn!(error = %e, "cannot take the lead of the WAL source yet; retrying");
+                        said = true;
+                    }
+                    retry.next()
+                }
+            };
+            tokio::select! {
+                () = shutdown.cancelled() => return Ok(None),
+                () = tokio::time::sleep(pause) => {}
+            }
+        }
+    }
+
+    /// Watches the leader's session; cancels `stop` when it is gone (the lock
+    /// with it). Returns when `stop` is cancelled.
+    pub(super) async fn wal_keep_lead(&self, conn: &mut PgConnection, stop: &CancellationToken) {
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(LEAD_CHECK) => {}
+            }
+            let alive = tokio::time::timeout(self.config.publish_timeout, conn.ping()).await;
+            if !matches!(alive, Ok(Ok(()))) {
+                warn!("the WAL source's lead session ended; stopping to stand by again");
+                stop.cancel();
+                return;
+            }
+        }
+    }
+
+    /// Reads the WAL until `stop`, session after session.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] / [`ErrorKind::Privilege`] from the start-up
+    /// checks, which no retry passes.
+    pub(super) async fn wal_loop(
+        &self,
+        wal: &WalSource,
+        names: slot::Names,
+        wake: &watch::Sender<u64>,
+        stop: &CancellationToken,
+    ) -> Result<()> {
+        metrics::wal_registered();
+        let mut progress = Progress::default();
+        let mut retry = LoopBackoff::new(Duration::from_millis(500), Duration::from_secs(10));
+        while !stop.is_cancelled() {
+            let result = self
+                .wal_session(wal, &names, wake, stop, &mut progress)
+                .await;
+            metrics::wal_up(false);
+            match result {
+                Ok(()) => retry.reset(),
+                Err(e) if matches!(e.kind(), ErrorKind::Config | ErrorKind::Privilege) => {
+                    return Err(e);
+                }
+                Err(e) => {
+                    if !progress.failing {
+                        warn!(error = %e, "WAL source interrupted; reading again from the slot's confirmed position");
+                        progress.failing = true;
+                    }
+                    tokio::select! {
+                        () = stop.cancelled() => {}
+                        () = tokio::time::sleep(retry.next()) => {}
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One replication session: checks, slot, backfill if due, then reading.
+    async fn wal_session(
+        &self,
+        wal: &WalSource,
+        names: &slot::Names,
+        wake: &watch::Sender<u64>,
+        stop: &CancellationToken,
+        p: &mut Progress,
+    ) -> Result<()> {
+        let pool = self.store.pool();
+        slot::check(pool, &names.slot).await?;
+        slot::ensure_publication(pool, names).await?;
+        let existing = slot::state(pool, &names.slot).await?;
+        if let Some(state) = &existing {
+            let database = wal.database.as_str();
+            if state.plugin.as_deref() != Some("pgoutput")
+                || state.database.as_deref() != Some(database)
+            {
+                return Err(Error::new(
+                    ErrorKind::Config,
+                    format!(
+                        "replication slot `{}` exists for plugin {:?} in database {:?}, not pgoutput in `{database}`: \
+                         name another with --wal-slot, or drop it",
+                        names.slot, state.plugin, state.database
+                    ),
+                ));
+            }
+        }
+        let lost = existing.as_ref().is_some_and(slot::SlotState::is_lost);
+        if existing.is_none() || lost {
+            if lost || p.floor.is_some() {
+                warn!(
+                    slot = %names.slot,
+                    wal_status = existing.as_ref().and_then(|s| s.wal_status.as_deref()).unwrap_or("missing"),
+                    "the replication slot is gone (dropped, invalidated, or not on this server after a failover): \
+                     publishing the rows not yet marked through the polling path and making it again"
+                );
+                metrics::wal_slot_lost();
+            }
+            if lost {
+                slot::drop_slot(pool, &names.slot).await?;
+            }
+            if slot::create(pool, &names.slot).await? {
+                info!(slot = %names.slot, "created the replication slot (pgoutput)");
+            }
+            p.floor = None;
+        }
+        let floor = match p.floor {
+            Some(floor) => floor,
+            None => match self.wal_backfill(wake, stop).await? {
+                Some(floor) => {
+                    p.floor = Some(floor);
+                    floor
+                }
+                None => return Ok(()),
+            },
+        };
+        let config = wal.replication_config(&names.slot);
+        let mut client = tokio::select! {
+            () = stop.cancelled() => return Ok(()),
+            c = ReplicationClient::connect(config) => c.map_err(|e| wal_error("connecting for replication", &e))?,
+        };
+        metrics::wal_up(true);
+        if p.failing {
+            info!(slot = %names.slot, "WAL source reading again");
+            p.failing = false;
+        }
+        let result = tokio::select! {
+            r = Pipeline::new(self).run(&mut client, &names.schema, floor, stop, p) => r,
+            () = self.wal_slot_stats(&names.slot) => Ok(()),
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(5), client.shutdown()).await;
+        result
+    }
+
+    /// Lets the polling workers publish every fresh row up to the highest
+    /// seq handed out now, and waits until none is left and no transaction
+    /// can still commit one (the horizon passed it). The seq it returns is
+    /// the WAL reader's floor. `None` when `stop` came first.
+    async fn wal_backfill(
+        &self,
+        wake: &watch::Sender<u64>,
+        stop: &CancellationToken,
+    ) -> Result<Option<i64>> {
+        let floor = self.store.tick(None).await?.last_seq;
+        self.main_until.fetch_max(floor, Ordering::AcqRel);
+        wake.send_modify(|n| *n = n.wrapping_add(1));
+        let started = Instant::now();
+        loop {
+            if self.horizon.settled() >= floor && !slot::main_left(self.store.pool(), floor).await?
+            {
+                info!(
+                    up_to_seq = floor,
+                    took = ?started.elapsed(),
+                    "rows written before the slot published through the polling path; reading the WAL"
+                );
+                return Ok(Some(floor));
+            }
+            tokio::select! {
+                () = stop.cancelled() => return Ok(None),
+                () = tokio::time::sleep(BACKFILL_RECHECK) => {}
+            }
+        }
+    }
+
+    /// Sets the slot's gauges every stats interval; never returns.
+    async fn wal_slot_stats(&self, slot_name: &str) {
+        loop {
+            if let Ok(Some(state)) = slot::state(self.store.pool(), slot_name).await {
+                let at_risk = matches!(state.wal_status.as_deref(), Some("unreserved" | "lost"));
+                metrics::wal_slot(state.lag_bytes, at_risk);
+            }
+            tokio::time::sleep(self.config.stats_interval).await;
+        }
+    }
+}
+
+/// A replication client's error as the relay's.
+fn wal_error(doing: &str, e: &PgWireError) -> Error {
+    let kind = match e {
+        PgWireError::Auth(_) => ErrorKind::Privilege,
+        _ => ErrorKind::Database,
+    };
+    Error::new(kind, format!("{doing}: {e}"))
+}

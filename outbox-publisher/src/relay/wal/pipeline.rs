@@ -1,0 +1,630 @@
+//! The WAL source's publish pipeline: rows are published as they are read
+//! from the replication stream, many subjects side by side, each marked in
+//! bulk off the publish path, and the slot confirmed behind them.
+//!
+//! # Many PubAcks outstanding, one subject's rows in order
+//!
+//! The pipeline holds up to [`HELD_BATCHES`] batches of rows read and not
+//! yet recorded. Each subject (an entity) has a queue of its rows in `seq`
+//! order and at most one *chain* out at a time: a run of its queued rows
+//! (up to [`MAX_BATCH`]) published by the polling relay's own
+//! [`publish_chain`](Relay::publish_chain) (an atomic batch when the chain is
+//! long enough and the stream allows it, else one row at a time, each PubAck
+//! awaited before the next row of the subject is sent). Up to
+//! `max_in_flight` chains, of as many subjects, are out at once; the next
+//! chain of a subject leaves only once the one before it is answered. So
+//! there is no window that every subject waits for: a subject waits only
+//! for its own earlier rows.
+//!
+//! Whatever fails, a later row of a subject is never stored before an
+//! earlier one:
+//! - a row the stream refuses (or that can never make a message) is
+//!   recorded in the retry lane as by the polling relay, and every later row
+//!   of its subject, queued or still to be read, is checked against the
+//!   retry lane (`queries/wal_blockers.sql`) and deferred behind it;
+//! - a broker fault stops the chain where it was (the rows after it were not
+//!   sent): its rows go back to the front of the subject's queue at no cost
+//!   to their attempts, and the subject waits a backoff before it is tried
+//!   again;
+//! - a subject seen for the first time in a session is checked against the
+//!   retry lane once (rows the polling path left there: the backfill's,
+//!   an earlier session's); a subject checked clear stays clear until a row
+//!   of it fails, because above the floor only this reader puts rows there.
+//!
+//! # What the slot's confirmed position means
+//!
+//! Every row read gets a number in read order, and every commit read
+//! remembers the number the next row would get. A row counts as resolved
+//! once its outcome is written (its mark, its failure, its deferral); the
+//! slot is confirmed up to the last commit all of whose rows, and all rows
+//! before them, are resolved. So a relay killed at any point reads again
+//! from a commit none of whose rows is lost, and the stream's duplicate
+//! window absorbs the republished ones.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
+use pgwire_replication::{Lsn, PgWireError, ReplicationClient, ReplicationEvent};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::{Progress, wal_error};
+use crate::backoff::LoopBackoff;
+use crate::error::{Error, ErrorKind, Result};
+use crate::metrics;
+use crate::relay::batch::Outcome;
+use crate::relay::{BatchReport, Relay};
+use crate::sink::{MAX_BATCH, Sink};
+use crate::store::{ClaimedRow, Failure, Position};
+use crate::wal::pgoutput::{self, Message};
+use crate::wal::row::{Inserted, Layout};
+use crate::wal::slot;
+
+/// The pipeline holds up to this many batches (`batch_size` rows,
+/// `batch_bytes` of payloads, each) read and not yet recorded; the stream is
+/// not read further until some are.
+const HELD_BATCHES: usize = 4;
+/// Mark statements in flight at once. One starts as soon as a row is
+/// published and none is in flight; a second only for a full batch, so marks
+/// stay few and large while the pipeline is busy.
+const MARK_TASKS: usize = 2;
+/// Replication events taken from the client's buffer before the pipeline
+/// sends what they brought.
+const READ_BURST: usize = 1_024;
+/// Subjects remembered as clear of the retry lane before the memory is
+/// dropped (and each is checked again when it next has a row).
+const CLEAR_SUBJECTS: usize = 100_000;
+/// How often the lag gauge is set while nothing is confirmed.
+const LAG_EVERY: Duration = Duration::from_millis(100);
+/// Microseconds between the Unix epoch and PostgreSQL's (2000-01-01).
+const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
+
+/// A chain of one subject out to the broker.
+type Chain<'a> = BoxFuture<'a, (String, Vec<(ClaimedRow, Outcome)>)>;
+/// A mark statement in flight, with the row numbers it resolves.
+type Marking = BoxFuture<'static, (Vec<u64>, Result<u64>)>;
+
+/// One subject's rows in the pipeline.
+#[derive(Debug, Default)]
+struct Subject {
+    /// No row of it waits in the retry lane before its rows here.
+    clear: bool,
+    /// Rows checked and not yet sent, in `seq` order.
+    queue: VecDeque<ClaimedRow>,
+    /// A chain of it is out.
+    sending: bool,
+    /// Waiting out a broker fault.
+    stalled: bool,
+    /// In the `ready` queue.
+    ready: bool,
+}
+
+impl Subject {
+    /// Nothing of it is in the pipeline.
+    fn idle(&self) -> bool {
+        self.queue.is_empty() && !self.sending && !self.stalled
+    }
+}
+
+/// A row held by the pipeline: its number in read order and payload bytes.
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    number: u64,
+    bytes: usize,
+}
+
+/// Where the replication stream is, for the rows it brings.
+#[derive(Debug)]
+struct Reader<'s> {
+    schema: &'s str,
+    /// Rows at or below it are the polling path's.
+    floor: i64,
+    relations: HashMap<u32, Option<Layout>>,
+    in_txn: bool,
+    /// The transaction being read was confirmed before (a replay).
+    skip: bool,
+}
+
+/// The publish pipeline of one replication session.
+pub(super) struct Pipeline<'a, S: Sink> {
+    relay: &'a Relay<S>,
+    max_payload: usize,
+    subjects: HashMap<String, Subject>,
+    /// Rows of subjects not known clear, to check before they are queued.
+    unchecked: Vec<ClaimedRow>,
+    /// Subjects with queued rows and no chain out.
+    ready: VecDeque<String>,
+    /// Subjects waiting out a broker fault, and until when.
+    stalled: Vec<String>,
+    stalled_until: Option<Instant>,
+    fault_backoff: LoopBackoff,
+    /// Rows held, not yet given an outcome.
+    held: HashMap<Uuid, Held>,
+    held_bytes: usize,
+    /// Numbers of the rows whose outcome is not written yet.
+    unresolved: BTreeSet<u64>,
+    next_number: u64,
+    /// Commits read and not confirmed: the number after their last row,
+    /// their end, their commit time (microseconds since 2000-01-01).
+    commits: VecDeque<(u64, Lsn, i64)>,
+    /// Published rows not yet in a mark statement, with their numbers.
+    marks: Vec<(Uuid, Option<Position>)>,
+    mark_numbers: Vec<u64>,
+    /// When the lag gauge was last set.
+    lag_set: Instant,
+}
+
+impl<'a, S: Sink> Pipeline<'a, S> {
+    pub(super) fn new(relay: &'a Relay<S>) -> Self {
+        Self {
+            relay,
+            max_payload: relay.sink.max_payload(),
+            subjects: HashMap::new(),
+            unchecked: Vec::new(),
+            ready: VecDeque::new(),
+            stalled: Vec::new(),
+            stalled_until: None,
+            fault_backoff: LoopBackoff::new(Duration::from_millis(100), Duration::from_secs(5)),
+            held: HashMap::new(),
+            held_bytes: 0,
+            unresolved: BTreeSet::new(),
+            next_number: 0,
+            commits: VecDeque::new(),
+            marks: Vec::new(),
+            mark_numbers: Vec::new(),
+            lag_set: Instant::now(),
+        }
+    }
+
+    /// Reads the session's stream until `stop`, publishing and confirming
+    /// behind it.
+    ///
+    /// # Errors
+    /// A failure of the stream or of the database: the session ends, and the
+    /// next reads again from the slot's confirmed position.
+    pub(super) async fn run(
+        mut self,
+        client: &mut ReplicationClient,
+        schema: &str,
+        floor: i64,
+        stop: &CancellationToken,
+        p: &mut Progress,
+    ) -> Result<()> {
+        let mut reader = Reader {
+            schema,
+            floor,
+            relations: HashMap::new(),
+            in_txn: false,
+            skip: false,
+        };
+        let mut chains: FuturesUnordered<Chain<'a>> = FuturesUnordered::new();
+        let mut marking: FuturesUnordered<Marking> = FuturesUnordered::new();
+        let result = loop {
+            if let Err(e) = self.step(&mut chains, &mut marking, client, p).await {
+                break Err(e);
+            }
+            let reading = !self.full();
+            let retry_at = self.stalled_until;
+            let outcome = tokio::select! {
+                biased;
+                () = stop.cancelled() => break Ok(()),
+                Some((numbers, landed)) = marking.next(), if !marking.is_empty() => {
+                    landed.map(|_| self.resolve(&numbers))
+                }
+                Some((subject, results)) = chains.next(), if !chains.is_empty() => {
+                    let mut answered = self.answered(subject, results).await;
+                    // Take every answer already in before the next step.
+                    while answered.is_ok()
+                        && let Some(Some((subject, results))) = chains.next().now_or_never()
+                    {
+                        answered = self.answered(subject, results).await;
+                    }
+                    answered
+                }
+                () = sleep_until(retry_at), if retry_at.is_some() => {
+                    self.unstall();
+                    Ok(())
+                }
+                event = client.recv(), if reading => {
+                    let mut read = self.read(event, &mut reader, client, p);
+                    for _ in 0..READ_BURST {
+                        if read.is_err() || self.full() {
+                            break;
+                        }
+                        match client.recv().now_or_never() {
+                            Some(event) => read = self.read(event, &mut reader, client, p),
+                            None => break,
+                        }
+                    }
+                    read
+                }
+            };
+            if let Err(e) = outcome {
+                break Err(e);
+            }
+        };
+        if result.is_ok() {
+            // Stopping: what is out is answered and recorded (bounded by the
+            // publish timeout), nothing new is sent; unsent rows are read
+            // again by the next session.
+            self.ready.clear();
+            while let Some((subject, results)) = chains.next().await {
+                self.answered(subject, results).await?;
+            }
+            self.start_marks(&mut marking, true);
+            while let Some((numbers, landed)) = marking.next().await {
+                landed?;
+                self.resolve(&numbers);
+            }
+            self.confirm(client, p);
+        }
+        if let Err(e) = &result {
+            let failed: Result<BatchReport> = Err(Error::new(e.kind(), e.to_string()));
+            self.relay.note_db_health(&failed);
+            self.relay.report_health();
+        }
+        result
+    }
+
+    /// Whether the pipeline holds as much as it may.
+    fn full(&self) -> bool {
+        let config = &self.relay.config;
+        self.unresolved.len() >= config.batch_size.saturating_mul(HELD_BATCHES)
+            || self.held_bytes >= config.batch_bytes.saturating_mul(HELD_BATCHES)
+    }
+
+    /// Takes one replication event.
+    fn read(
+        &mut self,
+        event: std::result::Result<Option<ReplicationEvent>, PgWireError>,
+        r: &mut Reader<'_>,
+        client: &ReplicationClient,
+        p: &mut Progress,
+    ) -> Result<()> {
+        let event = event
+            .map_err(|e| wal_error("reading the replication stream", &e))?
+            .ok_or_else(|| Error::new(ErrorKind::Database, "the replication stream ended"))?;
+        match event {
+            ReplicationEvent::Begin { final_lsn, .. } => {
+                r.in_txn = true;
+                // Read before (a session that replays from the slot's
+                // confirmed position): published and recorded already.
+                r.skip = final_lsn < p.done;
+            }
+            ReplicationEvent::XLogData { data, .. } => {
+                match pgoutput::decode(&data)
+                    .map_err(|e| Error::new(ErrorKind::Database, e.to_string()))?
+                {
+                    Message::Relation(rel) => {
+                        let ours = rel.name == "outbox_events" && rel.namespace == r.schema;
+                        let layout = if ours { Some(Layout::of(&rel)?) } else { None };
+                        r.relations.insert(rel.id, layout);
+                    }
+                    Message::Insert { relation, values } if !r.skip => {
+                        if let Some(Some(layout)) = r.relations.get(&relation)
+                            && let Inserted::Fresh(row) = layout.row(&values, self.max_payload)
+                            && row.seq > r.floor
+                        {
+                            self.hold(*row);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            ReplicationEvent::Commit {
+                end_lsn,
+                commit_time_micros,
+                ..
+            } => {
+                r.in_txn = false;
+                if !r.skip {
+                    self.commits
+                        .push_back((self.next_number, end_lsn, commit_time_micros));
+                }
+                r.skip = false;
+            }
+            // Idle: nothing read is waiting, so the slot may move on (an
+            // idle outbox must not hold WAL back).
+            ReplicationEvent::KeepAlive { wal_end, .. }
+                if self.unresolved.is_empty()
+                    && self.commits.is_empty()
+                    && !r.in_txn
+                    && wal_end > p.done =>
+            {
+                client.update_applied_lsn(wal_end);
+                p.done = wal_end;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Takes a row read from the stream into the pipeline.
+    fn hold(&mut self, row: ClaimedRow) {
+        let number = self.next_number;
+        self.next_number += 1;
+        let bytes = usize::try_from(row.data_len).unwrap_or(usize::MAX);
+        self.held.insert(row.id, Held { number, bytes });
+        self.held_bytes = self.held_bytes.saturating_add(bytes);
+        self.unresolved.insert(number);
+        if self.subjects.get(&row.subject).is_some_and(|s| s.clear) {
+            self.enqueue(row);
+        } else {
+            self.unchecked.push(row);
+        }
+    }
+
+    /// Queues a checked row on its subject, in `seq` order among the rows
+    /// not yet sent.
+    fn enqueue(&mut self, row: ClaimedRow) {
+        let subject = self.subjects.entry(row.subject.clone()).or_default();
+        let at = subject.queue.partition_point(|r| r.seq < row.seq);
+        let name = (!subject.ready && !subject.sending && !subject.stalled)
+            .then(|| row.subject.clone());
+        subject.queue.insert(at, row);
+        if let Some(name) = name {
+            subject.ready = true;
+            self.ready.push_back(name);
+        }
+    }
+
+    /// Checks, sends, marks and confirms what it can.
+    async fn step(
+        &mut self,
+        chains: &mut FuturesUnordered<Chain<'a>>,
+        marking: &mut FuturesUnordered<Marking>,
+        client: &ReplicationClient,
+        p: &mut Progress,
+    ) -> Result<()> {
+        if !self.unchecked.is_empty() {
+            self.check().await?;
+        }
+        let relay = self.relay;
+        while chains.len() < relay.config.max_in_flight
+            && let Some(name) = self.ready.pop_front()
+        {
+            let Some(subject) = self.subjects.get_mut(&name) else {
+                continue;
+            };
+            subject.ready = false;
+            if subject.sending || subject.stalled || subject.queue.is_empty() {
+                continue;
+            }
+            subject.sending = true;
+            let n = subject.queue.len().min(MAX_BATCH);
+            let rows: Vec<ClaimedRow> = subject.queue.drain(..n).collect();
+            let deadline = Instant::now()
+                + relay
+                    .config
+                    .lease
+                    .saturating_sub(relay.config.publish_timeout);
+            let max_payload = self.max_payload;
+            chains.push(
+                async move {
+                    let results = relay.publish_chain(rows, deadline, max_payload).await;
+                    (name, results)
+                }
+                .boxed(),
+            );
+        }
+        self.start_marks(marking, false);
+        self.confirm(client, p);
+        if self.subjects.len() > CLEAR_SUBJECTS {
+            self.subjects.retain(|_, s| !s.idle());
+        }
+        Ok(())
+    }
+
+    /// Checks the unchecked rows' subjects against the retry lane: rows of a
+    /// subject with an earlier row there are deferred behind it, the others
+    /// queued and their subjects remembered clear.
+    async fn check(&mut self) -> Result<()> {
+        let relay = self.relay;
+        let mut rows = std::mem::take(&mut self.unchecked);
+        rows.sort_by_key(|r| r.seq);
+        let mut lowest: HashMap<&str, i64> = HashMap::new();
+        for row in &rows {
+            lowest.entry(row.subject.as_str()).or_insert(row.seq);
+        }
+        let subjects: Vec<(&str, i64)> = lowest.into_iter().collect();
+        let blockers =
+            slot::blockers(relay.store.pool(), &subjects, relay.config.max_attempts).await?;
+        let mut deferred = Vec::new();
+        let mut queued = Vec::new();
+        for row in rows {
+            match blockers.get(&row.subject) {
+                Some(crate::store::Blocker::Until(t)) => deferred.push((row.id, Some(*t))),
+                Some(_) => deferred.push((row.id, None)),
+                None => queued.push(row),
+            }
+        }
+        relay
+            .store
+            .defer(&deferred, relay.config.backoff_max)
+            .await?;
+        let numbers: Vec<u64> = deferred
+            .iter()
+            .filter_map(|(id, _)| self.settle(*id).map(|h| h.number))
+            .collect();
+        self.resolve(&numbers);
+        for row in queued {
+            self.subjects.entry(row.subject.clone()).or_default().clear = true;
+            self.enqueue(row);
+        }
+        Ok(())
+    }
+
+    /// Takes a chain's answers: published rows wait for their mark, refused
+    /// ones are recorded and their subject's later rows checked again (so
+    /// deferred behind them), rows behind a broker fault go back to the
+    /// front of the queue and the subject waits a backoff.
+    async fn answered(
+        &mut self,
+        name: String,
+        results: Vec<(ClaimedRow, Outcome)>,
+    ) -> Result<()> {
+        let relay = self.relay;
+        let mut back: Vec<ClaimedRow> = Vec::new();
+        let mut refused: Vec<Failure> = Vec::new();
+        let mut published = 0;
+        let mut faults = 0;
+        let mut first_fault: Option<String> = None;
+        for (row, outcome) in results {
+            match outcome {
+                Outcome::Published { position, .. } => {
+                    published += 1;
+                    if let Some(held) = self.settle(row.id) {
+                        self.marks.push((row.id, position));
+                        self.mark_numbers.push(held.number);
+                    }
+                }
+                Outcome::Failed(failure) if failure.kind().is_broker_fault() => {
+                    metrics::failed(failure.kind());
+                    faults += 1;
+                    first_fault.get_or_insert_with(|| failure.to_string());
+                    back.push(row);
+                }
+                Outcome::Failed(failure) => refused.push(relay.refusal(&row, &failure)),
+                Outcome::Unresolved => back.push(row),
+            }
+        }
+        relay.note_broker_health(published, faults, first_fault.as_deref());
+        if published > 0 {
+            self.fault_backoff.reset();
+        }
+        let subject = self.subjects.entry(name.clone()).or_default();
+        subject.sending = false;
+        if !refused.is_empty() {
+            relay.record_refusals(&refused).await?;
+            let numbers: Vec<u64> = refused
+                .iter()
+                .filter_map(|f| self.settle(f.id).map(|h| h.number))
+                .collect();
+            self.resolve(&numbers);
+            let subject = self.subjects.entry(name).or_default();
+            subject.clear = false;
+            let queued: Vec<ClaimedRow> = subject.queue.drain(..).collect();
+            self.unchecked.extend(back);
+            self.unchecked.extend(queued);
+            return Ok(());
+        }
+        for row in back.into_iter().rev() {
+            subject.queue.push_front(row);
+        }
+        if faults > 0 {
+            subject.stalled = true;
+            self.stalled.push(name);
+            if self.stalled_until.is_none() {
+                self.stalled_until = Some(Instant::now() + self.fault_backoff.next());
+            }
+        } else if !subject.queue.is_empty() && !subject.ready {
+            subject.ready = true;
+            self.ready.push_back(name);
+        }
+        Ok(())
+    }
+
+    /// The backoff after a broker fault is over: the stalled subjects are
+    /// tried again.
+    fn unstall(&mut self) {
+        self.stalled_until = None;
+        for name in std::mem::take(&mut self.stalled) {
+            if let Some(subject) = self.subjects.get_mut(&name) {
+                subject.stalled = false;
+                if !subject.queue.is_empty() && !subject.sending && !subject.ready {
+                    subject.ready = true;
+                    self.ready.push_back(name);
+                }
+            }
+        }
+    }
+
+    /// A row has its outcome: it no longer counts toward the bytes held.
+    fn settle(&mut self, id: Uuid) -> Option<Held> {
+        let held = self.held.remove(&id)?;
+        self.held_bytes = self.held_bytes.saturating_sub(held.bytes);
+        Some(held)
+    }
+
+    /// The outcomes of these rows are written.
+    fn resolve(&mut self, numbers: &[u64]) {
+        for n in numbers {
+            self.unresolved.remove(n);
+        }
+    }
+
+    /// Starts a mark statement for the published rows waiting for one: at
+    /// once when none is in flight (or `now`), else when a batch of them is
+    /// waiting and fewer than [`MARK_TASKS`] are.
+    fn start_marks(&mut self, marking: &mut FuturesUnordered<Marking>, now: bool) {
+        if self.marks.is_empty() {
+            return;
+        }
+        let due = now
+            || marking.is_empty()
+            || (marking.len() < MARK_TASKS && self.marks.len() >= self.relay.config.batch_size);
+        if !due {
+            return;
+        }
+        let marks = std::mem::take(&mut self.marks);
+        let numbers = std::mem::take(&mut self.mark_numbers);
+        let store = self.relay.store.clone();
+        metrics::batch(marks.len());
+        let task = tokio::spawn(async move {
+            let started = Instant::now();
+            let marked = store.mark_published(&marks).await;
+            metrics::phase("mark", started.elapsed());
+            marked
+        });
+        marking.push(
+            async move {
+                let landed = task.await.unwrap_or_else(|e| {
+                    Err(Error::new(
+                        ErrorKind::Database,
+                        format!("marking rows published: {e}"),
+                    ))
+                });
+                (numbers, landed)
+            }
+            .boxed(),
+        );
+    }
+
+    /// Confirms the slot up to the last commit whose rows, and every row
+    /// before them, have their outcomes written; sets the lag gauge from the
+    /// oldest commit not confirmed.
+    fn confirm(&mut self, client: &ReplicationClient, p: &mut Progress) {
+        let low = self.unresolved.first().copied().unwrap_or(u64::MAX);
+        let mut to = None;
+        while let Some(&(end, lsn, _)) = self.commits.front() {
+            if end > low {
+                break;
+            }
+            to = Some(lsn);
+            self.commits.pop_front();
+        }
+        if let Some(lsn) = to {
+            client.update_applied_lsn(lsn);
+            p.done = lsn;
+        } else if self.lag_set.elapsed() < LAG_EVERY {
+            return;
+        }
+        self.lag_set = Instant::now();
+        let lag = self.commits.front().map_or(0, |&(_, _, micros)| {
+            let now = chrono::Utc::now().timestamp_micros() - PG_EPOCH_MICROS;
+            u64::try_from(now - micros).unwrap_or(0)
+        });
+        metrics::wal_lag(Duration::from_micros(lag));
+    }
+}
+
+/// Sleeps until `at` (never, without one).
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
