@@ -819,6 +819,72 @@ pub(crate) fn samples(text: &str) -> impl Iterator<Item = (&str, &str, f64)> {
         })
 }
 
+/// Starts one `outbox-relay --source wal` on `db` (default flags but the
+/// source) publishing into a new `stream`, waits until it reads the WAL (its
+/// slot made, the rows before it published), then runs `write` and waits
+/// until every one of `rows` is in the stream and marked. The clock runs
+/// from `write`'s return: its rows are committed, and a transaction's rows
+/// are decoded only once it commits.
+pub(crate) async fn wal_drain(
+    env: &Env,
+    db: &Db,
+    stream: &str,
+    rows: usize,
+    write: impl std::future::Future<Output = Result<()>>,
+    each: impl FnMut(&[RelayProc], u64) -> Result<()>,
+) -> Result<Drain> {
+    let mut relay = RelayProc::start_with_args(
+        env,
+        &format!("{stream}_wal"),
+        &db.url,
+        stream,
+        SUBJECTS,
+        &["--source", "wal"],
+    )
+    .await?;
+    if let Err(e) = relay.wait_logged("reading the WAL").await {
+        relay.stop(env).await;
+        return Err(e);
+    }
+    let mut relays = vec![relay];
+    if let Err(e) = write.await {
+        stop_all(env, relays).await;
+        return Err(e);
+    }
+    let started = Instant::now();
+    let samples = match wait_for_messages(env, stream, rows, started, &mut relays, each).await {
+        Ok(samples) => samples,
+        Err(e) => {
+            stop_all(env, relays).await;
+            return Err(e);
+        }
+    };
+    let elapsed = started.elapsed();
+    wait_marked(&db.pool).await?;
+    let mut phases = Phases::default();
+    for relay in &relays {
+        phases.add(&relay.phases().await?);
+    }
+    Ok(Drain {
+        elapsed,
+        samples,
+        phases,
+        relays,
+    })
+}
+
+/// Drops `db`'s replication slots, made by a WAL relay: a database with one
+/// cannot be dropped.
+pub(crate) async fn drop_slots(db: &Db) -> Result<()> {
+    sqlx::query(
+        "select pg_drop_replication_slot(slot_name) from pg_replication_slots
+          where database = current_database()",
+    )
+    .execute(&db.pool)
+    .await?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

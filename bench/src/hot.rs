@@ -11,13 +11,18 @@
 //!   batches);
 //! - **one subject, no atomic batches**: the same, into a stream created
 //!   before the relay starts without `allow_atomic` (an older stream, or one
-//!   made by hand): one awaited PubAck per row of the entity.
+//!   made by hand): one awaited PubAck per row of the entity;
+//! - **spread** and **one subject** again with `--source wal`: the relay
+//!   started first, reading its slot, and the same rows written after it
+//!   (the clock from their commit).
 //!
-//! The figure is each mode's rate and its ratio to spread per round.
+//! The figure is each mode's rate and its ratio to spread per round (for
+//! the WAL modes, one subject to spread both read from the WAL).
 
 use crate::Args;
 use crate::harness::{
-    Env, Phases, Result, drain, envelopes, insert_events, pad, repeat_if_killed, stop_all,
+    Env, Phases, Result, drain, drop_slots, envelopes, insert_events, pad, repeat_if_killed,
+    stop_all, wal_drain,
 };
 use crate::stats::{Spread, num, ratios};
 
@@ -26,6 +31,8 @@ enum Mode {
     Spread,
     Hot,
     HotNoAtomic,
+    SpreadWal,
+    HotWal,
 }
 
 impl Mode {
@@ -34,6 +41,8 @@ impl Mode {
             Self::Spread => format!("{} subjects", num(subjects as f64, 0)),
             Self::Hot => "one subject".into(),
             Self::HotNoAtomic => "one subject, stream without allow_atomic".into(),
+            Self::SpreadWal => format!("{} subjects, --source wal", num(subjects as f64, 0)),
+            Self::HotWal => "one subject, --source wal".into(),
         }
     }
 }
@@ -46,7 +55,13 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
     );
     let spread = envelopes(n, args.subjects, pad()?)?;
     let hot = envelopes(n, 1, pad()?)?;
-    let modes = [Mode::Spread, Mode::Hot, Mode::HotNoAtomic];
+    let modes = [
+        Mode::Spread,
+        Mode::Hot,
+        Mode::HotNoAtomic,
+        Mode::SpreadWal,
+        Mode::HotWal,
+    ];
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
     let mut phases: Vec<Phases> = vec![Phases::default(); modes.len()];
     for round in 0..args.rounds {
@@ -54,8 +69,8 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
         order.rotate_left(round % modes.len());
         for i in order {
             let events = match modes[i] {
-                Mode::Spread => &spread,
-                Mode::Hot | Mode::HotNoAtomic => &hot,
+                Mode::Spread | Mode::SpreadWal => &spread,
+                Mode::Hot | Mode::HotNoAtomic | Mode::HotWal => &hot,
             };
             let (rate, p) = repeat_if_killed(env, || once(env, events, modes[i])).await?;
             println!(
@@ -90,6 +105,10 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
             per.as_secs_f64() * 1e3,
         ));
     }
+    out.push_str(&format!(
+        "\nWith `--source wal`, one subject / spread, per round: {}\n",
+        Spread::of(&ratios(&rates[4], &rates[3])).show(2)
+    ));
     println!("\n{out}");
     summary.push(out);
     Ok(())
@@ -103,6 +122,8 @@ async fn once(env: &Env, events: &[outbox_pg::Envelope], mode: Mode) -> Result<(
             Mode::Spread => "hot_spread",
             Mode::Hot => "hot_one",
             Mode::HotNoAtomic => "hot_plain",
+            Mode::SpreadWal => "hot_spread_wal",
+            Mode::HotWal => "hot_one_wal",
         })
         .await?;
     let stream = env.stream_name();
@@ -111,14 +132,20 @@ async fn once(env: &Env, events: &[outbox_pg::Envelope], mode: Mode) -> Result<(
             // As the relay would create it, but without allow_atomic.
             env.create_stream(&stream).await?;
         }
-        insert_events(&db.pool, events).await?;
-        let run = drain(env, &db, &stream, events.len(), 1, |_, _| Ok(())).await?;
+        let run = if matches!(mode, Mode::SpreadWal | Mode::HotWal) {
+            let write = insert_events(&db.pool, events);
+            wal_drain(env, &db, &stream, events.len(), write, |_, _| Ok(())).await?
+        } else {
+            insert_events(&db.pool, events).await?;
+            drain(env, &db, &stream, events.len(), 1, |_, _| Ok(())).await?
+        };
         let out = (run.rate(events.len()), run.phases.clone());
         stop_all(env, run.relays).await;
         Ok(out)
     }
     .await;
     env.delete_stream(&stream).await;
+    drop_slots(&db).await?;
     env.drop_database(db).await?;
     result
 }

@@ -1,6 +1,8 @@
 //! Part 3: commit → broker latency at a paced write rate.
 //!
-//! One `outbox-relay` process with default flags. A JetStream ordered
+//! One `outbox-relay` process with default flags, polling, and again with
+//! `--source wal` (reading its slot before the clock starts), side by side
+//! in every round, their order rotated. A JetStream ordered
 //! consumer (`DeliverPolicy::New`) is subscribed before anything is written;
 //! one warm-up event must arrive before the clock starts. Then writers commit
 //! one event per transaction at `--rate` per second for `--latency-secs`,
@@ -21,7 +23,9 @@ use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use crate::Args;
-use crate::harness::{Db, Env, RelayProc, Result, SUBJECTS, repeat_if_killed, stop_all};
+use crate::harness::{
+    Db, Env, RelayProc, Result, SUBJECTS, drop_slots, repeat_if_killed, stop_all,
+};
 use crate::stats::{Spread, num, percentile};
 
 /// Concurrent writer connections sharing the paced schedule.
@@ -35,35 +39,55 @@ struct Run {
     written_rate: f64,
 }
 
+/// The relay's sources measured, by their `--source` flag.
+const SOURCES: [&str; 2] = ["poll", "wal"];
+
 pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Result<()> {
     println!(
         "\n## Commit → broker latency: {} events/s for {} s, 1 outbox-relay process",
         args.rate, args.latency_secs
     );
-    let mut runs = Vec::new();
+    let mut runs: Vec<Vec<Run>> = vec![Vec::new(); SOURCES.len()];
     for round in 0..args.rounds {
-        let run = repeat_if_killed(env, || one(env, args)).await?;
-        println!(
-            "round {round}: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (written at {} events/s)",
-            run.p50,
-            run.p99,
-            run.max,
-            num(run.written_rate, 0)
-        );
-        runs.push(run);
+        let mut order: Vec<usize> = (0..SOURCES.len()).collect();
+        order.rotate_left(round % SOURCES.len());
+        for i in order {
+            let run = repeat_if_killed(env, || one(env, args, SOURCES[i])).await?;
+            println!(
+                "round {round}: --source {:<4} p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (written at {} events/s)",
+                SOURCES[i],
+                run.p50,
+                run.p99,
+                run.max,
+                num(run.written_rate, 0)
+            );
+            runs[i].push(run);
+        }
     }
-    let pick = |f: fn(&Run) -> f64| -> Vec<f64> { runs.iter().map(f).collect() };
+    let pick = |i: usize, f: fn(&Run) -> f64| -> String {
+        let values: Vec<f64> = runs[i].iter().map(f).collect();
+        Spread::of(&values).show(1)
+    };
+    let written = |i: usize| -> String {
+        let values: Vec<f64> = runs[i].iter().map(|r| r.written_rate).collect();
+        Spread::of(&values).to_string()
+    };
     let out = format!(
         "### Commit → broker latency ({} events/s for {} s, {} rounds)\n\n\
-         | | median (range) |\n|---|---:|\n\
-         | p50, ms | {} |\n| p99, ms | {} |\n| max, ms | {} |\n| written, events/s | {} |\n",
+         | median (range) | `--source poll` (default) | `--source wal` |\n|---|---:|---:|\n\
+         | p50, ms | {} | {} |\n| p99, ms | {} | {} |\n| max, ms | {} | {} |\n\
+         | written, events/s | {} | {} |\n",
         num(args.rate as f64, 0),
         args.latency_secs,
         args.rounds,
-        Spread::of(&pick(|r| r.p50)).show(1),
-        Spread::of(&pick(|r| r.p99)).show(1),
-        Spread::of(&pick(|r| r.max)).show(1),
-        Spread::of(&pick(|r| r.written_rate)),
+        pick(0, |r| r.p50),
+        pick(1, |r| r.p50),
+        pick(0, |r| r.p99),
+        pick(1, |r| r.p99),
+        pick(0, |r| r.max),
+        pick(1, |r| r.max),
+        written(0),
+        written(1),
     );
     println!("\n{out}");
     summary.push(out);
@@ -79,17 +103,32 @@ fn event(n: usize) -> Result<Envelope> {
     )?)
 }
 
-async fn one(env: &Env, args: &Args) -> Result<Run> {
+async fn one(env: &Env, args: &Args, source: &str) -> Result<Run> {
     let db = env.database("latency").await?;
     let stream = env.stream_name();
-    let result = one_on(env, args, &db, &stream).await;
+    let result = one_on(env, args, &db, &stream, source).await;
     env.delete_stream(&stream).await;
+    drop_slots(&db).await?;
     env.drop_database(db).await?;
     result
 }
 
-async fn one_on(env: &Env, args: &Args, db: &Db, stream: &str) -> Result<Run> {
-    let relay = RelayProc::start(env, &format!("{stream}_relay0"), &db.url, stream).await?;
+async fn one_on(env: &Env, args: &Args, db: &Db, stream: &str, source: &str) -> Result<Run> {
+    let mut relay = RelayProc::start_with_args(
+        env,
+        &format!("{stream}_relay0"),
+        &db.url,
+        stream,
+        SUBJECTS,
+        &["--source", source],
+    )
+    .await?;
+    if source == "wal"
+        && let Err(e) = relay.wait_logged("reading the WAL").await
+    {
+        relay.stop(env).await;
+        return Err(e);
+    }
     let mut relays = vec![relay];
 
     // The relay creates the stream; subscribe once it exists.

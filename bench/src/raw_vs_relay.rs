@@ -33,9 +33,8 @@ use uuid::Uuid;
 
 use crate::Args;
 use crate::harness::{
-    Db, Drain, Env, Phases, RelayProc, Result, SUBJECTS, TAIL, bulk_rate, drain, envelopes,
-    insert_events, pad, publish_all, repeat_if_killed, stop_all, tail_secs, wait_for_messages,
-    wait_marked,
+    Db, Env, Phases, Result, TAIL, bulk_rate, drain, drop_slots, envelopes, insert_events, pad,
+    publish_all, repeat_if_killed, stop_all, tail_secs, wait_for_messages, wait_marked, wal_drain,
 };
 use crate::stats::{Spread, num, ratios};
 
@@ -222,75 +221,30 @@ async fn relays_on(
 async fn wal(env: &Env, events: &[Envelope]) -> Result<Run> {
     let db = env.database("wal").await?;
     let stream = env.stream_name();
-    let result = wal_on(env, &db, &stream, events).await;
+    let result = async {
+        let drained = wal_drain(
+            env,
+            &db,
+            &stream,
+            events.len(),
+            insert_events(&db.pool, events),
+            |_, _| Ok(()),
+        )
+        .await?;
+        let result = Run {
+            rate: drained.rate(events.len()),
+            bulk: drained.bulk_rate(events.len()),
+            tail: Some(drained.tail(events.len())),
+            phases: drained.phases.clone(),
+        };
+        stop_all(env, drained.relays).await;
+        Ok(result)
+    }
+    .await;
     env.delete_stream(&stream).await;
-    // A database with a replication slot cannot be dropped.
-    sqlx::query(
-        "select pg_drop_replication_slot(slot_name) from pg_replication_slots
-          where database = current_database()",
-    )
-    .execute(&db.pool)
-    .await?;
+    drop_slots(&db).await?;
     env.drop_database(db).await?;
     result
-}
-
-async fn wal_on(env: &Env, db: &Db, stream: &str, events: &[Envelope]) -> Result<Run> {
-    let mut relay = RelayProc::start_with_args(
-        env,
-        &format!("{stream}_wal"),
-        &db.url,
-        stream,
-        SUBJECTS,
-        &["--source", "wal"],
-    )
-    .await?;
-    let ready = relay.wait_logged("reading the WAL").await;
-    let run = match ready {
-        Ok(()) => {
-            insert_events(&db.pool, events).await?;
-            let started = Instant::now();
-            let mut relays = vec![relay];
-            let samples =
-                wait_for_messages(env, stream, events.len(), started, &mut relays, |_, _| {
-                    Ok(())
-                })
-                .await;
-            let elapsed = started.elapsed();
-            (samples, elapsed, relays)
-        }
-        Err(e) => {
-            stop_all(env, vec![relay]).await;
-            return Err(e);
-        }
-    };
-    let (samples, elapsed, relays) = run;
-    let samples = match samples {
-        Ok(samples) => samples,
-        Err(e) => {
-            stop_all(env, relays).await;
-            return Err(e);
-        }
-    };
-    wait_marked(&db.pool).await?;
-    let mut phases = Phases::default();
-    for relay in &relays {
-        phases.add(&relay.phases().await?);
-    }
-    let drained = Drain {
-        elapsed,
-        samples,
-        phases,
-        relays,
-    };
-    let result = Run {
-        rate: drained.rate(events.len()),
-        bulk: drained.bulk_rate(events.len()),
-        tail: Some(drained.tail(events.len())),
-        phases: drained.phases.clone(),
-    };
-    stop_all(env, drained.relays).await;
-    Ok(result)
 }
 
 async fn simple(env: &Env, events: &[Envelope]) -> Result<Run> {

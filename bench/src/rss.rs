@@ -3,12 +3,14 @@
 //! `--rss-rows` rows (written by the database in one statement), one
 //! `outbox-relay` process with default flags; `VmRSS` from
 //! `/proc/<pid>/status` at every poll of the drain, `VmHWM` at the end.
-//! Run once, not per round: it is a bound, not a rate.
+//! Run once per source, not per round: it is a bound, not a rate. With
+//! `--source wal` the relay is started first and reads its slot while the
+//! rows are written (the same one statement).
 
 use crate::Args;
 use crate::harness::{
-    Db, Env, POLL, Result, TAIL, drain, insert_series, pad, repeat_if_killed, stop_all,
-    window_rates,
+    Db, Env, POLL, Result, TAIL, drain, drop_slots, insert_series, pad, repeat_if_killed, stop_all,
+    wal_drain, window_rates,
 };
 use crate::stats::num;
 
@@ -30,28 +32,33 @@ fn mib(kib: u64) -> String {
 
 pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Result<()> {
     let rows = args.rss_rows;
-    println!("\n## Relay memory draining {rows} rows, 1 outbox-relay process");
-    let out = repeat_if_killed(env, || async {
-        let db = env.database("rss").await?;
-        let stream = env.stream_name();
-        let result = measure(env, args, &db, &stream).await;
-        env.delete_stream(&stream).await;
-        env.drop_database(db).await?;
-        result
-    })
-    .await?;
-    println!("\n{out}");
-    summary.push(out);
+    for source in ["poll", "wal"] {
+        println!(
+            "\n## Relay memory draining {rows} rows, 1 outbox-relay --source {source} process"
+        );
+        let out = repeat_if_killed(env, || async {
+            let db = env.database("rss").await?;
+            let stream = env.stream_name();
+            let result = measure(env, args, &db, &stream, source).await;
+            env.delete_stream(&stream).await;
+            drop_slots(&db).await?;
+            env.drop_database(db).await?;
+            result
+        })
+        .await?;
+        println!("\n{out}");
+        summary.push(out);
+    }
     Ok(())
 }
 
 /// Drains `--rss-rows` in `db` and returns the report.
-async fn measure(env: &Env, args: &Args, db: &Db, stream: &str) -> Result<String> {
+async fn measure(env: &Env, args: &Args, db: &Db, stream: &str, source: &str) -> Result<String> {
     let rows = args.rss_rows;
-    insert_series(&db.pool, rows, args.subjects, pad()?).await?;
+    let write = insert_series(&db.pool, rows, args.subjects, pad()?);
     let mut pid = None;
     let (mut first, mut max, mut samples) = (None, 0_u64, 0_usize);
-    let run = drain(env, db, stream, rows, 1, |relays, messages| {
+    let each = |relays: &[crate::harness::RelayProc], messages: u64| {
         if pid.is_none() {
             pid = relays.first().and_then(|r| r.pid());
         }
@@ -63,8 +70,13 @@ async fn measure(env: &Env, args: &Args, db: &Db, stream: &str) -> Result<String
             samples += 1;
         }
         Ok(())
-    })
-    .await?;
+    };
+    let run = if source == "wal" {
+        wal_drain(env, db, stream, rows, write, each).await?
+    } else {
+        write.await?;
+        drain(env, db, stream, rows, 1, each).await?
+    };
     let hwm = pid.and_then(|p| status_kib(p, "VmHWM")).unwrap_or(0);
     let rate = run.rate(rows);
     let tail = run.tail(rows);
@@ -75,7 +87,7 @@ async fn measure(env: &Env, args: &Args, db: &Db, stream: &str) -> Result<String
         return Err("could not read the relay's /proc/<pid>/status".into());
     }
     let out = format!(
-        "### Relay memory ({} rows, 1 process, one run)\n\n\
+        "### Relay memory ({} rows, 1 process, `--source {source}`, one run)\n\n\
          | | |\n|---|---:|\n\
          | VmRSS when the first row was published | {} |\n| VmRSS, max of {} samples ({:?} apart) | {} |\n\
          | VmHWM at the end | {} |\n| drain rate | {} rows/s |\n\
