@@ -16,16 +16,22 @@
 //! # Order and the slot's position
 //!
 //! Rows of one subject arrive in commit order, which for a writer that
-//! locks its entity row is change order, and each window of them is
-//! published in `seq` order per subject. The slot's confirmed position
-//! moves only past transactions every row of which was published and marked
-//! (or recorded as refused): a relay killed at any point reads again from
-//! there, and the stream's duplicate window absorbs the repeats. A row that
-//! fails goes to the retry lane, exactly as in the polling relay, and every
-//! later row of its subject, from this window or a later one, is deferred
-//! behind it (`queries/wal_blockers.sql`), so a subject is never stored out
-//! of order whatever fails. A broker fault costs no attempt: the window is
-//! retried, with backoff, until it is published.
+//! locks its entity row is change order. They are published through a
+//! pipeline, not in windows: each subject has at most one chain of its rows
+//! out at a time (in `seq` order, an atomic batch where the stream allows),
+//! and up to `max_in_flight` subjects are out at once, so a subject waits
+//! only for its own earlier rows. Published rows are marked in bulk beside
+//! it. The slot's confirmed position moves only past transactions every row
+//! of which, and every row read before, was published and marked (or
+//! recorded as refused or deferred): a relay killed at any point reads again
+//! from there, and the stream's duplicate window absorbs the repeats. A row
+//! that fails goes to the retry lane, exactly as in the polling relay, and
+//! every later row of its subject is deferred behind it
+//! (`queries/wal_blockers.sql`), so a subject is never stored out of order
+//! whatever fails. A broker fault costs no attempt: the subject's rows go
+//! back to the front of its queue and are tried again, with backoff, until
+//! they are published. How, step by step, is in the pipeline's module
+//! (`relay/wal/pipeline.rs`).
 //!
 //! # Never lost with the slot
 //!

@@ -153,6 +153,14 @@ impl Layout {
 /// A `timestamptz` in ISO text at UTC; `None` for `infinity`, BC dates and
 /// years past 9999, as the claim makes them.
 fn timestamp(s: &str) -> Option<DateTime<Utc>> {
+    // The session pins `timezone = UTC`, so the text ends in `+00`: read as
+    // RFC 3339 (a parser without a format string to interpret per value).
+    if let Some(utc) = s.strip_suffix("+00")
+        && utc.as_bytes().get(10) == Some(&b' ')
+        && let Ok(t) = DateTime::parse_from_rfc3339(&format!("{}T{}Z", &utc[..10], &utc[11..]))
+    {
+        return Some(t.with_timezone(&Utc));
+    }
     DateTime::parse_from_str(s, "%Y-%m-%d %H:%M:%S%.f%#z")
         .ok()
         .map(|t| t.with_timezone(&Utc))
@@ -243,6 +251,34 @@ mod tests {
             panic!("not fresh")
         };
         assert_eq!((row.data, row.data_len), (None, 13));
+    }
+
+    #[test]
+    fn timestamps_read_as_the_claim_reads_them() {
+        for (text, rfc3339) in [
+            (
+                "2026-12-02 16:07:46.123456+00",
+                Some("2026-12-02T16:07:46.123456+00:00"),
+            ),
+            ("2026-12-02 16:07:46+00", Some("2026-12-02T16:07:46+00:00")),
+            ("0001-01-01 00:00:00+00", Some("0001-01-01T00:00:00+00:00")),
+            (
+                "9999-12-31 23:59:59.999999+00",
+                Some("9999-12-31T23:59:59.999999+00:00"),
+            ),
+            // Not what a UTC session sends, read all the same.
+            (
+                "2026-12-02 21:37:46.5+05:30",
+                Some("2026-12-02T16:07:46.500+00:00"),
+            ),
+            ("infinity", None),
+            ("0044-03-15 00:00:00+00 BC", None),
+            ("12000-01-01 00:00:00+00", None),
+            ("2026-12-02T16:07:46+00", None),
+        ] {
+            let read = timestamp(text).map(|t| t.to_rfc3339());
+            assert_eq!(read.as_deref(), rfc3339, "{text}");
+        }
     }
 
     #[test]

@@ -362,8 +362,8 @@ impl<'a, S: Sink> Pipeline<'a, S> {
     fn enqueue(&mut self, row: ClaimedRow) {
         let subject = self.subjects.entry(row.subject.clone()).or_default();
         let at = subject.queue.partition_point(|r| r.seq < row.seq);
-        let name = (!subject.ready && !subject.sending && !subject.stalled)
-            .then(|| row.subject.clone());
+        let name =
+            (!subject.ready && !subject.sending && !subject.stalled).then(|| row.subject.clone());
         subject.queue.insert(at, row);
         if let Some(name) = name {
             subject.ready = true;
@@ -461,11 +461,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
     /// ones are recorded and their subject's later rows checked again (so
     /// deferred behind them), rows behind a broker fault go back to the
     /// front of the queue and the subject waits a backoff.
-    async fn answered(
-        &mut self,
-        name: String,
-        results: Vec<(ClaimedRow, Outcome)>,
-    ) -> Result<()> {
+    async fn answered(&mut self, name: String, results: Vec<(ClaimedRow, Outcome)>) -> Result<()> {
         let relay = self.relay;
         let mut back: Vec<ClaimedRow> = Vec::new();
         let mut refused: Vec<Failure> = Vec::new();
