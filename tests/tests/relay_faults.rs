@@ -696,6 +696,19 @@ async fn poison_report(pool: &PgPool, poisons: &[Poison], ids: &[Uuid]) -> Strin
 
 #[tokio::test(flavor = "multi_thread")]
 async fn unpublishable_rows_are_parked_naming_the_fault_and_block_only_their_subject() {
+    parks_unpublishable_rows(&[]).await;
+}
+
+/// The same rows, read from the WAL: the same validation parks the same
+/// faults, through the retry lane both sources share.
+#[tokio::test(flavor = "multi_thread")]
+async fn unpublishable_rows_read_from_the_wal_are_parked_the_same_way() {
+    parks_unpublishable_rows(&["--source", "wal"]).await;
+}
+
+/// Every kind of unpublishable row, written by plain SQL between healthy
+/// ones, against two relays started with `source` beside the test's flags.
+async fn parks_unpublishable_rows(source: &[&str]) {
     const HEALTHY_ENTITIES: i64 = 20;
     const PER_ENTITY: i64 = 10;
     let db = TestDb::new().await.unwrap();
@@ -727,7 +740,7 @@ async fn unpublishable_rows_are_parked_naming_the_fault_and_block_only_their_sub
     let healthy_total = healthy.len() as i64;
 
     let relays = Relays::new(&db, broker.url(), "POISON", "faults.>");
-    let flags = [
+    let mut flags = vec![
         "--max-attempts",
         "3",
         "--backoff-base",
@@ -735,6 +748,7 @@ async fn unpublishable_rows_are_parked_naming_the_fault_and_block_only_their_sub
         "--max-backoff",
         "200ms",
     ];
+    flags.extend_from_slice(source);
     let mut replicas = relays.start("poison", 2, &flags).await;
 
     let settled = wait_until(
@@ -839,6 +853,12 @@ async fn unpublishable_rows_are_parked_naming_the_fault_and_block_only_their_sub
         count_where(&db.pool, "published_at is not null").await,
         healthy_total + 10
     );
+    if !source.is_empty() {
+        for relay in &mut replicas {
+            relay.terminate().await;
+        }
+        support::wal::drop_slots(&db.pool).await;
+    }
 }
 
 // ---------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 //! (`wal_level=logical`) and nats-server: rows written by plain SQL, the
 //! outcome read back from the table and from the stream in stream order.
 //!
-//! - A backlog written before the slot existed and rows written after, from
-//!   concurrent writers and two writers on one entity (the one that began
+//! - A backlog written before the slot existed and 100,000 rows written
+//!   after, from concurrent writers and two writers on one entity (the one that began
 //!   first commits second): each event once, per subject in change order,
 //!   every row marked with its stream position.
 //! - The slot dropped by an operator while the relay runs, and while it is
@@ -327,8 +327,9 @@ async fn a_backlog_and_concurrent_writers_are_published_once_in_change_order() {
         insert(&mut *tx, "entity", n, 1).await;
         tx.commit().await.unwrap();
     }
-    write_spread(&db.pool, "live", 100, 5, 6, 0).await;
-    let total = 20 * 2 * 10 + 2 + 100 * 5 * 6;
+    // 100,000 events over 1,000 subjects from 4 concurrent writers.
+    write_spread(&db.pool, "live", 1_000, 10, 10, 0).await;
+    let total = 20 * 2 * 10 + 2 + 1_000 * 10 * 10;
     relays.wait_all(&db.pool, total, &["wal-1"]).await;
     assert!(
         relay.is_running() && !relay.died(),

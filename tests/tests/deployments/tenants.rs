@@ -110,6 +110,19 @@ async fn assert_once_in_order(pool: &PgPool, stored: &[(Uuid, String)]) {
 /// all 64 shards of its own outbox.
 #[tokio::test]
 async fn two_schemas_a_relay_each_publish_every_row_once_in_order() {
+    two_schemas_a_relay_each(&[]).await;
+}
+
+/// The same with `--source wal`: each relay leads its own schema's source
+/// (neither stands by behind the other) through a slot and publication of
+/// its own, and reads only its own schema's rows from the one WAL.
+#[tokio::test]
+async fn two_schemas_a_wal_relay_each_publish_every_row_once_in_order() {
+    two_schemas_a_relay_each(&["--source", "wal"]).await;
+}
+
+async fn two_schemas_a_relay_each(source: &[&str]) {
+    let wal = !source.is_empty();
     let db = TestDb::new().await.unwrap();
     let nats = outbox_testkit::nats().unwrap();
     let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
@@ -128,7 +141,8 @@ async fn two_schemas_a_relay_each_publish_every_row_once_in_order() {
         .env("DATABASE_URL", in_schema(db.url(), schema))
         .env("NATS_URL", nats.url())
         .args(["--stream", &format!("{prefix}_{unique}")])
-        .args(["--subjects", &format!("{prefix}.>")]);
+        .args(["--subjects", &format!("{prefix}.>")])
+        .args(source.iter().copied());
         relay.start().await.unwrap();
         relays.push(relay);
     }
@@ -168,8 +182,22 @@ async fn two_schemas_a_relay_each_publish_every_row_once_in_order() {
     );
     assert_ne!(na.relay_shards_key(), nb.relay_shards_key());
     assert_ne!(na.relay_members_key(), nb.relay_members_key());
-    assert_eq!(shard_locks(&a, na.relay_shards_key()).await, 64);
-    assert_eq!(shard_locks(&a, nb.relay_shards_key()).await, 64);
+    if wal {
+        for schema in ["tenant_a", "tenant_b"] {
+            assert!(log(schema).contains("reading the WAL"), "{}", log(schema));
+        }
+        let slots: Vec<String> = sqlx::query_scalar(
+            "select slot_name::text from pg_replication_slots
+              where database = current_database() and active order by 1",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(slots.len(), 2, "a slot each, both read: {slots:?}");
+    } else {
+        assert_eq!(shard_locks(&a, na.relay_shards_key()).await, 64);
+        assert_eq!(shard_locks(&a, nb.relay_shards_key()).await, 64);
+    }
 
     for (pool, prefix) in [(&a, "ta"), (&b, "tb")] {
         let stored = read_stream(&js, &format!("{prefix}_{unique}")).await;
@@ -178,8 +206,12 @@ async fn two_schemas_a_relay_each_publish_every_row_once_in_order() {
     for relay in &mut relays {
         assert_eq!(relay.terminate().await, Some(0));
     }
+    if wal {
+        super::support::wal::drop_slots(&db.pool).await;
+    }
     let _ = std::fs::remove_dir_all(&log_dir);
 }
+
 
 /// The insert trigger of an outbox in a schema notifies the channel the
 /// relay listens on for that schema, also for a schema name too long to fit

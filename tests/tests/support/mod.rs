@@ -2,6 +2,8 @@
 
 #[allow(dead_code)] // each test binary uses what it needs
 pub(crate) mod http;
+#[allow(dead_code)] // the tests that run a WAL relay use it
+pub(crate) mod wal;
 
 use std::path::PathBuf;
 use std::process::Command;
