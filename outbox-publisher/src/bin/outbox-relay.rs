@@ -53,7 +53,7 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use outbox_publisher::cli::{
-    DatabaseArgs, NatsArgs, TelemetryArgs, cancel_on_signal, parse_ops_addr, serve_ops,
+    DatabaseArgs, NatsArgs, Secret, TelemetryArgs, cancel_on_signal, parse_ops_addr, serve_ops,
 };
 use outbox_publisher::{Readiness, Relay, RelayConfig, StorageType, StreamSpec, WalSource};
 use sqlx::postgres::PgPoolOptions;
@@ -176,6 +176,18 @@ struct Args {
     #[arg(long, env = "OUTBOX_WAL_SLOT", value_name = "NAME")]
     wal_slot: Option<String>,
 
+    /// With --source wal: the PostgreSQL URL of the replication connection
+    /// (same database and role rules as DATABASE_URL). Give the server's own
+    /// address when DATABASE_URL goes through a pooler: PgBouncer does not
+    /// carry the replication protocol. Default: the database URL.
+    #[arg(
+        long,
+        env = "OUTBOX_WAL_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
+    wal_url: Option<Secret>,
+
     /// Drain the table, then exit (through the polling path, whatever --source).
     #[arg(long)]
     once: bool,
@@ -255,7 +267,11 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .require_durable(args.require_durable)
         .stream_refresh(args.stream_refresh);
     let config = if args.source == SourceArg::Wal && !args.once {
-        let mut wal = WalSource::from_url(args.database.url()?.expose_secret())?;
+        let url = match &args.wal_url {
+            Some(url) => url.clone(),
+            None => args.database.url()?,
+        };
+        let mut wal = WalSource::from_url(url.expose_secret())?;
         if let Some(slot) = &args.wal_slot {
             wal = wal.slot(slot.clone());
         }

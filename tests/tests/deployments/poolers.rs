@@ -278,3 +278,65 @@ async fn the_relay_runs_through_a_session_pool() {
     assert_eq!(relay.terminate().await, Some(0), "{log}");
     let _ = std::fs::remove_dir_all(&log_dir);
 }
+
+/// `--source wal` behind a session pool: PgBouncer does not carry the
+/// replication protocol, so the relay given only the pool's URL exits
+/// non-zero within seconds naming `--wal-url`, never backfilling and then
+/// stalling; given `--wal-url` with the server's own address beside the
+/// pool's URL, it reads the WAL and publishes every row.
+#[tokio::test]
+async fn the_wal_relay_behind_a_pooler_reads_the_wal_from_the_server_itself() {
+    let db = TestDb::new().await.unwrap();
+    let nats = outbox_testkit::nats().unwrap();
+    let bouncer = PgBouncer::start(upstream_port(&db), PoolMode::Session, &[]).unwrap();
+    let log_dir = std::env::temp_dir().join("pooler-tests").join(db.name());
+    std::fs::create_dir_all(&log_dir).unwrap();
+    let unique = &db.name()[db.name().len() - 8..];
+    let relay = |name: &str| {
+        Program::new(
+            name,
+            super::support::bin_dir().join("outbox-relay"),
+            &log_dir,
+        )
+        .env("DATABASE_URL", bouncer.url("postgres", db.name()))
+        .env("NATS_URL", nats.url())
+        .args(["--stream", &format!("WALPOOL_{unique}")])
+        .args(["--subjects", "pool.>", "--source", "wal"])
+    };
+    let log = |name: &str| {
+        std::fs::read_to_string(log_dir.join(format!("{name}.log"))).unwrap_or_default()
+    };
+
+    let mut refused = relay("pool-only");
+    let started = Instant::now();
+    refused.start().await.unwrap();
+    wait_until("the relay exits", WAIT, || {
+        let died = refused.died();
+        async move { died }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", log("pool-only")));
+    assert!(
+        log("pool-only").contains("--wal-url"),
+        "the relay names what to do:\n{}",
+        log("pool-only")
+    );
+    assert!(started.elapsed() < Duration::from_secs(20));
+
+    let mut relay = relay("wal-url").env("OUTBOX_WAL_URL", db.url());
+    relay.start().await.unwrap();
+    wait_until("the relay reads the WAL", WAIT, || async {
+        log("wal-url").contains("reading the WAL")
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", log("wal-url")));
+    super::write(&db.pool, "pool.step", 10, 500).await;
+    let drained = wait_until("every row published", WAIT, || async {
+        super::unpublished(&db.pool).await == 0
+    })
+    .await;
+    assert!(drained.is_ok(), "{drained:?}\n{}", log("wal-url"));
+    assert_eq!(relay.terminate().await, Some(0), "{}", log("wal-url"));
+    super::support::wal::drop_slots(&db.pool).await;
+    let _ = std::fs::remove_dir_all(&log_dir);
+}

@@ -212,7 +212,6 @@ async fn two_schemas_a_relay_each(source: &[&str]) {
     let _ = std::fs::remove_dir_all(&log_dir);
 }
 
-
 /// The insert trigger of an outbox in a schema notifies the channel the
 /// relay listens on for that schema, also for a schema name too long to fit
 /// a channel name whole.

@@ -265,11 +265,23 @@ impl<S: Sink> Relay<S> {
     }
 }
 
-/// A replication client's error as the relay's.
+/// A replication client's error as the relay's. A pooler refusing the
+/// replication startup parameter (PgBouncer's `unsupported startup
+/// parameter`) is a configuration error no retry passes, named with what to
+/// do; so is a refused login.
 fn wal_error(doing: &str, e: &PgWireError) -> Error {
-    let kind = match e {
-        PgWireError::Auth(_) => ErrorKind::Privilege,
-        _ => ErrorKind::Database,
-    };
-    Error::new(kind, format!("{doing}: {e}"))
+    match e {
+        PgWireError::Auth(_) => Error::new(ErrorKind::Privilege, format!("{doing}: {e}")),
+        PgWireError::Server(message) if message.contains("unsupported startup parameter") => {
+            Error::new(
+                ErrorKind::Config,
+                format!(
+                    "{doing}: {e}: the replication connection reached a pooler (PgBouncer does \
+                     not carry the replication protocol); give the WAL source the server's own \
+                     address (outbox-relay --wal-url / OUTBOX_WAL_URL)"
+                ),
+            )
+        }
+        _ => Error::new(ErrorKind::Database, format!("{doing}: {e}")),
+    }
 }
