@@ -1,7 +1,8 @@
 //! The chaos run, as part of the suite: the `outbox-demo` harness with a fixed
 //! seed and the fast fault schedule (nats-server restarts, kill -9 of relays
 //! and billing replicas, billing deaths between commit and ack, Postgres
-//! restarts). It checks its invariants from the databases and the stream and
+//! restarts), once with the polling relay and once reading the WAL. It
+//! checks its invariants from the databases and the stream and
 //! exits non-zero if any fails.
 //!
 //! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
@@ -13,10 +14,21 @@ mod support;
 
 #[test]
 fn a_seeded_chaos_run_keeps_every_invariant() {
-    let out = support::demo(&[
+    chaos(&["--duration", "60"]);
+}
+
+/// The same faults with the relays reading the WAL (one leads, the other
+/// stands by): the leader's kill -9 hands the slot over, PostgreSQL's
+/// restarts end the replication session.
+#[test]
+fn a_seeded_chaos_run_with_the_wal_relay_keeps_every_invariant() {
+    chaos(&["--duration", "40", "--source", "wal"]);
+}
+
+/// Runs the seeded chaos schedule with `extra` and checks its report.
+fn chaos(extra: &[&str]) {
+    let mut args = vec![
         "--chaos",
-        "--duration",
-        "60",
         "--seed",
         "42",
         "--fault-interval",
@@ -25,7 +37,9 @@ fn a_seeded_chaos_run_keeps_every_invariant() {
         "0.005",
         "--settle-timeout",
         "120",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    let out = support::demo(&args);
     assert!(
         out.status.success() && out.stdout.contains("RESULT: PASS"),
         "chaos run failed ({:?}):\n{}\n{}",
