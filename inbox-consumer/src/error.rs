@@ -118,28 +118,18 @@ impl Error {
         self.inner.kind
     }
 
-    /// Whether retrying may succeed: a database serialization failure or deadlock
-    /// (SQLSTATE `40001`, `40P01`), a lost connection, or a NATS error.
+    /// Whether retrying may succeed: a NATS error, or a database failure
+    /// that is not the call's own (a serialization failure or deadlock, a
+    /// lost connection, a server shutting down:
+    /// [`outbox_pg::failure::is_transient`]).
     pub fn is_transient(&self) -> bool {
         match self.inner.kind {
             ErrorKind::Nats | ErrorKind::StreamUnavailable => true,
-            ErrorKind::Database => match self
+            ErrorKind::Database => self
                 .inner
                 .source
                 .as_deref()
-                .and_then(|s| s.downcast_ref::<sqlx::Error>())
-            {
-                Some(sqlx::Error::Database(db)) => {
-                    matches!(db.code().as_deref(), Some("40001" | "40P01"))
-                }
-                Some(
-                    sqlx::Error::Io(_)
-                    | sqlx::Error::PoolTimedOut
-                    | sqlx::Error::PoolClosed
-                    | sqlx::Error::WorkerCrashed,
-                ) => true,
-                _ => false,
-            },
+                .is_some_and(|source| outbox_pg::failure::is_transient(source)),
             _ => false,
         }
     }

@@ -169,18 +169,13 @@ impl Error {
     }
 
     /// Whether retrying the same call may succeed: a serialization failure or
-    /// deadlock (SQLSTATE `40001`, `40P01`) or a lost connection.
+    /// deadlock, a lost connection, a server shutting down
+    /// ([`failure::is_transient`](crate::failure::is_transient)).
     pub fn is_transient(&self) -> bool {
-        let Some(source) = &self.inner.source else {
-            return false;
-        };
-        match source.downcast_ref::<sqlx::Error>() {
-            Some(sqlx::Error::Database(db)) => {
-                matches!(db.code().as_deref(), Some("40001" | "40P01"))
-            }
-            Some(sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed) => true,
-            _ => false,
-        }
+        self.inner
+            .source
+            .as_deref()
+            .is_some_and(|source| crate::failure::is_transient(source))
     }
 }
 

@@ -91,6 +91,7 @@ pub mod connect;
 mod envelope;
 mod error;
 pub mod event;
+pub mod failure;
 pub mod health;
 mod jsonb;
 mod layout;

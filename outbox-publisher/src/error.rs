@@ -91,31 +91,17 @@ impl Error {
         self.kind
     }
 
-    /// Whether the same call may succeed later (a lost connection, a timeout,
-    /// a serialization failure), as opposed to a configuration problem.
+    /// Whether the same call may succeed later (the broker, a lost
+    /// connection, a server shutting down, a serialization failure:
+    /// [`outbox_pg::failure::is_transient`]), as opposed to a configuration
+    /// problem.
     pub fn is_transient(&self) -> bool {
         match self.kind {
             ErrorKind::Broker => true,
-            ErrorKind::Database => match self
+            ErrorKind::Database => self
                 .source
-                .as_ref()
-                .and_then(|s| s.downcast_ref::<sqlx::Error>())
-            {
-                Some(sqlx::Error::Database(db)) => {
-                    matches!(
-                        db.code().as_deref(),
-                        Some("40001" | "40P01" | "57P01" | "57P03")
-                    )
-                }
-                Some(
-                    sqlx::Error::Io(_)
-                    | sqlx::Error::PoolTimedOut
-                    | sqlx::Error::PoolClosed
-                    | sqlx::Error::Protocol(_)
-                    | sqlx::Error::WorkerCrashed,
-                ) => true,
-                _ => false,
-            },
+                .as_deref()
+                .is_some_and(|source| outbox_pg::failure::is_transient(source)),
             _ => false,
         }
     }

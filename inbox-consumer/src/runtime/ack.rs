@@ -23,6 +23,7 @@
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
+use outbox_pg::failure::PgFailure;
 
 use super::config::{ConsumerConfig, Unrouted};
 use super::panics::Panicked;
@@ -143,41 +144,14 @@ pub(crate) fn lease_lost(error: &(dyn std::error::Error + Send + Sync + 'static)
 /// Whether `error` (or a cause of it) says the database could not be used at
 /// all, rather than that this event failed: no connection, a server shutting
 /// down or refusing connections, or a lock wait that timed out (another
-/// transaction, maybe of a frozen replica, holds what this one needs).
+/// transaction, maybe of a frozen replica, holds what this one needs)
+/// ([`PgFailure::Unavailable`]); or the role's grants, not the event
+/// ([`PgFailure::Denied`]: retried, loudly, until granted).
 pub(crate) fn unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cause = Some(error);
-    while let Some(error) = cause {
-        if let Some(sqlx) = error.downcast_ref::<sqlx::Error>() {
-            return match sqlx {
-                sqlx::Error::Io(_)
-                | sqlx::Error::Tls(_)
-                | sqlx::Error::PoolTimedOut
-                | sqlx::Error::PoolClosed
-                | sqlx::Error::WorkerCrashed => true,
-                sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-                    // 08: connection exception; 57P01-03: shutting down or
-                    // starting; 53300: too many connections; 55P03: lock not
-                    // available (lock_timeout); 25P03: idle in transaction
-                    // timeout; 42501: insufficient privilege (the role's
-                    // grants, not the event: retried, loudly, until granted).
-                    code.starts_with("08")
-                        || matches!(
-                            &*code,
-                            "57P01"
-                                | "57P02"
-                                | "57P03"
-                                | "53300"
-                                | "55P03"
-                                | "25P03"
-                                | outbox_pg::privilege::INSUFFICIENT_PRIVILEGE
-                        )
-                }),
-                _ => false,
-            };
-        }
-        cause = error.source();
-    }
-    false
+    matches!(
+        outbox_pg::failure::classify(error),
+        Some(PgFailure::Unavailable | PgFailure::Denied)
+    )
 }
 
 /// Sends `kind` for `message`, bounded by `timeout`. An `Ack` waits for the
