@@ -760,6 +760,21 @@ pub(crate) async fn drain(
     for i in 0..replicas {
         relays.push(RelayProc::start(env, &format!("{stream}_relay{i}"), &db.url, stream).await?);
     }
+    finish_drain(env, db, stream, rows, started, relays, each).await
+}
+
+/// Waits until `relays` have put `rows` messages in `stream` (timed from
+/// `started`) and marked every row, then reads their metrics; stops them on
+/// a failure.
+async fn finish_drain(
+    env: &Env,
+    db: &Db,
+    stream: &str,
+    rows: usize,
+    started: Instant,
+    mut relays: Vec<RelayProc>,
+    each: impl FnMut(&[RelayProc], u64) -> Result<()>,
+) -> Result<Drain> {
     let samples = match wait_for_messages(env, stream, rows, started, &mut relays, each).await {
         Ok(samples) => samples,
         Err(e) => {
@@ -846,31 +861,12 @@ pub(crate) async fn wal_drain(
         relay.stop(env).await;
         return Err(e);
     }
-    let mut relays = vec![relay];
+    let relays = vec![relay];
     if let Err(e) = write.await {
         stop_all(env, relays).await;
         return Err(e);
     }
-    let started = Instant::now();
-    let samples = match wait_for_messages(env, stream, rows, started, &mut relays, each).await {
-        Ok(samples) => samples,
-        Err(e) => {
-            stop_all(env, relays).await;
-            return Err(e);
-        }
-    };
-    let elapsed = started.elapsed();
-    wait_marked(&db.pool).await?;
-    let mut phases = Phases::default();
-    for relay in &relays {
-        phases.add(&relay.phases().await?);
-    }
-    Ok(Drain {
-        elapsed,
-        samples,
-        phases,
-        relays,
-    })
+    finish_drain(env, db, stream, rows, Instant::now(), relays, each).await
 }
 
 /// Drops `db`'s replication slots, made by a WAL relay: a database with one
