@@ -32,6 +32,9 @@ pub(crate) struct Findings {
     pub(crate) leaked: Vec<String>,
     pub(crate) order_violations: Vec<String>,
     pub(crate) undrained: i64,
+    /// The unpublished rows (a few of each database) and the replication
+    /// slots' positions, to tell why they were left.
+    pub(crate) undrained_rows: Vec<String>,
 }
 
 impl Findings {
@@ -379,6 +382,31 @@ pub(crate) async fn check(
         .fetch_one(billing)
         .await
         .map_err(db)?;
+    if f.undrained > 0 {
+        for (name, pool) in [("subscriptions", subs), ("billing", billing)] {
+            let rows: Vec<(String,)> = sqlx::query_as(
+                "select format('%s id %s seq %s subject %s type %s created %s attempts %s next_attempt %s',
+                               $1::text, id, seq, subject, event_type, created_at, attempts, next_attempt_at)
+                   from outbox_events where published_at is null order by seq limit 5",
+            )
+            .bind(name)
+            .fetch_all(pool)
+            .await
+            .map_err(db)?;
+            f.undrained_rows.extend(rows.into_iter().map(|r| r.0));
+            let slots: Vec<(String,)> = sqlx::query_as(
+                "select format('%s slot %s active %s restart %s confirmed %s, server at %s',
+                               $1::text, slot_name, active, restart_lsn, confirmed_flush_lsn,
+                               pg_current_wal_lsn())
+                   from pg_replication_slots where database = current_database()",
+            )
+            .bind(name)
+            .fetch_all(pool)
+            .await
+            .map_err(db)?;
+            f.undrained_rows.extend(slots.into_iter().map(|r| r.0));
+        }
+    }
     f.handled = sqlx::query_scalar("select count(*) from inbox_events where consumer = $1")
         .bind(durable)
         .fetch_one(billing)

@@ -787,6 +787,9 @@ fn report(
         f.undrained,
         mark(f.undrained == 0)
     );
+    for row in &f.undrained_rows {
+        println!("    {row}");
+    }
     if !unclean.is_empty() {
         println!("unclean shutdown        {unclean:?}  FAIL");
     }
