@@ -150,6 +150,15 @@ async fn two_schemas_a_relay_each(source: &[&str]) {
         std::fs::read_to_string(log_dir.join(format!("relay-{name}.log"))).unwrap_or_default()
     };
 
+    if wal {
+        for schema in ["tenant_a", "tenant_b"] {
+            wait_until("the relay reads the WAL", WAIT, || async {
+                log(schema).contains("reading the WAL")
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", log(schema)));
+        }
+    }
     for _ in 0..16 {
         tokio::join!(write(&a, "ta.step", 20, 100), write(&b, "tb.step", 20, 100));
     }
