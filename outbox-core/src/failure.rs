@@ -1,5 +1,7 @@
-//! Which PostgreSQL failures are transient: one table, used by the writers'
-//! errors, the relay and the consumer's ack decision alike.
+//! Which PostgreSQL failures are transient: one table, behind the
+//! `is_transient` of the writers', the relay's and the consumer's error
+//! types, and the consumer's ack decision (whether a failure is the
+//! database's or the event's).
 //!
 //! A failure is classified where it is met, from the first `sqlx::Error` in
 //! its `source` chain:
