@@ -278,3 +278,28 @@ pub(crate) async fn blockers(
         })
         .collect())
 }
+
+/// The transactions of `xids` (as the replication stream names them) not yet
+/// visible to a new statement (`queries/wal_invisible.sql`).
+///
+/// # Errors
+/// [`ErrorKind::Database`].
+pub(crate) async fn invisible(pool: &PgPool, xids: &[u32]) -> Result<Vec<u32>> {
+    if xids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<i64> = xids.iter().map(|&x| i64::from(x)).collect();
+    let rows = sqlx::query_file_scalar!("queries/wal_invisible.sql", &ids)
+        .fetch_all(pool)
+        .await
+        .map_err(|e| {
+            Error::database(
+                "checking that transactions read from the WAL are visible",
+                e,
+            )
+        })?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|x| u32::try_from(x).ok())
+        .collect())
+}

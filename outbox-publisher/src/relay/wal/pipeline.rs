@@ -40,6 +40,18 @@
 //! before them, are resolved. So a relay killed at any point reads again
 //! from a commit none of whose rows is lost, and the stream's duplicate
 //! window absorbs the republished ones.
+//!
+//! # Written only once visible
+//!
+//! The stream carries a transaction as soon as its commit is flushed, a
+//! moment before other sessions see it (longer while the commit waits for a
+//! synchronous standby). Publishing it then is safe (the commit is durable),
+//! but an update of its rows in that moment changes nothing, and a mark, a
+//! failure or a deferral lost so would leave a row fresh above the floor,
+//! where no path publishes it. So a deferral and a failure are written only
+//! once the rows' transactions are visible, and a mark that changed fewer
+//! rows than it named is written again once they are (`queries/wal_invisible.sql`);
+//! a row counts as resolved only then.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -49,6 +61,7 @@ use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use pgwire_replication::{Lsn, PgWireError, ReplicationClient, ReplicationEvent};
 use tokio_util::sync::CancellationToken;
+use tracing::warn;
 use uuid::Uuid;
 
 use super::{Progress, wal_error};
@@ -81,6 +94,10 @@ const CLEAR_SUBJECTS: usize = 100_000;
 const LAG_EVERY: Duration = Duration::from_millis(100);
 /// Microseconds between the Unix epoch and PostgreSQL's (2000-01-01).
 const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
+/// How long a transaction read from the stream may stay invisible before the
+/// relay says so, and how often it says it again.
+const INVISIBLE_WARN_AFTER: Duration = Duration::from_secs(1);
+const INVISIBLE_WARN_EVERY: Duration = Duration::from_secs(30);
 
 /// A chain of one subject out to the broker.
 type Chain<'a> = BoxFuture<'a, (String, Vec<(ClaimedRow, Outcome)>)>;
@@ -109,11 +126,13 @@ impl Subject {
     }
 }
 
-/// A row held by the pipeline: its number in read order and payload bytes.
+/// A row held by the pipeline: its number in read order, payload bytes and
+/// transaction (as the stream names it).
 #[derive(Debug, Clone, Copy)]
 struct Held {
     number: u64,
     bytes: usize,
+    xid: u32,
 }
 
 /// Where the replication stream is, for the rows it brings.
@@ -126,11 +145,14 @@ struct Reader<'s> {
     in_txn: bool,
     /// The transaction being read was confirmed before (a replay).
     skip: bool,
+    /// The transaction being read.
+    xid: u32,
 }
 
 /// The publish pipeline of one replication session.
 pub(super) struct Pipeline<'a, S: Sink> {
     relay: &'a Relay<S>,
+    stop: CancellationToken,
     max_payload: usize,
     subjects: HashMap<String, Subject>,
     /// Rows of subjects not known clear, to check before they are queued.
@@ -153,14 +175,16 @@ pub(super) struct Pipeline<'a, S: Sink> {
     /// Published rows not yet in a mark statement, with their numbers.
     marks: Vec<(Uuid, Option<Position>)>,
     mark_numbers: Vec<u64>,
+    mark_xids: Vec<u32>,
     /// When the lag gauge was last set.
     lag_set: Instant,
 }
 
 impl<'a, S: Sink> Pipeline<'a, S> {
-    pub(super) fn new(relay: &'a Relay<S>) -> Self {
+    pub(super) fn new(relay: &'a Relay<S>, stop: &CancellationToken) -> Self {
         Self {
             relay,
+            stop: stop.clone(),
             max_payload: relay.sink.max_payload(),
             subjects: HashMap::new(),
             unchecked: Vec::new(),
@@ -175,6 +199,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
             commits: VecDeque::new(),
             marks: Vec::new(),
             mark_numbers: Vec::new(),
+            mark_xids: Vec::new(),
             lag_set: Instant::now(),
         }
     }
@@ -199,6 +224,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
             relations: HashMap::new(),
             in_txn: false,
             skip: false,
+            xid: 0,
         };
         let mut chains: FuturesUnordered<Chain<'a>> = FuturesUnordered::new();
         let mut marking: FuturesUnordered<Marking> = FuturesUnordered::new();
@@ -288,8 +314,9 @@ impl<'a, S: Sink> Pipeline<'a, S> {
             .map_err(|e| wal_error("reading the replication stream", &e))?
             .ok_or_else(|| Error::new(ErrorKind::Database, "the replication stream ended"))?;
         match event {
-            ReplicationEvent::Begin { final_lsn, .. } => {
+            ReplicationEvent::Begin { final_lsn, xid, .. } => {
                 r.in_txn = true;
+                r.xid = xid;
                 // Read before (a session that replays from the slot's
                 // confirmed position): published and recorded already.
                 r.skip = final_lsn < p.done;
@@ -308,7 +335,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
                             && let Inserted::Fresh(row) = layout.row(&values, self.max_payload)
                             && row.seq > r.floor
                         {
-                            self.hold(*row);
+                            self.hold(*row, r.xid);
                         }
                     }
                     _ => {}
@@ -343,11 +370,11 @@ impl<'a, S: Sink> Pipeline<'a, S> {
     }
 
     /// Takes a row read from the stream into the pipeline.
-    fn hold(&mut self, row: ClaimedRow) {
+    fn hold(&mut self, row: ClaimedRow, xid: u32) {
         let number = self.next_number;
         self.next_number += 1;
         let bytes = usize::try_from(row.data_len).unwrap_or(usize::MAX);
-        self.held.insert(row.id, Held { number, bytes });
+        self.held.insert(row.id, Held { number, bytes, xid });
         self.held_bytes = self.held_bytes.saturating_add(bytes);
         self.unresolved.insert(number);
         if self.subjects.get(&row.subject).is_some_and(|s| s.clear) {
@@ -441,6 +468,8 @@ impl<'a, S: Sink> Pipeline<'a, S> {
                 None => queued.push(row),
             }
         }
+        let xids = self.xids(deferred.iter().map(|d| d.0));
+        await_visible(relay.store.pool(), &xids, &self.stop).await?;
         relay
             .store
             .defer(&deferred, relay.config.backoff_max)
@@ -475,6 +504,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
                     if let Some(held) = self.settle(row.id) {
                         self.marks.push((row.id, position));
                         self.mark_numbers.push(held.number);
+                        self.mark_xids.push(held.xid);
                     }
                 }
                 Outcome::Failed(failure) if failure.kind().is_broker_fault() => {
@@ -494,6 +524,8 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         let subject = self.subjects.entry(name.clone()).or_default();
         subject.sending = false;
         if !refused.is_empty() {
+            let xids = self.xids(refused.iter().map(|f| f.id));
+            await_visible(relay.store.pool(), &xids, &self.stop).await?;
             relay.record_refusals(&refused).await?;
             let numbers: Vec<u64> = refused
                 .iter()
@@ -538,6 +570,12 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         }
     }
 
+    /// The transactions of these held rows.
+    fn xids(&self, ids: impl Iterator<Item = Uuid>) -> Vec<u32> {
+        ids.filter_map(|id| self.held.get(&id).map(|h| h.xid))
+            .collect()
+    }
+
     /// A row has its outcome: it no longer counts toward the bytes held.
     fn settle(&mut self, id: Uuid) -> Option<Held> {
         let held = self.held.remove(&id)?;
@@ -567,13 +605,21 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         }
         let marks = std::mem::take(&mut self.marks);
         let numbers = std::mem::take(&mut self.mark_numbers);
+        let xids = std::mem::take(&mut self.mark_xids);
         let store = self.relay.store.clone();
+        let stop = self.stop.clone();
         metrics::batch(marks.len());
         let task = tokio::spawn(async move {
             let started = Instant::now();
-            let marked = store.mark_published(&marks).await;
+            let mut marked = store.mark_published(&marks).await?;
+            if usize::try_from(marked).unwrap_or(usize::MAX) < marks.len() {
+                // Rows left unchanged were published already, or their
+                // transaction is not visible yet: once it is, mark again.
+                await_visible(store.pool(), &xids, &stop).await?;
+                marked += store.mark_published(&marks).await?;
+            }
             metrics::phase("mark", started.elapsed());
-            marked
+            Ok::<u64, Error>(marked)
         });
         marking.push(
             async move {
@@ -614,6 +660,53 @@ impl<'a, S: Sink> Pipeline<'a, S> {
             u64::try_from(now - micros).unwrap_or(0)
         });
         metrics::wal_lag(Duration::from_micros(lag));
+    }
+}
+
+/// Waits until every transaction of `xids` is visible to new statements, so
+/// that a write to rows read from the stream changes them: the stream carries
+/// a transaction once its commit is flushed, a moment before other sessions
+/// see it (much longer while the commit waits for a synchronous standby).
+/// Says so when the wait is long; the slot is not confirmed meanwhile.
+///
+/// # Errors
+/// [`ErrorKind::Database`] when the check fails, or `stop` came first (the
+/// rows stay unresolved and are read again).
+async fn await_visible(pool: &sqlx::PgPool, xids: &[u32], stop: &CancellationToken) -> Result<()> {
+    let mut left = xids.to_vec();
+    left.sort_unstable();
+    left.dedup();
+    let started = Instant::now();
+    let mut warned: Option<Instant> = None;
+    let mut pause = Duration::from_millis(2);
+    loop {
+        left = slot::invisible(pool, &left).await?;
+        if left.is_empty() {
+            return Ok(());
+        }
+        let waited = started.elapsed();
+        if waited >= INVISIBLE_WARN_AFTER
+            && warned.is_none_or(|t| t.elapsed() >= INVISIBLE_WARN_EVERY)
+        {
+            warn!(
+                transactions = left.len(),
+                waited = ?waited,
+                "rows read from the WAL are not visible yet: their commit is in the WAL but other \
+                 sessions do not see it (waiting for a synchronous standby?); the relay records \
+                 them, and moves the slot past them, once they are"
+            );
+            warned = Some(Instant::now());
+        }
+        tokio::select! {
+            () = stop.cancelled() => {
+                return Err(Error::new(
+                    ErrorKind::Database,
+                    "stopped while rows read from the WAL were not visible yet",
+                ));
+            }
+            () = tokio::time::sleep(pause) => {}
+        }
+        pause = (pause * 2).min(Duration::from_millis(500));
     }
 }
 
