@@ -687,3 +687,47 @@ async fn an_idle_outbox_does_not_hold_wal_back() {
     .unwrap_or_else(|e| panic!("{e}: WAL written up to {written}\n{}", relays.tail("wal-1")));
     assert_eq!(relay.terminate().await, Some(0), "{}", relays.tail("wal-1"));
 }
+
+/// The WAL source's visibility check (`queries/wal_invisible.sql`): a
+/// transaction that wrote to the outbox and has not ended is reported
+/// invisible by its 32-bit id (as the replication stream names it); once it
+/// committed, and for a transaction long over, nothing is reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_visibility_check_reports_a_transaction_until_it_ends() {
+    let db = TestDb::new().await.unwrap();
+    let query = include_str!("../../outbox-publisher/queries/wal_invisible.sql");
+    let invisible = |xid: i64| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(query)
+                .bind(vec![xid])
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let xid32 = "select (pg_current_xact_id()::text::bigint & 4294967295)";
+    let mut tx = db.pool.begin().await.unwrap();
+    insert(&mut *tx, "visibility", 0, 1).await;
+    let open: i64 = sqlx::query_scalar(xid32).fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(
+        invisible(open).await,
+        [open],
+        "an open writer is not visible"
+    );
+    tx.commit().await.unwrap();
+    assert!(
+        invisible(open).await.is_empty(),
+        "a committed writer is visible"
+    );
+    let mut conn = db.pool.acquire().await.unwrap();
+    let old: i64 = sqlx::query_scalar(xid32)
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    drop(conn);
+    assert!(
+        invisible(old).await.is_empty(),
+        "an ended transaction is visible"
+    );
+}

@@ -216,7 +216,7 @@ impl<S: Sink> Relay<S> {
             p.failing = false;
         }
         let result = tokio::select! {
-            r = Pipeline::new(self, stop).run(&mut client, &names.schema, floor, stop, p) => r,
+            r = Pipeline::new(self, stop).run(&mut client, &names.schema, floor, p) => r,
             () = self.wal_slot_stats(&names.slot) => Ok(()),
         };
         let _ = tokio::time::timeout(Duration::from_secs(5), client.shutdown()).await;

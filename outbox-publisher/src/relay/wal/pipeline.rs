@@ -215,9 +215,9 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         client: &mut ReplicationClient,
         schema: &str,
         floor: i64,
-        stop: &CancellationToken,
         p: &mut Progress,
     ) -> Result<()> {
+        let stop = self.stop.clone();
         let mut reader = Reader {
             schema,
             floor,
@@ -678,7 +678,7 @@ async fn await_visible(pool: &sqlx::PgPool, xids: &[u32], stop: &CancellationTok
     left.dedup();
     let started = Instant::now();
     let mut warned: Option<Instant> = None;
-    let mut pause = Duration::from_millis(2);
+    let mut pause = LoopBackoff::new(Duration::from_millis(2), Duration::from_millis(500));
     loop {
         left = slot::invisible(pool, &left).await?;
         if left.is_empty() {
@@ -704,9 +704,8 @@ async fn await_visible(pool: &sqlx::PgPool, xids: &[u32], stop: &CancellationTok
                     "stopped while rows read from the WAL were not visible yet",
                 ));
             }
-            () = tokio::time::sleep(pause) => {}
+            () = tokio::time::sleep(pause.next()) => {}
         }
-        pause = (pause * 2).min(Duration::from_millis(500));
     }
 }
 
