@@ -28,6 +28,7 @@
 //! | `outbox_relay_wal_lag_bytes` | gauge | WAL between the server's position and the slot's confirmed one |
 //! | `outbox_relay_wal_lag_seconds` | gauge | age of the oldest commit read from the slot and not yet confirmed (0 when caught up) |
 //! | `outbox_relay_wal_slot_lost_total` | counter | slots found dropped or invalidated and made again (their rows went through the polling path) |
+//! | `outbox_relay_wal_stranded_total` | counter | rows the WAL source had read and confirmed that were still fresh afterwards (a row made fresh again by plain SQL, or a fault of the relay): they went through the polling path; see the runbook |
 //! | `outbox_relay_wal_slot_lost` | gauge | 1 while the slot's WAL is being reserved past `max_slot_wal_keep_size` (`wal_status` `unreserved`) or it is lost, else 0 |
 //! | `outbox_audit_checked_total` | counter | (published rows whose message the audit read back) |
 //! | `outbox_audit_republished_total` | counter | (rows whose message the stream lost, made unpublished again; once per row) |
@@ -67,6 +68,7 @@ pub(crate) const WAL_UP: &str = "outbox_relay_wal_up";
 pub(crate) const WAL_LAG_BYTES: &str = "outbox_relay_wal_lag_bytes";
 pub(crate) const WAL_LAG_SECONDS: &str = "outbox_relay_wal_lag_seconds";
 pub(crate) const WAL_SLOT_LOST_TOTAL: &str = "outbox_relay_wal_slot_lost_total";
+pub(crate) const WAL_STRANDED_TOTAL: &str = "outbox_relay_wal_stranded_total";
 pub(crate) const WAL_SLOT_AT_RISK: &str = "outbox_relay_wal_slot_lost";
 
 /// Every metric name the relay records.
@@ -91,6 +93,7 @@ pub const NAMES: &[&str] = &[
     WAL_LAG_BYTES,
     WAL_LAG_SECONDS,
     WAL_SLOT_LOST_TOTAL,
+    WAL_STRANDED_TOTAL,
     WAL_SLOT_AT_RISK,
     crate::audit::CHECKED,
     crate::audit::REPUBLISHED,
@@ -185,6 +188,10 @@ pub fn describe() {
         WAL_SLOT_LOST_TOTAL,
         "Replication slots found dropped or invalidated and made again"
     );
+    describe_counter!(
+        WAL_STRANDED_TOTAL,
+        "Rows the WAL source had read and confirmed that were still fresh afterwards (published through the polling path)"
+    );
     describe_gauge!(
         WAL_SLOT_AT_RISK,
         "1 while the slot's WAL is unreserved or lost, else 0"
@@ -255,6 +262,7 @@ pub(crate) fn stream_up(up: bool) {
 /// exported (and alerted on) from its start.
 pub(crate) fn wal_registered() {
     counter!(WAL_SLOT_LOST_TOTAL).increment(0);
+    counter!(WAL_STRANDED_TOTAL).increment(0);
     gauge!(WAL_UP).set(0.0);
     gauge!(WAL_LAG_SECONDS).set(0.0);
     gauge!(WAL_LAG_BYTES).set(0.0);
@@ -282,4 +290,9 @@ pub(crate) fn wal_lag(lag: Duration) {
 /// Counts a slot found lost and made again.
 pub(crate) fn wal_slot_lost() {
     counter!(WAL_SLOT_LOST_TOTAL).increment(1);
+}
+
+/// Counts rows found left behind by the WAL source.
+pub(crate) fn wal_stranded(rows: usize) {
+    counter!(WAL_STRANDED_TOTAL).increment(u64::try_from(rows).unwrap_or(u64::MAX));
 }

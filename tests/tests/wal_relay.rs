@@ -731,3 +731,97 @@ async fn the_visibility_check_reports_a_transaction_until_it_ends() {
         "an ended transaction is visible"
     );
 }
+
+/// A row made fresh again by plain SQL above the WAL's floor (an update,
+/// which the WAL source does not read: here a parked row put back in the main
+/// lane by hand) is found once the slot's confirmed position has passed it:
+/// the relay says so, counts it, publishes it through the polling path and
+/// reads the WAL again. Never a healthy relay with a row waiting for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_row_made_fresh_again_by_plain_sql_is_found_and_published() {
+    let db = TestDb::new().await.unwrap();
+    let nats = nats().unwrap();
+    let relays = Relays::new(&db, nats.url());
+    let metrics = support::http::free_addr();
+    let mut relay = relays
+        .program("wal-1")
+        .args(["--metrics-addr", &metrics.to_string()]);
+    relay.start().await.unwrap();
+    relays.wait_logged("wal-1", "reading the WAL").await;
+    // Parked from the start (attempts at the cap): neither path publishes it.
+    sqlx::query(
+        "insert into outbox_events (id, event_type, source, subject, time, data, attempts,
+                                    next_attempt_at, last_error)
+         values (gen_random_uuid(), 'wal.happened', 'sql-writer', 'by-hand', now(),
+                 '{\"n\": 0}', 2, now(), 'imported parked')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    insert(&db.pool, "b", 0, 10).await;
+    relays.wait_all(&db.pool, 10, &["wal-1"]).await;
+    // Put back in the main lane by hand, as `outboxctl retry` does not.
+    sqlx::query(
+        "update outbox_events set attempts = 0, next_attempt_at = null, last_error = null
+          where subject = 'by-hand'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // Writes go on, so the slot's confirmed position moves past it.
+    let mut n = 9;
+    let found = wait_until(
+        "the row made fresh by hand published",
+        Duration::from_secs(90),
+        || {
+            n += 1;
+            let pool = db.pool.clone();
+            let first = n;
+            async move {
+                insert(&pool, "b", first, 1).await;
+                count_where(&pool, "subject = 'by-hand' and published_at is not null").await == 1
+            }
+        },
+    )
+    .await;
+    if let Err(e) = found {
+        panic!("{e}\n{}", relays.tail("wal-1"));
+    }
+    let total = count_where(&db.pool, "true").await;
+    relays.wait_all(&db.pool, total, &["wal-1"]).await;
+    let log = relays.log("wal-1");
+    assert!(
+        log.contains("rows read from the WAL and confirmed are still unpublished"),
+        "{}",
+        relays.tail("wal-1")
+    );
+    // The backfill's line comes once the rows up to the new floor are out.
+    wait_until(
+        "the relay reading the WAL again after the backfill",
+        Duration::from_secs(30),
+        || async {
+            relays
+                .log("wal-1")
+                .matches("through the polling path; reading the WAL")
+                .count()
+                >= 2
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", relays.tail("wal-1")));
+    let scraped = support::http::get(metrics, "/metrics", Duration::from_secs(10))
+        .await
+        .map(|(_, body)| body)
+        .unwrap_or_default();
+    assert!(
+        scraped.contains("outbox_relay_wal_stranded_total 1"),
+        "{scraped}"
+    );
+    // And it reads the WAL again: a new row goes that way.
+    insert(&db.pool, "b", n + 1, 1).await;
+    relays.wait_all(&db.pool, total + 1, &["wal-1"]).await;
+    let messages = read_stream(nats.url(), &relays.stream).await;
+    assert_once_in_order(&messages);
+    assert_positions(&db.pool).await;
+    assert_eq!(relay.terminate().await, Some(0), "{}", relays.tail("wal-1"));
+}

@@ -48,6 +48,10 @@
 //! commits after it and is decoded. So the backlog at first start and the
 //! rows of a lost slot are published once each, in order.
 //!
+//! The same backfill runs when a fresh row above `S` is found left behind
+//! (the WAL source reads inserts only, so a row made fresh again by an update
+//! is never in its stream): see `relay/wal/monitor.rs`.
+//!
 //! # One reader per slot
 //!
 //! The relay that holds the session advisory lock of the slot leads (runs
@@ -68,7 +72,7 @@
 //! slow (a walsender that hears nothing for `wal_sender_timeout` kills the
 //! connection), and the confirmed position is only what the caller says it
 //! applied. Begin and Commit are parsed by it; the two `pgoutput` messages
-//! the relay needs (Relation, Insert) by [`pgoutput`]. The slot and the
+//! the relay needs (Relation, Insert) by `pgoutput`. The slot and the
 //! publication are made with sqlx, on the relay's own pool.
 //!
 //! # Requirements

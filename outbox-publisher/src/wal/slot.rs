@@ -24,6 +24,8 @@ pub(crate) struct SlotState {
     pub(crate) plugin: Option<String>,
     pub(crate) database: Option<String>,
     pub(crate) wal_status: Option<String>,
+    /// The confirmed position, in bytes from `0/0`.
+    pub(crate) confirmed: Option<i64>,
     pub(crate) lag_bytes: Option<i64>,
 }
 
@@ -178,6 +180,7 @@ pub(crate) async fn state(pool: &PgPool, slot: &str) -> Result<Option<SlotState>
         plugin: r.plugin,
         database: r.database,
         wal_status: r.wal_status,
+        confirmed: r.confirmed,
         lag_bytes: r.lag_bytes,
     }))
 }
@@ -277,6 +280,53 @@ pub(crate) async fn blockers(
             (r.subject, blocker)
         })
         .collect())
+}
+
+/// The oldest fresh row of a shard, as [`fresh_probe`] finds it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FreshRow {
+    pub(crate) shard: i16,
+    pub(crate) id: uuid::Uuid,
+    pub(crate) seq: i64,
+}
+
+/// Per shard of `shards`, its oldest fresh row with a seq above the shard's
+/// entry in `after`; and the WAL insert position (bytes from `0/0`) that
+/// every one of their commits precedes (`queries/wal_fresh_probe.sql`).
+/// `None` for the position when no shard has one.
+///
+/// # Errors
+/// [`ErrorKind::Database`].
+pub(crate) async fn fresh_probe(
+    pool: &PgPool,
+    shards: &[i16],
+    after: &[i64],
+) -> Result<(Vec<FreshRow>, Option<i64>)> {
+    let rows = sqlx::query_file!("queries/wal_fresh_probe.sql", shards, after)
+        .fetch_all(pool)
+        .await
+        .map_err(|e| Error::database("looking for fresh rows the WAL source has read", e))?;
+    let lsn = rows.iter().map(|r| r.lsn).max();
+    let found = rows
+        .into_iter()
+        .map(|r| FreshRow {
+            shard: r.shard,
+            id: r.id,
+            seq: r.seq,
+        })
+        .collect();
+    Ok((found, lsn))
+}
+
+/// Which of `ids` are still fresh (`queries/wal_still_fresh.sql`).
+///
+/// # Errors
+/// [`ErrorKind::Database`].
+pub(crate) async fn still_fresh(pool: &PgPool, ids: &[uuid::Uuid]) -> Result<Vec<uuid::Uuid>> {
+    sqlx::query_file_scalar!("queries/wal_still_fresh.sql", ids)
+        .fetch_all(pool)
+        .await
+        .map_err(|e| Error::database("checking rows the WAL source has read", e))
 }
 
 /// The transactions of `xids` (as the replication stream names them) not yet

@@ -2,6 +2,7 @@
 //! through the polling path, and the read → publish → mark → confirm loop.
 //! The design is in [`crate::wal`].
 
+mod monitor;
 mod pipeline;
 
 use std::sync::atomic::Ordering;
@@ -215,10 +216,28 @@ impl<S: Sink> Relay<S> {
             info!(slot = %names.slot, "WAL source reading again");
             p.failing = false;
         }
-        let result = tokio::select! {
-            r = Pipeline::new(self, stop).run(&mut client, &names.schema, floor, p) => r,
-            () = self.wal_slot_stats(&names.slot) => Ok(()),
+        // The session ends with `stop`, or when the monitor finds rows left
+        // behind: then the pipeline stops as at `stop`, and the next session
+        // backfills them first.
+        let session = stop.child_token();
+        let mut stranded = 0;
+        let result = {
+            let pipeline = Pipeline::new(self, &session).run(&mut client, &names.schema, floor, p);
+            let monitor = self.wal_monitor(&names.slot, &names.schema, floor);
+            tokio::pin!(pipeline, monitor);
+            loop {
+                tokio::select! {
+                    r = &mut pipeline => break r,
+                    n = &mut monitor, if stranded == 0 => {
+                        stranded = n;
+                        session.cancel();
+                    }
+                }
+            }
         };
+        if stranded > 0 {
+            p.floor = None;
+        }
         let _ = tokio::time::timeout(Duration::from_secs(5), client.shutdown()).await;
         result
     }
@@ -250,17 +269,6 @@ impl<S: Sink> Relay<S> {
                 () = stop.cancelled() => return Ok(None),
                 () = tokio::time::sleep(BACKFILL_RECHECK) => {}
             }
-        }
-    }
-
-    /// Sets the slot's gauges every stats interval; never returns.
-    async fn wal_slot_stats(&self, slot_name: &str) {
-        loop {
-            if let Ok(Some(state)) = slot::state(self.store.pool(), slot_name).await {
-                let at_risk = matches!(state.wal_status.as_deref(), Some("unreserved" | "lost"));
-                metrics::wal_slot(state.lag_bytes, at_risk);
-            }
-            tokio::time::sleep(self.config.stats_interval).await;
         }
     }
 }
