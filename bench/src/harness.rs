@@ -725,6 +725,8 @@ pub(crate) struct Drain {
     pub(crate) elapsed: Duration,
     pub(crate) samples: Vec<(f64, u64)>,
     pub(crate) phases: Phases,
+    /// CPU time by kind of process over the same window.
+    pub(crate) cpu: crate::cpu::Use,
     /// Still running; stop them with [`stop_all`].
     pub(crate) relays: Vec<RelayProc>,
 }
@@ -775,6 +777,7 @@ async fn finish_drain(
     mut relays: Vec<RelayProc>,
     each: impl FnMut(&[RelayProc], u64) -> Result<()>,
 ) -> Result<Drain> {
+    let cpu_from = crate::cpu::Sample::now();
     let samples = match wait_for_messages(env, stream, rows, started, &mut relays, each).await {
         Ok(samples) => samples,
         Err(e) => {
@@ -783,6 +786,7 @@ async fn finish_drain(
         }
     };
     let elapsed = started.elapsed();
+    let cpu = crate::cpu::Sample::now().since(&cpu_from);
     wait_marked(&db.pool).await?;
     let messages = env.stream_messages(stream).await?;
     if messages != rows as u64 {
@@ -796,6 +800,7 @@ async fn finish_drain(
         elapsed,
         samples,
         phases,
+        cpu,
         relays,
     })
 }

@@ -47,6 +47,7 @@
 
 mod audit;
 mod consumer;
+mod cpu;
 mod drain;
 mod handwritten;
 mod harness;

@@ -32,6 +32,7 @@ use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
 use crate::Args;
+use crate::cpu::{Sample, Use, Who};
 use crate::harness::{
     Db, Env, Phases, Result, TAIL, bulk_rate, drain, drop_slots, envelopes, insert_events, pad,
     publish_all, repeat_if_killed, stop_all, tail_secs, wait_for_messages, wait_marked, wal_drain,
@@ -77,6 +78,7 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
     let mut bulks: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
     let mut tails: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
     let mut phases: Vec<Phases> = vec![Phases::default(); modes.len()];
+    let mut cpus: Vec<Vec<(Use, Duration)>> = vec![Vec::new(); modes.len()];
     for round in 0..args.rounds {
         let mut order: Vec<usize> = (0..modes.len()).collect();
         order.rotate_left(round % modes.len());
@@ -104,6 +106,7 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
             bulks[i].push(run.bulk);
             tails[i].extend(run.tail);
             phases[i].add(&run.phases);
+            cpus[i].push((run.cpu, run.wall));
         }
     }
 
@@ -157,9 +160,40 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
             per.as_secs_f64() * 1e3
         ));
     }
+    out.push_str(&cpu_table(&modes, &cpus, args.events));
     println!("\n{out}");
     summary.push(out);
     Ok(())
+}
+
+/// Where the cores went: CPU seconds per 100,000 events by kind of process
+/// (medians over the rounds), and how full the machine was.
+fn cpu_table(modes: &[Mode], cpus: &[Vec<(Use, Duration)>], events: usize) -> String {
+    let per = 100_000.0 / events.max(1) as f64;
+    let mut out = format!(
+        "\nCPU seconds per 100,000 events while each path ran, by process (median of the rounds;          from /proc, {} cores; the raw publisher and the simple relay run in the bench process):\n\n         | path | {} | total | cores busy |\n|---|{}---:|---:|\n",
+        std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+        Who::ALL.map(Who::name).join(" | "),
+        "---:|".repeat(Who::ALL.len()),
+    );
+    for (mode, runs) in modes.iter().zip(cpus) {
+        let median = |f: &dyn Fn(&Use, Duration) -> f64| {
+            let values: Vec<f64> = runs.iter().map(|(u, w)| f(u, *w)).collect();
+            Spread::of(&values).median
+        };
+        let cells: Vec<String> = Who::ALL
+            .iter()
+            .map(|&who| format!("{:.2}", median(&|u, _| u.of(who) * per)))
+            .collect();
+        out.push_str(&format!(
+            "| {} | {} | {:.2} | {:.0} % |\n",
+            mode.name(),
+            cells.join(" | "),
+            median(&|u, _| u.total() * per),
+            median(&|u, w| u.busy(w)) * 100.0
+        ));
+    }
+    out
 }
 
 /// One mode's result in one round.
@@ -171,12 +205,17 @@ struct Run {
     /// Seconds the last events took (none for raw: one pipelined burst).
     tail: Option<f64>,
     phases: Phases,
+    /// CPU time by kind of process while it ran, and how long that was.
+    cpu: Use,
+    wall: Duration,
 }
 
 async fn raw(env: &Env, events: &[Envelope]) -> Result<Run> {
     let stream = env.stream_name();
     env.create_stream(&stream).await?;
+    let cpu_from = Sample::now();
     let elapsed = publish_all(&env.js, events).await?;
+    let cpu = Sample::now().since(&cpu_from);
     let stored = env.stream_messages(&stream).await?;
     env.delete_stream(&stream).await;
     if stored != events.len() as u64 {
@@ -187,6 +226,8 @@ async fn raw(env: &Env, events: &[Envelope]) -> Result<Run> {
         bulk: events.len() as f64 / elapsed.as_secs_f64(),
         tail: None,
         phases: Phases::default(),
+        cpu,
+        wall: elapsed,
     })
 }
 
@@ -213,6 +254,8 @@ async fn relays_on(
         bulk: run.bulk_rate(events.len()),
         tail: Some(run.tail(events.len())),
         phases: run.phases,
+        cpu: run.cpu,
+        wall: run.elapsed,
     };
     stop_all(env, run.relays).await;
     Ok(result)
@@ -236,6 +279,8 @@ async fn wal(env: &Env, events: &[Envelope]) -> Result<Run> {
             bulk: drained.bulk_rate(events.len()),
             tail: Some(drained.tail(events.len())),
             phases: drained.phases.clone(),
+            cpu: drained.cpu.clone(),
+            wall: drained.elapsed,
         };
         stop_all(env, drained.relays).await;
         Ok(result)
@@ -260,6 +305,7 @@ async fn simple_on(env: &Env, db: &Db, stream: &str, events: &[Envelope]) -> Res
     insert_events(&db.pool, events).await?;
     env.create_stream(stream).await?;
     let conn = PgConnection::connect(&db.url).await?;
+    let cpu_from = Sample::now();
     let started = Instant::now();
     let task = tokio::spawn(simple_relay(conn, env.js.clone()));
     let waited = wait_for_messages(env, stream, events.len(), started, &mut [], |_, _| {
@@ -271,6 +317,7 @@ async fn simple_on(env: &Env, db: &Db, stream: &str, events: &[Envelope]) -> Res
     })
     .await;
     let elapsed = started.elapsed();
+    let cpu = Sample::now().since(&cpu_from);
     if waited.is_err() && !task.is_finished() {
         task.abort();
     }
@@ -282,6 +329,8 @@ async fn simple_on(env: &Env, db: &Db, stream: &str, events: &[Envelope]) -> Res
         bulk: bulk_rate(&samples, events.len()),
         tail: Some(tail_secs(&samples, events.len())),
         phases,
+        cpu,
+        wall: elapsed,
     })
 }
 

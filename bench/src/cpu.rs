@@ -1,0 +1,142 @@
+//! CPU time spent by each kind of process while a drain runs: where the
+//! machine's cores went (the relay or publisher, nats-server, PostgreSQL).
+//!
+//! Read from `/proc/<pid>/stat` (user and system time, in clock ticks of
+//! 1/100 s, the kernel's `USER_HZ` on Linux) for every process by its command
+//! name, and this process's own. A process that exits inside the window
+//! loses its share, so the end is read before the relays are stopped; the
+//! PostgreSQL backends of the relays' pools live as long as the relays.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// Clock ticks per second of `/proc/<pid>/stat`'s times on Linux.
+const TICKS_PER_SECOND: f64 = 100.0;
+
+/// Who used the CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Who {
+    /// `outbox-relay` processes.
+    Relay,
+    /// This process: the raw publisher and the simple relay run in it.
+    Bench,
+    Broker,
+    Database,
+}
+
+impl Who {
+    pub(crate) const ALL: [Self; 4] = [Self::Relay, Self::Bench, Self::Broker, Self::Database];
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Relay => "outbox-relay",
+            Self::Bench => "bench process",
+            Self::Broker => "nats-server",
+            Self::Database => "postgres",
+        }
+    }
+}
+
+/// Ticks used so far, per process.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Sample {
+    ticks: HashMap<u32, (Who, u64)>,
+}
+
+impl Sample {
+    /// Reads every process's ticks now. Processes not of the kinds above,
+    /// and any that cannot be read, are left out.
+    pub(crate) fn now() -> Self {
+        let me = std::process::id();
+        let mut ticks = HashMap::new();
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return Self { ticks };
+        };
+        for entry in dir.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            if let Some((comm, used)) = parse_stat(&stat) {
+                let who = match comm {
+                    _ if pid == me => Who::Bench,
+                    "outbox-relay" => Who::Relay,
+                    "nats-server" => Who::Broker,
+                    "postgres" => Who::Database,
+                    _ => continue,
+                };
+                ticks.insert(pid, (who, used));
+            }
+        }
+        Self { ticks }
+    }
+
+    /// CPU seconds each kind used between `before` and this sample
+    /// (processes started meanwhile count from zero).
+    pub(crate) fn since(&self, before: &Self) -> Use {
+        let mut seconds = HashMap::new();
+        for (pid, &(who, used)) in &self.ticks {
+            let start = before.ticks.get(pid).map_or(0, |&(_, t)| t);
+            *seconds.entry(who).or_insert(0.0) +=
+                used.saturating_sub(start) as f64 / TICKS_PER_SECOND;
+        }
+        Use { seconds }
+    }
+}
+
+/// CPU seconds used in a window, per kind of process.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Use {
+    seconds: HashMap<Who, f64>,
+}
+
+impl Use {
+    pub(crate) fn of(&self, who: Who) -> f64 {
+        self.seconds.get(&who).copied().unwrap_or(0.0)
+    }
+
+    pub(crate) fn total(&self) -> f64 {
+        self.seconds.values().sum()
+    }
+
+    /// The share of the machine's cores busy over `wall`.
+    pub(crate) fn busy(&self, wall: Duration) -> f64 {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        self.total() / (wall.as_secs_f64() * cores as f64)
+    }
+}
+
+/// The command name and user + system ticks of a `/proc/<pid>/stat` line.
+/// The name is in parentheses and may itself hold spaces or parentheses, so
+/// the fields are counted from the last `)`.
+fn parse_stat(stat: &str) -> Option<(&str, u64)> {
+    let open = stat.find('(')?;
+    let close = stat.rfind(')')?;
+    let comm = stat.get(open + 1..close)?;
+    let mut fields = stat.get(close + 2..)?.split_whitespace();
+    // Fields 3.. of proc(5): state is the first after the name; utime and
+    // stime are fields 14 and 15.
+    let utime: u64 = fields.nth(11)?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some((comm, utime + stime))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn user_and_system_ticks_from_a_stat_line() {
+        let line =
+            "4242 (nats-server) S 1 4242 4242 0 -1 4194560 1000 0 0 0 150 25 0 0 20 0 8 0 100 0 0";
+        assert_eq!(parse_stat(line), Some(("nats-server", 175)));
+        let odd = "7 (a (b) c) R 1 7 7 0 -1 0 0 0 0 0 3 4 0 0";
+        assert_eq!(parse_stat(odd), Some(("a (b) c", 7)));
+    }
+}
