@@ -171,7 +171,9 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
 fn cpu_table(modes: &[Mode], cpus: &[Vec<(Use, Duration)>], events: usize) -> String {
     let per = 100_000.0 / events.max(1) as f64;
     let mut out = format!(
-        "\nCPU seconds per 100,000 events while each path ran, by process (median of the rounds;          from /proc, {} cores; the raw publisher and the simple relay run in the bench process):\n\n         | path | {} | total | cores busy |\n|---|{}---:|---:|\n",
+        "\nCPU seconds per 100,000 events while each path ran, by process (median of the \
+         rounds; from /proc, {} cores; the raw publisher and the simple relay run in the bench \
+         process):\n\n| path | {} | total | cores busy |\n|---|{}---:|---:|\n",
         std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
         Who::ALL.map(Who::name).join(" | "),
         "---:|".repeat(Who::ALL.len()),

@@ -5,7 +5,8 @@
 //! # Many PubAcks outstanding, one subject's rows in order
 //!
 //! The pipeline holds up to [`HELD_BATCHES`] batches of rows read and not
-//! yet recorded. Each subject (an entity) has a queue of its rows in `seq`
+//! yet recorded (and [`HELD_BYTES_BATCHES`] batches' bytes not yet
+//! published). Each subject (an entity) has a queue of its rows in `seq`
 //! order and at most one *chain* out at a time: a run of its queued rows
 //! (up to [`MAX_BATCH`]) published by the polling relay's own
 //! [`publish_chain`](Relay::publish_chain) (an atomic batch when the chain is
@@ -76,10 +77,15 @@ use crate::wal::pgoutput::{self, Message};
 use crate::wal::row::{Inserted, Layout};
 use crate::wal::slot;
 
-/// The pipeline holds up to this many batches (`batch_size` rows,
-/// `batch_bytes` of payloads, each) read and not yet recorded; the stream is
-/// not read further until some are.
-const HELD_BATCHES: usize = 4;
+/// The pipeline holds up to this many batches (`batch_size` rows each) read
+/// and not yet recorded: enough that the stream is read on while marks of
+/// earlier rows are written (a mark of a few thousand rows takes tens of
+/// milliseconds, and a row counts until its mark lands).
+const HELD_BATCHES: usize = 16;
+/// And up to this many batches' worth of payloads (`batch_bytes` each) read
+/// and not yet published. The stream is not read further while either bound
+/// is reached.
+const HELD_BYTES_BATCHES: usize = 4;
 /// Mark statements in flight at once. One starts as soon as a row is
 /// published and none is in flight; a second only for a full batch, so marks
 /// stay few and large while the pipeline is busy.
@@ -299,7 +305,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
     fn full(&self) -> bool {
         let config = &self.relay.config;
         self.unresolved.len() >= config.batch_size.saturating_mul(HELD_BATCHES)
-            || self.held_bytes >= config.batch_bytes.saturating_mul(HELD_BATCHES)
+            || self.held_bytes >= config.batch_bytes.saturating_mul(HELD_BYTES_BATCHES)
     }
 
     /// Takes one replication event.
