@@ -291,8 +291,9 @@ pub(crate) struct FreshRow {
 }
 
 /// Per shard of `shards`, its oldest fresh row with a seq above the shard's
-/// entry in `after`; and the WAL insert position (bytes from `0/0`) that
-/// every one of their commits precedes (`queries/wal_fresh_probe.sql`).
+/// entry in `after` and at or below `settled`; and the WAL insert position
+/// (bytes from `0/0`) that every one of their commits precedes
+/// (`queries/wal_fresh_probe.sql`).
 /// `None` for the position when no shard has one.
 ///
 /// # Errors
@@ -301,8 +302,9 @@ pub(crate) async fn fresh_probe(
     pool: &PgPool,
     shards: &[i16],
     after: &[i64],
+    settled: i64,
 ) -> Result<(Vec<FreshRow>, Option<i64>)> {
-    let rows = sqlx::query_file!("queries/wal_fresh_probe.sql", shards, after)
+    let rows = sqlx::query_file!("queries/wal_fresh_probe.sql", shards, after, settled)
         .fetch_all(pool)
         .await
         .map_err(|e| Error::database("looking for fresh rows the WAL source has read", e))?;

@@ -9,8 +9,10 @@
 //! one: a row made fresh again by plain SQL (`update … set next_attempt_at =
 //! null` on a parked row: an update, which the WAL source does not read;
 //! `outboxctl retry` puts rows in the retry lane instead), and a fault of the
-//! relay itself. Every stats interval the monitor takes, per shard, the oldest
-//! fresh row above the floor, with the WAL insert position at that moment
+//! relay itself. Every [`PROBE_EVERY`] the monitor takes, per shard, the
+//! oldest fresh row above the floor (and at or below the settled horizon:
+//! above it, rows of running transactions would be visited one by one), with
+//! the WAL insert position at that moment
 //! (`queries/wal_fresh_probe.sql`): every commit of those rows precedes that
 //! position. Once the slot's confirmed position (as the server reports it)
 //! passes it, the WAL source has published and recorded every one of them;
@@ -26,7 +28,7 @@
 //! fresh or past the settled horizon (a transaction still running may commit
 //! a lower seq), so each probe reads a short index range.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tracing::warn;
 use uuid::Uuid;
@@ -40,6 +42,9 @@ use crate::wal::slot;
 
 /// Rows named in the warning about rows left behind.
 const NAMED: usize = 5;
+/// How often the fresh rows above the floor are looked at (the slot's gauges
+/// are set every stats interval).
+const PROBE_EVERY: Duration = Duration::from_secs(15);
 
 /// Rows seen fresh by a probe, and the WAL position their commits precede.
 #[derive(Debug)]
@@ -55,6 +60,8 @@ struct Probe {
     shards: Vec<i16>,
     after: Vec<i64>,
     suspects: Option<Suspects>,
+    /// When the last probe ran.
+    probed: Option<Instant>,
 }
 
 impl Probe {
@@ -65,6 +72,7 @@ impl Probe {
                 .collect(),
             after: vec![floor; SHARDS],
             suspects: None,
+            probed: None,
         }
     }
 
@@ -133,10 +141,14 @@ impl<S: Sink> Relay<S> {
             }
             probe.suspects = None;
         }
+        if probe.probed.is_some_and(|t| t.elapsed() < PROBE_EVERY) {
+            return None;
+        }
+        probe.probed = Some(Instant::now());
         // Read before the probe's snapshot: no row at or below it can be
         // committed later.
         let settled = self.horizon.settled();
-        let (found, lsn) = slot::fresh_probe(pool, &probe.shards, &probe.after)
+        let (found, lsn) = slot::fresh_probe(pool, &probe.shards, &probe.after, settled)
             .await
             .ok()?;
         let seqs: Vec<(i16, i64)> = found.iter().map(|f| (f.shard, f.seq)).collect();
