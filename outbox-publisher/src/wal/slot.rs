@@ -304,10 +304,18 @@ pub(crate) async fn fresh_probe(
     after: &[i64],
     settled: i64,
 ) -> Result<(Vec<FreshRow>, Option<i64>)> {
-    let rows = sqlx::query_file!("queries/wal_fresh_probe.sql", shards, after, settled)
-        .fetch_all(pool)
+    let failed = |e| Error::database("looking for fresh rows the WAL source has read", e);
+    // The plan the probe needs, whatever the statistics say (see the file).
+    let mut tx = pool.begin().await.map_err(failed)?;
+    sqlx::query_file!("queries/wal_fresh_probe_plan.sql")
+        .execute(&mut *tx)
         .await
-        .map_err(|e| Error::database("looking for fresh rows the WAL source has read", e))?;
+        .map_err(failed)?;
+    let rows = sqlx::query_file!("queries/wal_fresh_probe.sql", shards, after, settled)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(failed)?;
+    tx.commit().await.map_err(failed)?;
     let lsn = rows.iter().map(|r| r.lsn).max();
     let found = rows
         .into_iter()
