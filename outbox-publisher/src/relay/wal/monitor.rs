@@ -34,6 +34,7 @@ use tracing::warn;
 use uuid::Uuid;
 
 use super::Relay;
+use crate::error::Result;
 use crate::metrics;
 use crate::relay::SHARDS;
 use crate::relay::message;
@@ -42,6 +43,8 @@ use crate::wal::slot;
 
 /// Rows named in the warning about rows left behind.
 const NAMED: usize = 5;
+/// Consecutive failed looks for rows left behind before the relay says so.
+const FAILED_LOOKS: u32 = 3;
 /// How often the fresh rows above the floor are looked at (the slot's gauges
 /// are set every stats interval).
 const PROBE_EVERY: Duration = Duration::from_secs(15);
@@ -99,6 +102,9 @@ impl<S: Sink> Relay<S> {
     pub(super) async fn wal_monitor(&self, slot_name: &str, schema: &str, floor: i64) -> usize {
         let pool = self.store.pool();
         let mut probe = Probe::new(floor);
+        // Consecutive failed looks; said once they reach FAILED_LOOKS (a
+        // database outage alone ends the session sooner).
+        let mut failed = 0u32;
         loop {
             let confirmed = match slot::state(pool, slot_name).await {
                 Ok(Some(state)) => {
@@ -109,7 +115,20 @@ impl<S: Sink> Relay<S> {
                 }
                 _ => None,
             };
-            if let Some(found) = self.wal_check(&mut probe, confirmed).await {
+            let found = match self.wal_check(&mut probe, confirmed).await {
+                Ok(found) => {
+                    failed = 0;
+                    found
+                }
+                Err(e) => {
+                    failed = failed.saturating_add(1);
+                    if failed == FAILED_LOOKS {
+                        warn!(error = %e, looks = failed, "cannot look for rows the WAL source left behind; trying again at every stats interval");
+                    }
+                    None
+                }
+            };
+            if let Some(found) = found {
                 warn!(
                     rows = found.len(),
                     ids = %found.iter().take(NAMED).map(Uuid::to_string).collect::<Vec<_>>().join(", "),
@@ -127,37 +146,42 @@ impl<S: Sink> Relay<S> {
 
     /// One look: checks the rows of the last probe once the slot's
     /// `confirmed` position has passed them (returns those still fresh, if
-    /// any), else probes again. A failed statement is tried again at the
-    /// next look.
-    async fn wal_check(&self, probe: &mut Probe, confirmed: Option<i64>) -> Option<Vec<Uuid>> {
+    /// any), else probes again.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Database`](crate::ErrorKind::Database): the look is
+    /// tried again at the next stats interval.
+    async fn wal_check(
+        &self,
+        probe: &mut Probe,
+        confirmed: Option<i64>,
+    ) -> Result<Option<Vec<Uuid>>> {
         let pool = self.store.pool();
         if let Some(suspects) = &probe.suspects {
             if confirmed.is_none_or(|c| c < suspects.lsn) {
-                return None;
+                return Ok(None);
             }
-            let left = slot::still_fresh(pool, &suspects.ids).await.ok()?;
+            let left = slot::still_fresh(pool, &suspects.ids).await?;
             if !left.is_empty() {
-                return Some(left);
+                return Ok(Some(left));
             }
             probe.suspects = None;
         }
         if probe.probed.is_some_and(|t| t.elapsed() < PROBE_EVERY) {
-            return None;
+            return Ok(None);
         }
         probe.probed = Some(Instant::now());
         // Read before the probe's snapshot: no row at or below it can be
         // committed later.
         let settled = self.horizon.settled();
-        let (found, lsn) = slot::fresh_probe(pool, &probe.shards, &probe.after, settled)
-            .await
-            .ok()?;
+        let (found, lsn) = slot::fresh_probe(pool, &probe.shards, &probe.after, settled).await?;
         let seqs: Vec<(i16, i64)> = found.iter().map(|f| (f.shard, f.seq)).collect();
         probe.advance(&seqs, settled);
         probe.suspects = lsn.map(|lsn| Suspects {
             ids: found.iter().map(|f| f.id).collect(),
             lsn,
         });
-        None
+        Ok(None)
     }
 }
 
