@@ -319,11 +319,15 @@ async fn simple_on(env: &Env, db: &Db, stream: &str, events: &[Envelope]) -> Res
     })
     .await;
     let elapsed = started.elapsed();
-    let cpu = Sample::now().since(&cpu_from);
     if waited.is_err() && !task.is_finished() {
         task.abort();
     }
-    let phases = task.await??;
+    // Read once its last commit is in and before its backend exits (a
+    // process that exits takes its CPU time with it).
+    let (phases, conn) = task.await??;
+    let cpu = Sample::now().since(&cpu_from);
+    let cpu_wall = started.elapsed();
+    drop(conn);
     let samples = waited?;
     wait_marked(&db.pool).await?;
     Ok(Run {
@@ -332,7 +336,7 @@ async fn simple_on(env: &Env, db: &Db, stream: &str, events: &[Envelope]) -> Res
         tail: Some(tail_secs(&samples, events.len())),
         phases,
         cpu,
-        wall: elapsed,
+        wall: cpu_wall,
     })
 }
 
@@ -348,7 +352,12 @@ type Row = (
 
 /// Claims 500 rows with a row lock each, publishes them all, awaits every
 /// ack, marks them in one statement and commits; until nothing is left.
-async fn simple_relay(mut conn: PgConnection, js: jetstream::Context) -> Result<Phases> {
+/// Hands the connection back, so that its backend's CPU time can still be
+/// read.
+async fn simple_relay(
+    mut conn: PgConnection,
+    js: jetstream::Context,
+) -> Result<(Phases, PgConnection)> {
     let mut phases = Phases::default();
     loop {
         let t = Instant::now();
@@ -366,7 +375,7 @@ async fn simple_relay(mut conn: PgConnection, js: jetstream::Context) -> Result<
         phases.record("claim", t.elapsed());
         if rows.is_empty() {
             tx.commit().await?;
-            return Ok(phases);
+            return Ok((phases, conn));
         }
         let t = Instant::now();
         let mut ids = Vec::with_capacity(rows.len());
