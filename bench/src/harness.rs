@@ -3,7 +3,7 @@
 //! flags, read through its Prometheus metrics, `/proc` and its log.
 
 use std::collections::BTreeMap;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -581,10 +581,7 @@ impl RelayProc {
                 env.bin_dir.join("outbox-relay").display()
             )
         })?;
-        let metrics = SocketAddr::from((
-            [127, 0, 0, 1],
-            TcpListener::bind("127.0.0.1:0")?.local_addr()?.port(),
-        ));
+        let metrics = SocketAddr::from(([127, 0, 0, 1], outbox_testkit::free_port()?));
         let mut program = Program::new(name, bin, &env.logs)
             .env("DATABASE_URL", db_url)
             .env("NATS_URL", &env.nats_url)

@@ -67,7 +67,7 @@
 //! count too).
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -1525,10 +1525,7 @@ impl BillingProc {
         batch: Option<u16>,
         relay: bool,
     ) -> Result<Self> {
-        let metrics = SocketAddr::from((
-            [127, 0, 0, 1],
-            TcpListener::bind("127.0.0.1:0")?.local_addr()?.port(),
-        ));
+        let metrics = SocketAddr::from(([127, 0, 0, 1], outbox_testkit::free_port()?));
         let mut program = Program::new(name, bin.to_path_buf(), &env.logs)
             .env("DATABASE_URL", db_url)
             .env("NATS_URL", &env.nats_url)

@@ -44,6 +44,6 @@ pub use nats_auth::{JwtAuth, NkeyUser, token_config};
 pub use nats_cluster::NatsCluster;
 pub use pg::{PgHandle, PgServer, TestDb, create_database, postgres};
 pub use pgbouncer::{PgBouncer, PoolMode};
-pub use process::wait_until;
+pub use process::{free_port, wait_until};
 pub use program::Program;
 pub use tls::{CLIENT_NAME, TestCerts};

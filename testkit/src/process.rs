@@ -33,10 +33,59 @@ where
     }
 }
 
-/// A free TCP port on 127.0.0.1 (bound, then released for the server to take).
-pub(crate) fn free_port() -> Result<u16> {
+/// A free TCP port on 127.0.0.1 for a server to take, outside the kernel's
+/// ephemeral range.
+///
+/// A port from `bind(:0)` comes from the ephemeral range, the same range
+/// every outgoing connection's local port comes from: between the probe
+/// releasing it and the server binding it (or while a killed server is
+/// down, before its restart), a client socket elsewhere in the run can take
+/// it, and the server fails with "address already in use". Ports below the
+/// range are never handed out that way. Each port is handed out once per
+/// process (several servers start at once in one test binary) and checked
+/// free by binding it; the walk starts at an offset taken from the pid, so
+/// two test processes at once start far apart.
+///
+/// # Errors
+/// If no port in the range is free.
+pub fn free_port() -> Result<u16> {
+    static NEXT: Mutex<Option<u16>> = Mutex::new(None);
+    let (low, high) = unassigned_ports();
+    let span = high - low;
+    let mut next = NEXT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let start = *next.get_or_insert_with(|| {
+        low + u16::try_from(std::process::id() % u32::from(span)).unwrap_or(0)
+    });
+    let mut port = start;
+    for _ in 0..span {
+        let candidate = port;
+        port = if port + 1 >= high { low } else { port + 1 };
+        if TcpListener::bind(("127.0.0.1", candidate)).is_ok() {
+            *next = Some(port);
+            return Ok(candidate);
+        }
+    }
+    // Nothing free below the ephemeral range: take what the kernel gives.
     let listener = TcpListener::bind("127.0.0.1:0")?;
     Ok(listener.local_addr()?.port())
+}
+
+/// The ports `[low, high)` the harness hands out: from 10000 to the start
+/// of the ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`), or
+/// 10000..32768 where that cannot be read or leaves too little room.
+fn unassigned_ports() -> (u16, u16) {
+    const LOW: u16 = 10_000;
+    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    if ephemeral_start >= LOW + 1_000 {
+        (LOW, ephemeral_start)
+    } else {
+        (LOW, 32_768)
+    }
 }
 
 pub(crate) fn port_open(port: u16) -> bool {
@@ -184,4 +233,23 @@ pub(crate) fn spawn(cmd: Command) -> std::io::Result<Child> {
     reply_rx
         .recv()
         .map_err(|_| std::io::Error::other("spawner thread is gone"))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_ports_are_distinct_bindable_and_below_the_ephemeral_range() {
+        let (low, high) = unassigned_ports();
+        let ports: Vec<u16> = (0..50).map(|_| free_port().unwrap()).collect();
+        let mut unique = ports.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), ports.len(), "{ports:?}");
+        for port in ports {
+            assert!((low..high).contains(&port), "{port} not in {low}..{high}");
+            TcpListener::bind(("127.0.0.1", port)).unwrap();
+        }
+    }
 }

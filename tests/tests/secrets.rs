@@ -185,10 +185,7 @@ struct Proc {
 
 impl Proc {
     fn spawn(dir: &Path, bin: &str, name: &str, env: &[(&str, &str)], args: &[&str]) -> Self {
-        let metrics = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap();
+        let metrics = SocketAddr::from(([127, 0, 0, 1], outbox_testkit::free_port().unwrap()));
         let log = dir.join(format!("{name}.log"));
         let file = std::fs::File::create(&log).unwrap();
         let mut command = Command::new(support::bin_dir().join(bin));

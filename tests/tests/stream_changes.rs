@@ -205,11 +205,7 @@ fn rows(prefix: &str, n: usize, entities: usize) -> Vec<(String, Value)> {
 
 /// A port nothing listens on now.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    outbox_testkit::free_port().unwrap()
 }
 
 /// The value of the Prometheus sample `series` on `/metrics` at `port`, 0

@@ -7,10 +7,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// A free loopback address for a binary's `--metrics-addr`.
 pub(crate) fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+    SocketAddr::from(([127, 0, 0, 1], outbox_testkit::free_port().unwrap()))
 }
 
 /// A plain HTTP/1.0 GET: the status and the body, or `None` if no answer
