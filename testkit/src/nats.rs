@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::process::{
-    find_binary, free_port, have_setpriv, port_open, remove_stale_dirs, signal, spawn, wait_exit,
-    wait_ready,
+    PORT_ATTEMPTS, find_binary, free_port, have_setpriv, port_open, port_taken, remove_stale_dirs,
+    signal, spawn, wait_exit, wait_ready,
 };
 
 const DIR_PREFIX: &str = "outbox-testkit-nats-";
@@ -82,8 +82,18 @@ impl NatsServer {
             args,
             child: None,
         };
-        server.launch()?;
-        Ok(server)
+        let mut attempt = 1;
+        loop {
+            match server.launch() {
+                Ok(()) => return Ok(server),
+                Err(e) if attempt < PORT_ATTEMPTS && port_taken(&e) => {
+                    server.child = None;
+                    server.port = free_port()?;
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     fn log_path(&self) -> PathBuf {

@@ -30,7 +30,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use crate::error::{Error, Result};
 use crate::nats::nats_server_bin;
 use crate::process::{
-    free_port, have_setpriv, port_open, remove_stale_dirs, signal, spawn, tail, wait_exit,
+    PORT_ATTEMPTS, free_port, have_setpriv, port_open, port_taken, remove_stale_dirs, signal,
+    spawn, tail, wait_exit,
 };
 
 const DIR_PREFIX: &str = "outbox-testkit-cluster-";
@@ -73,6 +74,18 @@ impl NatsCluster {
     /// cluster elects no JetStream meta leader in time.
     pub async fn start() -> Result<Self> {
         remove_stale_dirs(DIR_PREFIX);
+        let mut attempt = 1;
+        loop {
+            // A node whose port turned out taken: all three again, on new ports
+            // (each node's routes name the others' ports).
+            match Self::start_once().await {
+                Err(e) if attempt < PORT_ATTEMPTS && port_taken(&e) => attempt += 1,
+                result => return result,
+            }
+        }
+    }
+
+    async fn start_once() -> Result<Self> {
         let bin = nats_server_bin()?;
         let dir = tempfile::Builder::new()
             .prefix(&format!("{DIR_PREFIX}{}-", std::process::id()))

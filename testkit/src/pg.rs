@@ -13,8 +13,8 @@ use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::error::{Error, Result};
 use crate::process::{
-    current_uid, find_binary, free_port, have_setpriv, remove_stale_dirs, signal, spawn, wait_exit,
-    wait_ready,
+    PORT_ATTEMPTS, current_uid, find_binary, free_port, have_setpriv, port_taken,
+    remove_stale_dirs, signal, spawn, wait_exit, wait_ready,
 };
 use crate::tls::TestCerts;
 
@@ -103,8 +103,18 @@ impl PgServer {
         if let Some(certs) = certs {
             server.install_tls(certs)?;
         }
-        server.launch()?;
-        Ok(server)
+        let mut attempt = 1;
+        loop {
+            match server.launch() {
+                Ok(()) => return Ok(server),
+                Err(e) if attempt < PORT_ATTEMPTS && port_taken(&e) => {
+                    server.child = None;
+                    server.port = free_port()?;
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     fn tls_dir(&self) -> PathBuf {

@@ -43,8 +43,11 @@ where
 /// it, and the server fails with "address already in use". Ports below the
 /// range are never handed out that way. Each port is handed out once per
 /// process (several servers start at once in one test binary) and checked
-/// free by binding it; the walk starts at an offset taken from the pid, so
-/// two test processes at once start far apart.
+/// free by binding it; the walk starts at a random offset, so two test
+/// processes started together (their pids adjacent) start far apart. Two
+/// processes can still pick one port between probe and bind: the servers'
+/// start-ups take another port when theirs turns out taken
+/// ([`port_taken`]).
 ///
 /// # Errors
 /// If no port in the range is free.
@@ -56,7 +59,11 @@ pub fn free_port() -> Result<u16> {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let start = *next.get_or_insert_with(|| {
-        low + u16::try_from(std::process::id() % u32::from(span)).unwrap_or(0)
+        use std::hash::{BuildHasher, Hasher};
+        // A random per-process key; no random-number crate needed.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        low + u16::try_from(h.finish() % u64::from(span)).unwrap_or(0)
     });
     let mut port = start;
     for _ in 0..span {
@@ -71,6 +78,20 @@ pub fn free_port() -> Result<u16> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     Ok(listener.local_addr()?.port())
 }
+
+/// Whether a server's start-up failed because its port was taken: the
+/// error carries the server's log tail, and both PostgreSQL and
+/// nats-server say "address already in use" (in their own case).
+pub(crate) fn port_taken(error: &Error) -> bool {
+    error
+        .to_string()
+        .to_ascii_lowercase()
+        .contains("address already in use")
+}
+
+/// Start-ups made of a port choice and a launch retry this many times when
+/// the port turns out taken.
+pub(crate) const PORT_ATTEMPTS: usize = 4;
 
 /// The ports `[low, high)` the harness hands out: from 10000 to the start
 /// of the ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`), or
@@ -251,5 +272,18 @@ mod tests {
             assert!((low..high).contains(&port), "{port} not in {low}..{high}");
             TcpListener::bind(("127.0.0.1", port)).unwrap();
         }
+    }
+
+    #[test]
+    fn a_taken_port_is_recognised_in_either_servers_words() {
+        for log in [
+            "LOG:  could not bind IPv4 address \"127.0.0.1\": Address already in use",
+            "[FTL] Can't start monitoring: listen tcp 127.0.0.1:36441: bind: address already in use",
+        ] {
+            assert!(port_taken(&Error::new(format!(
+                "x exited during start-up; its log:\n{log}"
+            ))));
+        }
+        assert!(!port_taken(&Error::new("x was not ready after 30s")));
     }
 }
