@@ -100,8 +100,9 @@ impl Readiness {
                         .with(Check::failed(
                             "stream",
                             format!(
-                                "JetStream did not answer about stream `{}` within {:?}",
-                                self.stream, self.timeout
+                                "JetStream did not answer about stream `{}` within {}",
+                                self.stream,
+                                outbox_pg::HumanDuration(self.timeout)
                             ),
                         ))
                         .with(Check::failed(
@@ -121,8 +122,9 @@ impl Readiness {
                 Err(_) => Check::failed(
                     "consumer",
                     format!(
-                        "JetStream did not answer about durable consumer `{}` within {:?}",
-                        self.durable, self.timeout
+                        "JetStream did not answer about durable consumer `{}` within {}",
+                        self.durable,
+                        outbox_pg::HumanDuration(self.timeout)
                     ),
                 ),
             };

@@ -53,7 +53,7 @@
 //! Consumer::builder(nats, pool, "SUBSCRIPTIONS", "billing")
 //!     .handler(OpenAccount)
 //!     .configure(|config| config.concurrency(16))
-//!     .run(async { let _ = tokio::signal::ctrl_c().await; })
+//!     .run(inbox_consumer::shutdown_signal()) // SIGTERM or ctrl-c, then drains
 //!     .await?;
 //! # Ok(()) }
 //! ```
@@ -89,7 +89,7 @@
 //!     .service(router);
 //!
 //! let consumer = Consumer::new_when_ready(js, pool, config, None).await?;
-//! consumer.run(service, async { let _ = tokio::signal::ctrl_c().await; }).await?;
+//! consumer.run(service, inbox_consumer::shutdown_signal()).await?; // SIGTERM or ctrl-c
 //! # Ok(()) }
 //! ```
 //!
@@ -181,6 +181,9 @@ pub use metrics::{Metrics, MetricsLayer};
 pub use ordering::{SkipStale, SkipStaleLayer};
 #[cfg(feature = "connect")]
 pub use outbox_pg::connect;
+/// Resolves on SIGTERM or ctrl-c: the shutdown future for
+/// [`Consumer::run`](runtime::Consumer::run) in a container or a terminal.
+pub use outbox_pg::shutdown_signal;
 pub use poison::{Poison, Reason};
 pub use retention::Retention;
 pub use retry::RetryPolicy;

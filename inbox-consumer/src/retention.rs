@@ -152,7 +152,10 @@ fn cutoff(window: Duration) -> Result<chrono::DateTime<chrono::Utc>, Error> {
     let span = chrono::Duration::from_std(window).map_err(|e| {
         Error::new(
             ErrorKind::Config,
-            format!("retention window {window:?} is out of range"),
+            format!(
+                "retention window {} is out of range",
+                outbox_pg::HumanDuration(window)
+            ),
         )
         .with_source(e)
     })?;
@@ -270,10 +273,12 @@ pub fn check_window(window: Duration, redelivery: Option<Duration>) -> Result<()
         Some(redelivery) if window < redelivery => Err(Error::new(
             ErrorKind::Config,
             format!(
-                "inbox retention window {window:?} is shorter than the consumer's redelivery \
-                 window {redelivery:?} (max_deliver × ack_wait/backoff and nak delays): a late \
+                "inbox retention window {} is shorter than the consumer's redelivery \
+                 window {} (max_deliver × ack_wait/backoff and nak delays): a late \
                  redelivery would find its inbox row pruned and be handled twice; lengthen the \
-                 window or lower max_deliver/ack_wait"
+                 window or lower max_deliver/ack_wait",
+                outbox_pg::HumanDuration(window),
+                outbox_pg::HumanDuration(redelivery),
             ),
         )),
         Some(_) => Ok(()),

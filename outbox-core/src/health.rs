@@ -36,7 +36,10 @@ pub async fn database(pool: &PgPool, timeout: Duration) -> Check {
         Ok(Err(e)) => Check::failed("database", database_failure(&e)),
         Err(_) => Check::failed(
             "database",
-            format!("the database did not answer within {timeout:?}"),
+            format!(
+                "the database did not answer within {}",
+                crate::HumanDuration(timeout)
+            ),
         ),
     }
 }

@@ -285,7 +285,8 @@ where
             Ok(Err(e)) => return Ok(Some(e.to_string())),
             Err(_) => {
                 return Ok(Some(format!(
-                    "the database did not answer within {timeout:?}"
+                    "the database did not answer within {}",
+                    crate::HumanDuration(timeout)
                 )));
             }
         }

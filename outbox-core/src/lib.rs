@@ -77,6 +77,9 @@
 //!   binary reaches PostgreSQL and NATS with (secrets from env or files, TLS)
 //!   and shutdown on a signal, shared by the relay and consumer services;
 //!   adds async-nats, clap and tokio's signal handling.
+//! - `signal` (off; on with `connect`, and in `inbox-consumer` and
+//!   `outbox-publisher`, which re-export it): `shutdown_signal()`, resolving
+//!   on SIGTERM or ctrl-c.
 //! - `opentelemetry` (off): `trace_context`, W3C trace context from and to
 //!   the OpenTelemetry context of `tracing` spans (through
 //!   `tracing-opentelemetry` and the SDK's TraceContext propagator).
@@ -93,6 +96,7 @@ mod error;
 pub mod event;
 pub mod failure;
 pub mod health;
+mod human;
 mod jsonb;
 mod layout;
 #[cfg(feature = "migrate")]
@@ -103,6 +107,8 @@ pub mod pooler;
 pub mod privilege;
 mod schema;
 mod sequence;
+#[cfg(feature = "signal")]
+mod signal;
 #[cfg(feature = "opentelemetry")]
 pub mod trace_context;
 mod validate;
@@ -115,11 +121,12 @@ pub use envelope::{
 };
 pub use error::{BoxError, Error, ErrorKind, Result, Violation, sqlstate};
 pub use event::{Event, check_schema_file};
+#[cfg(feature = "migrate")]
+pub use human::{HumanDuration, error_line};
 pub use layout::{
     SCHEMA_WAIT, check_inbox_layout, check_inbox_layout_at_start, check_outbox_layout,
     check_outbox_layout_at_start,
 };
-#[cfg(feature = "migrate")]
 pub use migrate::{MIGRATION_LOCK, MIGRATION_TABLE, MIGRATOR, migrate, migrate_with};
 pub use namespace::Namespace;
 pub use outbox::{DEFAULT_MAX_MESSAGE_SIZE, Outbox};
@@ -132,6 +139,8 @@ pub use schema::{SCHEMA_SUFFIX, SchemaRegistry};
 /// the same version (`#[derive(outbox_pg::schemars::JsonSchema)]`).
 pub use schemars;
 pub use sequence::{SEQUENCE_WIDTH, format_sequence, parse_sequence};
+#[cfg(feature = "signal")]
+pub use signal::shutdown_signal;
 pub use validate::{
     MAX_JSON_DEPTH, MAX_TRACESTATE_LEN, check_json_decodable, validate_event_type, validate_time,
     validate_traceparent, validate_tracestate,

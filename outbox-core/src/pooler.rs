@@ -84,7 +84,8 @@ pub async fn require_sessions_at_start(
         Ok(Err(e)) if e.kind() == ErrorKind::Config => Err(e),
         Ok(Err(e)) => Ok(Some(e.to_string())),
         Err(_) => Ok(Some(format!(
-            "the database did not answer within {timeout:?}"
+            "the database did not answer within {}",
+            crate::HumanDuration(timeout)
         ))),
     }
 }

@@ -162,7 +162,8 @@ pub async fn check_privileges_at_start(
         Ok(Err(e)) if e.kind() == ErrorKind::Privilege => Err(e),
         Ok(Err(e)) => Ok(Some(e.to_string())),
         Err(_) => Ok(Some(format!(
-            "the database did not answer within {timeout:?}"
+            "the database did not answer within {}",
+            crate::HumanDuration(timeout)
         ))),
     }
 }

@@ -463,8 +463,9 @@ impl Audit {
             .map_err(|_| {
                 broker(
                     format!(
-                        "reading stream `{}`: no answer within {:?}",
-                        self.stream, self.read_timeout
+                        "reading stream `{}`: no answer within {}",
+                        self.stream,
+                        outbox_pg::HumanDuration(self.read_timeout)
                     ),
                     None,
                 )
@@ -546,8 +547,9 @@ impl Audit {
                     match read.await {
                         Err(_) => Err(self.broker(
                             format!(
-                                "reading sequence {seq} of stream `{}`: no answer within {:?}",
-                                self.stream, self.read_timeout
+                                "reading sequence {seq} of stream `{}`: no answer within {}",
+                                self.stream,
+                                outbox_pg::HumanDuration(self.read_timeout)
                             ),
                             None,
                         )),
@@ -669,8 +671,8 @@ impl Audit {
                 if got == 0 {
                     return Err(failed(
                         &format!(
-                            "no message within {:?} though {pending} are pending",
-                            self.read_timeout
+                            "no message within {} though {pending} are pending",
+                            outbox_pg::HumanDuration(self.read_timeout)
                         ),
                         None,
                     ));

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use outbox_pg::HumanDuration;
+
 use crate::error::{Error, ErrorKind, Result};
 use crate::wal::WalSource;
 
@@ -23,6 +25,7 @@ pub struct RelayConfig {
     pub(crate) workers: usize,
     pub(crate) listen: bool,
     pub(crate) stats_interval: Duration,
+    pub(crate) progress_interval: Duration,
     pub(crate) retention: Option<Duration>,
     pub(crate) prune_interval: Duration,
     pub(crate) prune_batch: i64,
@@ -62,6 +65,7 @@ impl Default for RelayConfig {
             workers: 2,
             listen: true,
             stats_interval: Duration::from_secs(5),
+            progress_interval: Duration::from_secs(60),
             retention: Some(Duration::from_secs(7 * 24 * 3600)),
             prune_interval: Duration::from_secs(60),
             prune_batch: 1_000,
@@ -176,6 +180,15 @@ impl RelayConfig {
         self
     }
 
+    /// How often the relay logs, at info, what it published since the line
+    /// before, the backlog and the age of the oldest unpublished row; zero
+    /// logs none. Default 1 min.
+    #[must_use]
+    pub fn progress_interval(mut self, d: Duration) -> Self {
+        self.progress_interval = d;
+        self
+    }
+
     /// Published rows older than this are deleted; `None` keeps them forever.
     /// Default 7 days.
     #[must_use]
@@ -282,8 +295,9 @@ impl RelayConfig {
         }
         if self.backoff_base.is_zero() || self.backoff_max < self.backoff_base {
             return bad(format!(
-                "backoff base {:?} must be positive and at most the cap {:?}",
-                self.backoff_base, self.backoff_max
+                "backoff base {} must be positive and at most the cap {}",
+                HumanDuration(self.backoff_base),
+                HumanDuration(self.backoff_max)
             ));
         }
         if self.publish_timeout.is_zero() {
@@ -291,8 +305,9 @@ impl RelayConfig {
         }
         if self.lease < self.publish_timeout * 2 {
             return bad(format!(
-                "lease {:?} must be at least twice the publish timeout {:?}",
-                self.lease, self.publish_timeout
+                "lease {} must be at least twice the publish timeout {}",
+                HumanDuration(self.lease),
+                HumanDuration(self.publish_timeout)
             ));
         }
         if !(1..=64).contains(&self.workers) {

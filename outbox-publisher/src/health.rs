@@ -86,7 +86,10 @@ async fn check_stream(js: &jetstream::Context, stream: &str, timeout: Duration) 
         Ok(Err(e)) => Check::failed("stream", stream_failure(stream, &e)),
         Err(_) => Check::failed(
             "stream",
-            format!("JetStream did not answer about stream `{stream}` within {timeout:?}"),
+            format!(
+                "JetStream did not answer about stream `{stream}` within {}",
+                outbox_pg::HumanDuration(timeout)
+            ),
         ),
     }
 }

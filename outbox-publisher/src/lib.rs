@@ -102,6 +102,9 @@ pub mod wal;
 pub use config::{BATCH_SIZE_RANGE, RelayConfig, Source};
 pub use error::{BoxError, Error, ErrorKind, Result};
 pub use health::{DEFAULT_CHECK_TIMEOUT, Readiness};
+/// Resolves on SIGTERM or ctrl-c: cancel the token given to
+/// [`Relay::run`] with it, for a relay run in-process.
+pub use outbox_pg::shutdown_signal;
 pub use relay::{BatchReport, NOTIFY_CHANNEL, Relay, required_privileges};
 pub use sink::{
     DEFAULT_MAX_PAYLOAD, FailureKind, JetStreamSink, MAX_BATCH, OutgoingMessage, PublishAck,

@@ -582,7 +582,7 @@ impl Sink for JetStreamSink {
             Ok(result) => result,
             Err(_) => Err(PublishFailure::new(
                 FailureKind::Timeout,
-                format!("no ack within {:?}", self.timeout),
+                format!("no ack within {}", outbox_pg::HumanDuration(self.timeout)),
             )),
         }
     }
@@ -644,7 +644,10 @@ impl Sink for JetStreamSink {
             Ok(result) => result,
             Err(_) => Err(PublishFailure::new(
                 FailureKind::Timeout,
-                format!("no ack of the batch's commit within {:?}", self.timeout),
+                format!(
+                    "no ack of the batch's commit within {}",
+                    outbox_pg::HumanDuration(self.timeout)
+                ),
             )),
         }
     }

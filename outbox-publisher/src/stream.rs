@@ -9,6 +9,7 @@ use async_nats::jetstream::{
     context::{CreateStreamErrorKind, GetStreamErrorKind},
     stream::{Config, StorageType},
 };
+use outbox_pg::HumanDuration;
 use tracing::info;
 
 use crate::error::{Error, ErrorKind, Result};
@@ -138,8 +139,9 @@ impl StreamSpec {
             && d != existing.duplicate_window
         {
             out.push(format!(
-                "duplicate window is {:?}, configured {d:?}",
-                existing.duplicate_window
+                "duplicate window is {}, configured {}",
+                HumanDuration(existing.duplicate_window),
+                HumanDuration(d)
             ));
         }
         if existing.duplicate_window.is_zero() {

@@ -211,8 +211,9 @@ impl StreamView {
             Error::new(
                 ErrorKind::Broker,
                 format!(
-                    "reading stream `{}`: no answer within {:?}",
-                    self.inner.name, self.inner.timeout
+                    "reading stream `{}`: no answer within {}",
+                    self.inner.name,
+                    outbox_pg::HumanDuration(self.inner.timeout)
                 ),
             )
         })?

@@ -938,3 +938,82 @@ async fn a_writer_open_in_a_quiet_database_is_published_when_it_commits() {
     .unwrap_or_else(|e| panic!("{e}\n{}", relay.log()));
     assert!(committed.elapsed() < Duration::from_secs(20));
 }
+
+/// The relay says it works, in its log at the default level: one line at
+/// start naming the stream, its subjects and the source, and one per
+/// `--progress-interval` with what it published since the line before, the
+/// backlog and the age of the oldest unpublished row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_logs_its_start_and_its_progress_per_interval() {
+    let db = TestDb::new().await.unwrap();
+    let broker = outbox_testkit::nats().unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("outbox-ops-progress-")
+        .tempdir()
+        .unwrap();
+    let mut relay = Proc::spawn(
+        "outbox-relay",
+        "outbox-relay",
+        dir.path(),
+        &[
+            ("DATABASE_URL", db.url()),
+            ("NATS_URL", broker.url()),
+            ("OUTBOX_PROGRESS_INTERVAL", "1s"),
+        ],
+        &["--stream", "OPS_PROGRESS", "--subjects", "opsp.>"],
+    );
+    relay
+        .wait_for("readiness", "/readyz", |status, _| status == 200)
+        .await;
+    let line = |log: &str, what: &str| log.lines().find(|l| l.contains(what)).map(str::to_owned);
+    let start = line(&relay.log(), "outbox relay started")
+        .unwrap_or_else(|| panic!("no start line:\n{}", relay.log()));
+    for field in ["stream=OPS_PROGRESS", "subjects=opsp.>", "source=poll"] {
+        assert!(start.contains(field), "{field} missing from: {start}");
+    }
+    seed(&db, "opsp.step", &["a", "b", "c"], |s| json!({ "s": s })).await;
+    // The three may be counted over two intervals; the lines add up to them.
+    let field = |l: &str, name: &str| -> Option<String> {
+        let rest = &l[l.find(&format!(" {name}="))? + name.len() + 2..];
+        Some(rest.split_whitespace().next().unwrap_or("").to_owned())
+    };
+    let deadline = Instant::now() + WAIT;
+    let last = loop {
+        let log = relay.log();
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("relay progress over the last 1s"))
+            .collect();
+        let sum: u64 = lines
+            .iter()
+            .filter_map(|l| field(l, "published")?.parse::<u64>().ok())
+            .sum();
+        if sum == 3
+            && let Some(l) = lines.last()
+            && field(l, "backlog").as_deref() == Some("0")
+        {
+            break (*l).to_owned();
+        }
+        relay.assert_running();
+        assert!(
+            Instant::now() < deadline,
+            "progress lines do not add up to 3 published, backlog 0:\n{log}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    for (name, want) in [("oldest_unpublished", "0s"), ("duplicates", "0")] {
+        assert_eq!(
+            field(&last, name).as_deref(),
+            Some(want),
+            "{name} in: {last}"
+        );
+    }
+    // And a line every interval while nothing happens.
+    let before = relay.log().matches("relay progress").count();
+    outbox_testkit::wait_until("a later progress line", WAIT, || async {
+        relay.log().matches("relay progress").count() > before
+    })
+    .await
+    .unwrap();
+    assert!(relay.log().contains("published=0"), "{}", relay.log());
+}

@@ -399,3 +399,64 @@ async fn the_migration_lock_is_released_after_a_failure_or_a_cancelled_wait() {
     .await
     .unwrap();
 }
+
+/// Each shipped binary's `--help` opens with what the program does (its own
+/// `about`), not the doc comment of a flattened argument group.
+#[test]
+fn every_binary_s_help_starts_with_what_it_does() {
+    let cases = [
+        ("outbox-relay", "Relay outbox_events rows to NATS JetStream"),
+        ("outboxctl", "Operate an outbox and its inboxes"),
+        ("billing", "Billing consumer: one invoice per subscription"),
+        ("subscriptions", "Subscriptions HTTP service"),
+        ("quickstart", "The quickest real round trip"),
+        ("outbox-demo", "Outbox + inbox end to end"),
+    ];
+    for (bin, about) in cases {
+        let out = std::process::Command::new(support::bin_dir().join(bin))
+            .arg("--help")
+            .env_clear()
+            .output()
+            .unwrap_or_else(|e| panic!("{bin}: {e} (built by `cargo build --workspace --bins`)"));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{bin} --help: {}", out.status);
+        let first = text.lines().next().unwrap_or_default();
+        assert!(
+            first.starts_with(about),
+            "{bin} --help opens with {first:?}, not {about:?}"
+        );
+    }
+}
+
+/// A binary that refuses to run says why in one plain line: its message and
+/// causes, durations as an operator writes them, not Rust's `Debug` of the
+/// error (`Error: "…1209600s…"`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_at_start_is_one_plain_line_with_humane_durations() {
+    let db = TestDb::new().await.unwrap();
+    let nats = tokio::task::spawn_blocking(NatsServer::start)
+        .await
+        .unwrap()
+        .unwrap();
+    // 50,000 deliveries 30 s apart outlast the 14-day inbox retention window.
+    let out = tokio::process::Command::new(support::bin_dir().join("billing"))
+        .env_clear()
+        .env("DATABASE_URL", db.url())
+        .env("NATS_URL", nats.url())
+        .args(["--consumer", "billing_refusal", "--max-deliver", "50000"])
+        .args(["--ack-wait", "30s"])
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(60), out)
+        .await
+        .expect("billing did not exit within 60 s")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(last.starts_with("billing: "), "{stderr}");
+    assert!(last.contains("retention window 14d is shorter"), "{last}");
+    for debug in ["Error(", "Error: \"", "\\\"", "1209600s"] {
+        assert!(!last.contains(debug), "{debug} in {last}");
+    }
+}

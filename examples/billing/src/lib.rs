@@ -29,7 +29,7 @@
 //! | --- | --- | --- |
 //! | `--database-url` (`DATABASE_URL`) or `--database-url-file` (`DATABASE_URL_FILE`) | required | billing's database; TLS in the URL (`?sslmode=verify-full&sslrootcert=…`) |
 //! | `--nats-url` (`NATS_URL`) | `nats://127.0.0.1:4222` | |
-//! | `--nats-user`/`--nats-password`, `--nats-token`, `--nats-nkey` (each secret also as `--*-file`), `--nats-creds`, `--nats-tls-ca`, `--nats-tls-cert`/`--nats-tls-key` | | credentials and TLS, as for `outbox-relay` (README, "Production connections") |
+//! | `--nats-user`/`--nats-password`, `--nats-token`, `--nats-nkey` (each secret also as `--*-file`), `--nats-creds`, `--nats-tls-ca`, `--nats-tls-cert`/`--nats-tls-key` | | credentials and TLS, as for `outbox-relay` (docs/security.md, "Production connections") |
 //! | `--consumer` | `billing` | durable name and inbox dedupe namespace |
 //! | `--concurrency` | 16 | deliveries (or batches) handled at once by the leading replica (never two of one subscription) |
 //! | `--batch` | 64 | most deliveries handled in one transaction (what has arrived, never waiting to fill one): up to N of distinct subscriptions share one inbox insert and one commit, then their acks; one whose handler fails is handled alone after it; 1: each in its own |
@@ -44,7 +44,7 @@
 //! | `--metrics-addr` | | `/metrics` (Prometheus text), `/healthz`, `/readyz` (database, NATS, stream, durable consumer; 503 naming the failed check) |
 //! | `--schemas` | `schemas/events` | where `invoice.created.schema.json` is |
 //! | `--log-format` | `human` | or `json`; logs go to stderr |
-//! | `--otlp-endpoint` (`OTEL_EXPORTER_OTLP_ENDPOINT`) | off | export spans over OTLP/HTTP to `URL/v1/traces` (README, "Tracing"); service name `OTEL_SERVICE_NAME`, default the binary's name |
+//! | `--otlp-endpoint` (`OTEL_EXPORTER_OTLP_ENDPOINT`) | off | export spans over OTLP/HTTP to `URL/v1/traces` (docs/operations.md, "Tracing"); service name `OTEL_SERVICE_NAME`, default the binary's name |
 //!
 //! # What it does
 //!

@@ -151,8 +151,20 @@ fn probability(s: &str) -> Result<f64, String> {
     }
 }
 
+/// A fatal error is one plain line on stderr (its message and causes), and
+/// exit status 1.
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn Error>> {
+async fn main() -> std::process::ExitCode {
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("billing: {}", outbox_pg::error_line(&*e));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), Box<dyn Error>> {
     let args = Args::parse();
     let telemetry = args.telemetry.init("billing").map_err(|e| e.to_string())?;
     let shutdown = CancellationToken::new();

@@ -14,6 +14,7 @@ use std::error::Error;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
+use clap::Parser;
 use futures::StreamExt;
 use inbox_consumer::prelude::*;
 use outbox_pg::connect::{DatabaseArgs, NatsArgs};
@@ -61,8 +62,33 @@ impl Handler for OpenAccount {
     }
 }
 
+/// No flags: the servers come from the environment.
+#[derive(Debug, Parser)]
+#[command(
+    name = "quickstart",
+    version,
+    about = "The quickest real round trip: a row and its event in one transaction, relayed to JetStream, consumed once",
+    long_about = "The quickest real round trip: a row and its event in one transaction, relayed to \
+                  JetStream, consumed once through the inbox.\n\nUses the PostgreSQL and nats-server \
+                  named by DATABASE_URL and NATS_URL, or starts its own on loopback."
+)]
+struct Args {}
+
+/// A fatal error is one plain line on stderr (its message and causes), and
+/// exit status 1.
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn Error>> {
+async fn main() -> std::process::ExitCode {
+    let Args {} = Args::parse();
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("quickstart: {}", outbox_pg::error_line(&*e));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), Box<dyn Error>> {
     // Real servers: the ones named by DATABASE_URL / NATS_URL, or fresh local ones.
     let pg = postgres().await?;
     let database = DatabaseArgs::from_url(pg.url());

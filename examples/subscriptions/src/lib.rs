@@ -30,7 +30,7 @@
 //! | `--database-url` (`DATABASE_URL`) or `--database-url-file` (`DATABASE_URL_FILE`) | required | this service's database; TLS in the URL (`?sslmode=verify-full&sslrootcert=…`) |
 //! | `--listen` | `127.0.0.1:8080` | port 0 picks a free port; stdout says `listening on http://ADDR` |
 //! | `--nats-url` (`NATS_URL`) | `nats://127.0.0.1:4222` | for the in-process relay |
-//! | `--nats-user`/`--nats-password`, `--nats-token`, `--nats-nkey` (each secret also as `--*-file`), `--nats-creds`, `--nats-tls-ca`, `--nats-tls-cert`/`--nats-tls-key` | | credentials and TLS, as for `outbox-relay` (README, "Production connections") |
+//! | `--nats-user`/`--nats-password`, `--nats-token`, `--nats-nkey` (each secret also as `--*-file`), `--nats-creds`, `--nats-tls-ca`, `--nats-tls-cert`/`--nats-tls-key` | | credentials and TLS, as for `outbox-relay` (docs/security.md, "Production connections") |
 //! | `--no-relay` | | publish with a separate `outbox-relay` instead |
 //! | `--stream` | `OUTBOX` | |
 //! | `--subjects` | `subscription.>,invoice.>` | the stream's subjects, if the relay creates it |
@@ -38,7 +38,7 @@
 //! | `--fault-injection` | off | honour `x-fault: rollback` (tests and demos only) |
 //! | `--metrics-addr` | | `/metrics` (the in-process relay's), `/healthz`, `/readyz` (database; with the relay, NATS and the stream) |
 //! | `--log-format` | `human` | or `json`; logs go to stderr |
-//! | `--otlp-endpoint` (`OTEL_EXPORTER_OTLP_ENDPOINT`) | off | export spans over OTLP/HTTP to `URL/v1/traces` (README, "Tracing"); service name `OTEL_SERVICE_NAME`, default the binary's name |
+//! | `--otlp-endpoint` (`OTEL_EXPORTER_OTLP_ENDPOINT`) | off | export spans over OTLP/HTTP to `URL/v1/traces` (docs/operations.md, "Tracing"); service name `OTEL_SERVICE_NAME`, default the binary's name |
 //!
 //! # API
 //!

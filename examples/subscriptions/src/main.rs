@@ -80,8 +80,20 @@ struct Args {
     telemetry: TelemetryArgs,
 }
 
+/// A fatal error is one plain line on stderr (its message and causes), and
+/// exit status 1.
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn Error>> {
+async fn main() -> std::process::ExitCode {
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("subscriptions: {}", outbox_pg::error_line(&*e));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), Box<dyn Error>> {
     let args = Args::parse();
     let telemetry = args
         .telemetry

@@ -97,7 +97,7 @@ pub(super) async fn poll(consumer: PullConsumer, shared: Arc<Shared>) {
                 continue;
             }
             Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("no answer within {LAG_TIMEOUT:?}"),
+            Err(_) => format!("no answer within {}", outbox_pg::HumanDuration(LAG_TIMEOUT)),
         };
         if std::mem::replace(&mut failing, true) {
             tracing::debug!(consumer = %labels[0].1, %error, "reading the consumer's lag failed");
@@ -117,7 +117,7 @@ pub(super) async fn record_floor(consumer: &PullConsumer, shared: &Shared) {
     let recorded = async {
         let info = tokio::time::timeout(LAG_TIMEOUT, consumer.get_info())
             .await
-            .map_err(|_| format!("no answer within {LAG_TIMEOUT:?}"))?
+            .map_err(|_| format!("no answer within {}", outbox_pg::HumanDuration(LAG_TIMEOUT)))?
             .map_err(|e| e.to_string())?;
         position::record(&shared.pool, config, info.ack_floor.stream_sequence)
             .await

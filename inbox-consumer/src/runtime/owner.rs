@@ -58,7 +58,8 @@ pub(crate) async fn check_at_start(
         Ok(Err(e)) if e.kind() == ErrorKind::Privilege && is_refusal(&e) => Err(e),
         Ok(Err(e)) => Ok(Some(e.to_string())),
         Err(_) => Ok(Some(format!(
-            "the database did not answer within {timeout:?}"
+            "the database did not answer within {}",
+            outbox_pg::HumanDuration(timeout)
         ))),
     }
 }
@@ -113,7 +114,8 @@ pub(crate) async fn claim_within(
         Ok(Err(e)) if is_refusal(&e) => Err(e),
         Ok(Err(e)) => Ok(Some(e.to_string())),
         Err(_) => Ok(Some(format!(
-            "the database did not answer within {timeout:?}"
+            "the database did not answer within {}",
+            outbox_pg::HumanDuration(timeout)
         ))),
     }
 }

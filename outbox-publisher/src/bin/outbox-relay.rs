@@ -137,6 +137,11 @@ struct Args {
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     max_backoff: Duration,
 
+    /// How often to log, at info, what this relay published since the line
+    /// before, the backlog and the age of the oldest unpublished row; 0 logs none.
+    #[arg(long, env = "OUTBOX_PROGRESS_INTERVAL", default_value = "1m", value_parser = humantime::parse_duration)]
+    progress_interval: Duration,
+
     /// Bound on one publish and its PubAck.
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
     publish_timeout: Duration,
@@ -270,7 +275,8 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .audit_horizon((!args.audit_horizon.is_zero()).then_some(args.audit_horizon))
         .audit_interval(args.audit_interval)
         .require_durable(args.require_durable)
-        .stream_refresh(args.stream_refresh);
+        .stream_refresh(args.stream_refresh)
+        .progress_interval(args.progress_interval);
     let config = if args.source == SourceArg::Wal && !args.once {
         let url = match &args.wal_url {
             Some(url) => url.clone(),

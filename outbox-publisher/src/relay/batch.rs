@@ -432,6 +432,7 @@ impl<S: Sink> Relay<S> {
             }
         }
         out.extend(pending.into_iter().map(|row| (row, Outcome::Unresolved)));
+        self.tally.count(&out);
         out
     }
 

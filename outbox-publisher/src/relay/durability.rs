@@ -5,6 +5,7 @@
 //! [`RelayConfig::require_durable`](crate::RelayConfig::require_durable).
 
 use async_nats::jetstream::stream::{Config, StorageType};
+use outbox_pg::HumanDuration;
 use tracing::{info, warn};
 
 use crate::audit::Audit;
@@ -26,7 +27,9 @@ pub(crate) fn state(stream: &Config, config: &RelayConfig, audit: Audit) -> Resu
         (None, _) => Some("the audit is off (audit horizon 0)".to_owned()),
         (Some(_), Some(why)) => Some(format!("the audit is off: {why}")),
         (Some(h), None) if h <= settle => Some(format!(
-            "the audit is off: its horizon {h:?} is not longer than the duplicate window plus margin {settle:?}, so no row is ever old enough to audit"
+            "the audit is off: its horizon {} is not longer than the duplicate window plus margin {}, so no row is ever old enough to audit",
+            HumanDuration(h),
+            HumanDuration(settle),
         )),
         (Some(_), None) => None,
     };
@@ -75,8 +78,10 @@ pub(crate) fn state(stream: &Config, config: &RelayConfig, audit: Audit) -> Resu
         return Err(Error::new(
             ErrorKind::Config,
             format!(
-                "stream `{}` has a duplicate window of {:?}, which must be longer than the lease plus the publish timeout ({:?}): a republish after a takeover would be stored twice",
-                stream.name, stream.duplicate_window, republish
+                "stream `{}` has a duplicate window of {}, which must be longer than the lease plus the publish timeout ({}): a republish after a takeover would be stored twice",
+                stream.name,
+                HumanDuration(stream.duplicate_window),
+                HumanDuration(republish)
             ),
         ));
     }

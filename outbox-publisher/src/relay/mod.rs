@@ -125,6 +125,7 @@ mod horizon;
 mod listen;
 mod maintenance;
 mod message;
+mod progress;
 mod reachability;
 pub mod shards;
 mod wal;
@@ -191,6 +192,10 @@ pub struct Relay<S = JetStreamSink> {
     /// polling; beside a WAL source, the seq up to which the polling path
     /// publishes (the WAL the rest), `-1` until it leads.
     main_until: AtomicI64,
+    /// The stream and subjects, for the start line (a JetStream relay).
+    target: Option<progress::Target>,
+    /// Published since the last progress line.
+    tally: progress::Tally,
 }
 
 /// The privileges a relay with `config` needs: SELECT and UPDATE on
@@ -304,6 +309,10 @@ impl Relay<JetStreamSink> {
         let sink = sink.follow(view);
         let mut relay = Self::new(pool, sink, config)?;
         relay.audit = audit;
+        relay.target = Some(progress::Target {
+            stream: existing.name.clone(),
+            subjects: existing.subjects.clone(),
+        });
         Ok(relay)
     }
 
@@ -420,6 +429,8 @@ impl<S: Sink> Relay<S> {
             db_up: AtomicBool::new(true),
             audit: None,
             main_until: AtomicI64::new(i64::MAX),
+            target: None,
+            tally: progress::Tally::default(),
         })
     }
 
@@ -494,14 +505,7 @@ impl<S: Sink> Relay<S> {
         wal: Option<(&crate::wal::WalSource, crate::wal::slot::Names)>,
     ) -> Result<()> {
         let (wake, wake_rx) = watch::channel(0_u64);
-        info!(
-            batch_size = self.config.batch_size,
-            workers = self.config.workers,
-            poll_interval = ?self.config.poll_interval,
-            max_attempts = self.config.max_attempts,
-            source = if wal.is_some() { "wal" } else { "poll" },
-            "outbox relay started"
-        );
+        self.log_start(if wal.is_some() { "wal" } else { "poll" });
         let wal_failure = std::sync::Mutex::new(None);
         let workers_done = CancellationToken::new();
         // Cancelled by `shutdown`, or when the relay finds it cannot run here
@@ -540,6 +544,7 @@ impl<S: Sink> Relay<S> {
                 }
             },
             self.stats_loop(&stop),
+            self.progress_loop(&stop),
             self.prune_loop(&stop),
             self.audit_loop(&stop),
             self.stream_refresh_loop(&stop),

@@ -139,9 +139,11 @@ impl<S: Sink> Relay<S> {
                     crate::ErrorKind::Stalled,
                     format!(
                         "the drain left {} due rows unpublished in shards {:?}: none of them was \
-                         published for {DRAIN_PATIENCE:?} (a relay owning those shards is stuck, \
+                         published for {} (a relay owning those shards is stuck, \
                          or they are refused); `outboxctl status` shows who holds what",
-                        left.rows, left.shards
+                        left.rows,
+                        left.shards,
+                        outbox_pg::HumanDuration(DRAIN_PATIENCE)
                     ),
                 ));
             }

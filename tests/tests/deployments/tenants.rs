@@ -1,6 +1,7 @@
 //! Several outboxes in one database, one per schema (a tenant each), as the
-//! README's "Another schema" sets them up: relays, wake-ups and ordered
-//! consumers of one schema never see another's (outbox_pg::Namespace).
+//! relay guide's "Another schema" (docs/relay.md) sets them up: relays,
+//! wake-ups and ordered consumers of one schema never see another's
+//! (outbox_pg::Namespace).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -24,7 +25,7 @@ use uuid::Uuid;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-/// `url` with `schema` first on the search_path, as the README says.
+/// `url` with `schema` first on the search_path, as docs/relay.md ("Another schema") says.
 fn in_schema(url: &str, schema: &str) -> String {
     let sep = if url.contains('?') { '&' } else { '?' };
     format!("{url}{sep}options=-csearch_path%3D{schema}")
