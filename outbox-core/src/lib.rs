@@ -127,7 +127,9 @@ pub use layout::{
     SCHEMA_WAIT, check_inbox_layout, check_inbox_layout_at_start, check_outbox_layout,
     check_outbox_layout_at_start,
 };
-pub use migrate::{MIGRATION_LOCK, MIGRATION_TABLE, MIGRATOR, migrate, migrate_with};
+pub use migrate::{
+    MIGRATION_LOCK, MIGRATION_TABLE, MIGRATOR, explain_migrate_error, migrate, migrate_with,
+};
 pub use namespace::Namespace;
 pub use outbox::{DEFAULT_MAX_MESSAGE_SIZE, Outbox};
 pub use pooler::{require_sessions, require_sessions_at_start};

@@ -140,7 +140,11 @@ pub const MIGRATION_LOCK: (i32, i32) = (0x6f62_6d01, 0);
 /// So a start-up [`migrate`] after the service's tool applied the files, or the
 /// tool after [`migrate`], changes nothing. When the service's sqlx tool
 /// recorded a file in `_sqlx_migrations` with the text this build has, [`migrate`]
-/// records it as applied in its own table without running it again.
+/// records it as applied in its own table without running it again, and
+/// warns: from then on, a binary on this database whose own
+/// `sqlx::migrate!` lacks the copies fails with "previously applied but is
+/// missing" ([`explain_migrate_error`] says what that means). Use one way on
+/// a database.
 ///
 /// # Databases migrated by earlier builds
 ///
@@ -499,6 +503,7 @@ async fn adopt(conn: &mut PgConnection) -> Result<()> {
     .fetch_all(&mut *tx)
     .await
     .map_err(|e| Error::database(&format!("reading {MIGRATION_TABLE}"), e))?;
+    let mut kept = Vec::new();
     for (version, description, checksum) in theirs {
         let Some(migration) = MIGRATOR
             .iter()
@@ -517,7 +522,9 @@ async fn adopt(conn: &mut PgConnection) -> Result<()> {
                 )
             })?;
         }
-        if *checksum != *migration.checksum {
+        if *checksum == *migration.checksum {
+            kept.push(version);
+        } else {
             sqlx::query(
                 "delete from _sqlx_migrations
                   where version = $1 and description = $2 and checksum = $3",
@@ -540,7 +547,72 @@ async fn adopt(conn: &mut PgConnection) -> Result<()> {
     }
     tx.commit()
         .await
-        .map_err(|e| Error::database("adopting _sqlx_migrations rows", e))
+        .map_err(|e| Error::database("adopting _sqlx_migrations rows", e))?;
+    if let (Some(first), Some(last)) = (kept.first(), kept.last()) {
+        tracing::warn!(
+            versions = %format!("{first}..={last}"),
+            "the outbox migrations are applied both ways on this database: recorded in \
+             _sqlx_migrations by a migrator of the service's own (from copies of the files) and \
+             in {MIGRATION_TABLE} by outbox_pg::migrate. A binary whose own sqlx::migrate! lacks \
+             the copies fails with \"migration {first} was previously applied but is missing\" \
+             (outbox_pg::explain_migrate_error says so). Use one way on a database: keep the \
+             copies in every binary's migrations and stop calling outbox_pg::migrate, or remove \
+             the copies and the rows (delete from _sqlx_migrations where version between {first} \
+             and {last}) and call outbox_pg::migrate in every binary"
+        );
+    }
+    Ok(())
+}
+
+/// A failure of the service's own sqlx migrator (`sqlx::migrate!(…).run(…)`)
+/// as an [`Error`] that says what it means when it is about the outbox's
+/// migrations, which sqlx's wording does not.
+///
+/// Applied both ways on one database (see [`migrate`]): a migrator that had
+/// the outbox's files (copied into its folder, or [`MIGRATOR`] chained into
+/// it) recorded them in `_sqlx_migrations`, and a binary whose migrator lacks
+/// them then fails with sqlx's "migration 20260101000001 was previously
+/// applied but is missing in the resolved migrations", which names nothing of
+/// ours. This names the file, the two ways, and what to run. Any other
+/// failure keeps sqlx's message.
+///
+/// ```no_run
+/// # #[tokio::main]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = sqlx::PgPool::connect("postgres://localhost/app").await?;
+/// outbox_pg::migrate(&pool).await?;
+/// sqlx::migrate!("./migrations")
+///     .run(&pool)
+///     .await
+///     .map_err(outbox_pg::explain_migrate_error)?;
+/// # Ok(()) }
+/// ```
+pub fn explain_migrate_error(e: MigrateError) -> Error {
+    let ours = |v: i64| MIGRATOR.iter().any(|m| m.version == v);
+    let message = match &e {
+        MigrateError::VersionMissing(v) if ours(*v) => format!(
+            "_sqlx_migrations records the outbox migration {}, which this migrator does not \
+             have: the outbox's migrations were applied both ways on this database, once by a \
+             migrator that had copies of the files (or outbox_pg::MIGRATOR chained in) and once \
+             by outbox_pg::migrate (its own table, {MIGRATION_TABLE}). Use one way on a \
+             database: copy the files into every binary's migrations and stop calling \
+             outbox_pg::migrate, or call outbox_pg::migrate in every binary and remove the \
+             outbox's rows from _sqlx_migrations (delete from _sqlx_migrations where version \
+             between {} and {})",
+            file_name(*v),
+            MIGRATOR.iter().map(|m| m.version).min().unwrap_or(*v),
+            MIGRATOR.iter().map(|m| m.version).max().unwrap_or(*v),
+        ),
+        MigrateError::VersionMismatch(v) if ours(*v) => format!(
+            "_sqlx_migrations records the outbox migration {} with another text than this \
+             migrator's copy (copies of the files from another outbox-pg version): copy the \
+             files of the outbox-pg version the service uses, or call outbox_pg::migrate instead \
+             (which also adopts rows an earlier build wrote there)",
+            file_name(*v)
+        ),
+        other => format!("running the service's migrations: {other}"),
+    };
+    Error::new(ErrorKind::Schema, message).with_source(e)
 }
 
 /// The file a version was embedded from, `20260101000001_outbox_events.sql`,

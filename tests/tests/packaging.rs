@@ -144,3 +144,112 @@ fn each_library_crate_carries_what_the_registry_shows() {
     let changelog = Path::new(env!("CARGO_MANIFEST_DIR")).join("../CHANGELOG.md");
     assert!(changelog.is_file(), "no CHANGELOG.md");
 }
+
+/// The README's programs, each with the `[dependencies]` block beside it,
+/// built as a new user builds them: in a fresh crate outside the workspace
+/// (its own `Cargo.toml`, the lockfile's versions), the project's crates
+/// taken by path as the registry would give them. So a README snippet that
+/// stops compiling, or a dependency it needs that its block leaves out, fails
+/// here. Checked with `cargo check` into `target/readme-snippets` (the
+/// workspace's own target directory is locked while the tests run).
+#[test]
+fn the_readme_programs_compile_in_a_fresh_crate_with_their_dependency_blocks() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root = root.canonicalize().unwrap();
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let programs = readme_programs(&readme);
+    assert!(
+        programs.len() >= 2,
+        "the README's writing and consuming programs, each after a ```toml [dependencies] block: found {}",
+        programs.len()
+    );
+    let paths: HashMap<&str, &str> = [
+        ("outbox-pg", "outbox-core"),
+        ("outbox-publisher", "outbox-publisher"),
+        ("inbox-consumer", "inbox-consumer"),
+    ]
+    .into_iter()
+    .collect();
+    // One fresh crate per program, with its own block alone: a crate a
+    // program needs and its block leaves out fails it.
+    for (i, (toml, rust)) in programs.iter().enumerate() {
+        let dir = tempfile::Builder::new()
+            .prefix("outbox-readme-")
+            .tempdir()
+            .unwrap();
+        let mut deps: Vec<String> = Vec::new();
+        for line in toml.lines().map(str::trim) {
+            if line.is_empty() || line.starts_with('#') || line == "[dependencies]" {
+                continue;
+            }
+            let (name, spec) = line
+                .split_once('=')
+                .unwrap_or_else(|| panic!("not a dependency line: {line}"));
+            let (name, spec) = (name.trim(), spec.trim());
+            deps.push(match paths.get(name) {
+                // As the registry would resolve "0.1": the crate in this tree.
+                Some(path) => {
+                    let path = format!("path = {:?}", root.join(path).display().to_string());
+                    let spec = if spec.starts_with('"') {
+                        format!("{{ {path} }}")
+                    } else {
+                        spec.replacen("version = \"0.1\"", &path, 1)
+                    };
+                    format!("{name} = {spec}")
+                }
+                None => format!("{name} = {spec}"),
+            });
+        }
+        std::fs::create_dir_all(dir.path().join("src")).unwrap();
+        std::fs::write(dir.path().join("src/main.rs"), rust).unwrap();
+        let manifest = format!(
+            "[package]\nname = \"readme-program-{i}\"\nversion = \"0.0.0\"\nedition = \"2024\"\n\
+             publish = false\n\n[dependencies]\n{}\n\n[workspace]\n",
+            deps.join("\n")
+        );
+        std::fs::write(dir.path().join("Cargo.toml"), &manifest).unwrap();
+        // The versions this tree is tested with; what is not used drops out.
+        std::fs::copy(root.join("Cargo.lock"), dir.path().join("Cargo.lock")).unwrap();
+        let out = Command::new(env!("CARGO"))
+            .args(["check", "--offline", "--quiet"])
+            .env("CARGO_TARGET_DIR", root.join("target/readme-snippets"))
+            .env("SQLX_OFFLINE", "true")
+            .env_remove("RUSTFLAGS")
+            .current_dir(dir.path())
+            .output()
+            .expect("running cargo check");
+        assert!(
+            out.status.success(),
+            "README program {} does not build in a fresh crate with its dependency block:\n{}\n\
+             --- Cargo.toml:\n{manifest}",
+            i + 1,
+            String::from_utf8_lossy(&out.stderr),
+        );
+    }
+}
+
+/// Each ```rust block of `readme` that follows a ```toml block holding
+/// `[dependencies]` (with prose between them or not), with that block.
+fn readme_programs(readme: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut deps: Option<String> = None;
+    let mut lines = readme.lines();
+    while let Some(line) = lines.next() {
+        let Some(info) = line.strip_prefix("```") else {
+            continue;
+        };
+        let body: Vec<&str> = lines
+            .by_ref()
+            .take_while(|l| !l.starts_with("```"))
+            .collect();
+        let body = body.join("\n") + "\n";
+        if info == "toml" && body.contains("[dependencies]") {
+            deps = Some(body);
+        } else if info.starts_with("rust")
+            && let Some(toml) = deps.take()
+        {
+            out.push((toml, body));
+        }
+    }
+    out
+}

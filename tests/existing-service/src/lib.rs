@@ -112,7 +112,15 @@ async fn run_app_migrations(pool: &PgPool) -> Result<(), BoxError> {
     APP_MIGRATOR
         .run(pool)
         .await
-        .map_err(|e| format!("the service's own migrations: {e}").into())
+        // sqlx's "previously applied but is missing" about our files is
+        // explained: the outbox's schema was applied both ways here.
+        .map_err(|e| {
+            format!(
+                "the service's own migrations: {}",
+                outbox_pg::explain_migrate_error(e)
+            )
+            .into()
+        })
 }
 
 /// A sqlx `Migrator` over one folder holding the service's migrations and

@@ -278,6 +278,45 @@ async fn rows_that_are_not_ours_stay_in_sqlx_migrations() {
     assert!(times.iter().all(|t| *t >= 0), "nothing adopted: {times:?}");
 }
 
+/// Both ways across binaries: one binary's migrator applied copies of our
+/// files (recording them in `_sqlx_migrations`), another's lacks them. That
+/// one's sqlx error ("previously applied but is missing") is explained as
+/// what it is, naming our file and both remedies; the remedy it names (the
+/// rows removed, the library in every binary) then works.
+#[tokio::test]
+async fn a_binary_without_the_copies_is_told_the_ways_were_mixed() {
+    let server = server().await;
+    let db = fresh(&server, Target::Public).await;
+    run_ok(&db, Order::AppTool).await;
+    let e = existing_service::migrate(&db.pool, Order::AppFirst)
+        .await
+        .unwrap_err()
+        .to_string();
+    let first = MIGRATOR.iter().map(|m| m.version).min().unwrap();
+    for words in [
+        format!("the outbox migration {first}_"),
+        "applied both ways".to_owned(),
+        "outbox_pg::migrate in every binary".to_owned(),
+        "delete from _sqlx_migrations where version between".to_owned(),
+    ] {
+        assert!(e.contains(&words), "{words:?} not in: {e}");
+    }
+    let last = MIGRATOR.iter().map(|m| m.version).max().unwrap();
+    sqlx::query("delete from _sqlx_migrations where version between $1 and $2")
+        .bind(first)
+        .bind(last)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    outbox_pg::migrate(&db.pool).await.unwrap();
+    existing_service::migrate(&db.pool, Order::AppFirst)
+        .await
+        .unwrap();
+    existing_service::migrate(&db.pool, Order::OutboxFirst)
+        .await
+        .unwrap();
+}
+
 /// The library alone creates its own history and no `_sqlx_migrations`.
 #[tokio::test]
 async fn the_library_alone_leaves_no_sqlx_history() {
