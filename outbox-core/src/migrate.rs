@@ -592,20 +592,21 @@ pub fn explain_migrate_error(e: MigrateError) -> Error {
     let message = match &e {
         MigrateError::VersionMissing(v) if ours(*v) => format!(
             "_sqlx_migrations records the outbox migration {}, which this migrator does not \
-             have: the outbox's migrations were applied both ways on this database, once by a \
-             migrator that had copies of the files (or outbox_pg::MIGRATOR chained in) and once \
-             by outbox_pg::migrate (its own table, {MIGRATION_TABLE}). Use one way on a \
-             database: copy the files into every binary's migrations and stop calling \
-             outbox_pg::migrate, or call outbox_pg::migrate in every binary and remove the \
-             outbox's rows from _sqlx_migrations (delete from _sqlx_migrations where version \
-             between {} and {})",
+             have (sqlx: {e}). Either an earlier build of outbox-pg recorded it there: call \
+             outbox_pg::migrate once before this migrator, and it moves those rows to its own \
+             table, {MIGRATION_TABLE}. Or the outbox's migrations were applied both ways on \
+             this database, by a migrator that had copies of the files (or outbox_pg::MIGRATOR \
+             chained in) and by outbox_pg::migrate: use one way on a database. Copy the files \
+             into every binary's migrations and stop calling outbox_pg::migrate, or call \
+             outbox_pg::migrate in every binary and remove the outbox's rows from \
+             _sqlx_migrations (delete from _sqlx_migrations where version between {} and {})",
             file_name(*v),
             MIGRATOR.iter().map(|m| m.version).min().unwrap_or(*v),
             MIGRATOR.iter().map(|m| m.version).max().unwrap_or(*v),
         ),
         MigrateError::VersionMismatch(v) if ours(*v) => format!(
             "_sqlx_migrations records the outbox migration {} with another text than this \
-             migrator's copy (copies of the files from another outbox-pg version): copy the \
+             migrator's copy (sqlx: {e}; copies of the files from another outbox-pg version): copy the \
              files of the outbox-pg version the service uses, or call outbox_pg::migrate instead \
              (which also adopts rows an earlier build wrote there)",
             file_name(*v)

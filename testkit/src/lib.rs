@@ -47,3 +47,8 @@ pub use pgbouncer::{PgBouncer, PoolMode};
 pub use process::{free_port, wait_until};
 pub use program::Program;
 pub use tls::{CLIENT_NAME, TestCerts};
+
+/// The crate README's example, compiled as a doc test.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -397,3 +397,46 @@ async fn batched_builder(stream: &str, grouped: Option<OpenAll>) {
     stop.cancel();
     consumer.await.unwrap().unwrap();
 }
+
+/// A consumer on a database where the migrations never ran refuses at start,
+/// naming the missing table and what to run, instead of retrying every
+/// message for ever on `relation "inbox_events" does not exist`.
+#[tokio::test]
+async fn a_consumer_on_an_unmigrated_database_refuses_at_start_saying_what_to_run() {
+    let migrated = TestDb::new().await.unwrap();
+    let name = format!("unmigrated_{}", uuid::Uuid::now_v7().simple());
+    let url = outbox_testkit::create_database(migrated.url(), &name)
+        .await
+        .unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let nats = outbox_testkit::nats().unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let stream = "BUILDER_UNMIGRATED";
+    jetstream::new(client.clone())
+        .create_stream(jetstream::stream::Config {
+            name: stream.into(),
+            subjects: vec!["account.>".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let run = Consumer::builder(client, pool.clone(), stream, "accounts")
+        .handler(Open)
+        .run(std::future::pending::<()>());
+    // It waits out SCHEMA_WAIT for a service migrating beside it, then stops.
+    let result = tokio::time::timeout(outbox_pg::SCHEMA_WAIT + WAIT, run)
+        .await
+        .expect("the consumer kept running on a database without the inbox");
+    let e = result.expect_err("a consumer without its tables ran");
+    let text = outbox_pg::error_line(&e);
+    assert_eq!(e.kind(), inbox_consumer::ErrorKind::Config, "{text}");
+    for words in ["inbox_events", "outbox_pg::migrate"] {
+        assert!(text.contains(words), "{words:?} not in: {text}");
+    }
+    let tables: i64 =
+        sqlx::query_scalar("select count(*) from pg_tables where schemaname = 'public'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(tables, 0, "the consumer created tables of its own");
+}

@@ -11,7 +11,12 @@ use std::process::Command;
 
 use serde_json::Value;
 
-const LIBRARIES: [&str; 3] = ["outbox-pg", "outbox-publisher", "inbox-consumer"];
+const LIBRARIES: [&str; 4] = [
+    "outbox-pg",
+    "outbox-publisher",
+    "inbox-consumer",
+    "outbox-testkit",
+];
 
 /// The host's target triple, from `rustc -vV`.
 fn host() -> String {
