@@ -9,7 +9,8 @@
 /// or cancel a token with it (`Relay::run` takes a `CancellationToken`):
 ///
 /// ```no_run
-/// # async fn demo() {
+/// # #[tokio::main]
+/// # async fn main() {
 /// outbox_pg::shutdown_signal().await;
 /// println!("draining, then exiting");
 /// # }

@@ -155,10 +155,13 @@ fn each_library_crate_carries_what_the_registry_shows() {
 /// (its own `Cargo.toml`, the lockfile's versions), the project's crates
 /// taken by path as the registry would give them. So a README snippet that
 /// stops compiling, or a dependency it needs that its block leaves out, fails
-/// here. Checked with `cargo check` into `target/readme-snippets` (the
-/// workspace's own target directory is locked while the tests run).
-#[test]
-fn the_readme_programs_compile_in_a_fresh_crate_with_their_dependency_blocks() {
+/// here. Built into `target/readme-snippets` (the workspace's own target
+/// directory is locked while the tests run), then run as a user runs them
+/// against real servers, beside the shipped `outbox-relay`: N writes give N
+/// invoices, once each, through a duplicate delivery, and the consumer
+/// drains and exits 0 on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_programs_build_in_a_fresh_crate_and_run_against_real_servers() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let root = root.canonicalize().unwrap();
     let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
@@ -177,6 +180,7 @@ fn the_readme_programs_compile_in_a_fresh_crate_with_their_dependency_blocks() {
     .collect();
     // One fresh crate per program, with its own block alone: a crate a
     // program needs and its block leaves out fails it.
+    let mut binaries = Vec::new();
     for (i, (toml, rust)) in programs.iter().enumerate() {
         let dir = tempfile::Builder::new()
             .prefix("outbox-readme-")
@@ -215,9 +219,10 @@ fn the_readme_programs_compile_in_a_fresh_crate_with_their_dependency_blocks() {
         std::fs::write(dir.path().join("Cargo.toml"), &manifest).unwrap();
         // The versions this tree is tested with; what is not used drops out.
         std::fs::copy(root.join("Cargo.lock"), dir.path().join("Cargo.lock")).unwrap();
+        let target = root.join("target/readme-snippets");
         let out = Command::new(env!("CARGO"))
-            .args(["check", "--offline", "--quiet"])
-            .env("CARGO_TARGET_DIR", root.join("target/readme-snippets"))
+            .args(["build", "--offline", "--quiet"])
+            .env("CARGO_TARGET_DIR", &target)
             .env("SQLX_OFFLINE", "true")
             .env_remove("RUSTFLAGS")
             .current_dir(dir.path())
@@ -230,7 +235,164 @@ fn the_readme_programs_compile_in_a_fresh_crate_with_their_dependency_blocks() {
             i + 1,
             String::from_utf8_lossy(&out.stderr),
         );
+        binaries.push(target.join(format!("debug/readme-program-{i}")));
     }
+    let [writer, consumer] = binaries.as_slice() else {
+        panic!(
+            "the README has {} programs, not the writer and the consumer",
+            binaries.len()
+        );
+    };
+    assert!(
+        programs[0].1.contains("outbox.enqueue"),
+        "the first program writes"
+    );
+    assert!(
+        programs[1].1.contains("Consumer::builder"),
+        "the second consumes"
+    );
+    run_readme_programs(writer, consumer).await;
+}
+
+/// The README's writer `N` times, the relay, then the README's consumer: N
+/// invoices, one per event, also after one message is delivered again under
+/// another message id; SIGTERM drains the consumer, exit 0.
+async fn run_readme_programs(writer: &Path, consumer: &Path) {
+    const N: i64 = 5;
+    const WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+    let db = outbox_testkit::TestDb::new().await.unwrap();
+    // The tables the programs write: the service's own.
+    sqlx::raw_sql(
+        "create table subscriptions (id text not null, plan text not null);
+         create table invoices (id text not null, subscription_id text not null, amount_cents bigint not null);",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let broker = outbox_testkit::nats().unwrap();
+    let logs = tempfile::Builder::new()
+        .prefix("outbox-readme-run-")
+        .tempdir()
+        .unwrap();
+    for _ in 0..N {
+        let out = tokio::process::Command::new(writer)
+            .env_clear()
+            .env("DATABASE_URL", db.url())
+            .output()
+            .await
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "the README's writer: {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(String::from_utf8_lossy(&out.stdout).starts_with("wrote "));
+    }
+    let bin_dir = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .to_path_buf();
+    let mut relay =
+        outbox_testkit::Program::new("outbox-relay", bin_dir.join("outbox-relay"), logs.path())
+            .env("DATABASE_URL", db.url())
+            .env("NATS_URL", broker.url())
+            .args([
+                "--stream",
+                "OUTBOX",
+                "--subjects",
+                "subscription.>,invoice.>",
+            ]);
+    relay.start().await.unwrap();
+    let log = |name: &str| {
+        std::fs::read_to_string(logs.path().join(format!("{name}.log"))).unwrap_or_default()
+    };
+    let mut consumer =
+        outbox_testkit::Program::new("readme-consumer", consumer.to_path_buf(), logs.path())
+            .env("DATABASE_URL", db.url())
+            .env("NATS_URL", broker.url());
+    consumer.start().await.unwrap();
+    let count = |sql: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    outbox_testkit::wait_until("N invoices", WAIT, || async {
+        count("select count(*) from invoices").await == N
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", log("readme-consumer")));
+    // One event delivered again, under another message id: no new invoice.
+    let js = async_nats::jetstream::new(async_nats::connect(broker.url()).await.unwrap());
+    let stored = js
+        .get_stream("OUTBOX")
+        .await
+        .unwrap()
+        .get_raw_message(1)
+        .await
+        .unwrap();
+    assert_eq!(stored.subject.as_str(), "subscription.created");
+    let copy = js
+        .publish_with_headers(
+            "subscription.created",
+            {
+                let mut h = async_nats::HeaderMap::new();
+                h.insert("Nats-Msg-Id", "readme-redelivery");
+                h
+            },
+            stored.payload.clone(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap()
+        .sequence;
+    outbox_testkit::wait_until("the copy handled and acked", WAIT, || {
+        let js = js.clone();
+        async move {
+            let Ok(mut durable) = js
+                .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+                    "billing", "OUTBOX",
+                )
+                .await
+            else {
+                return false;
+            };
+            durable
+                .info()
+                .await
+                .is_ok_and(|i| i.ack_floor.stream_sequence >= copy && i.num_ack_pending == 0)
+        }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", log("readme-consumer")));
+    // Every event once: one inbox row and one invoice each, the copy none.
+    assert_eq!(
+        count("select count(*) from invoices").await,
+        N,
+        "{}",
+        log("readme-consumer")
+    );
+    assert_eq!(count("select count(*) from inbox_events").await, N);
+    outbox_testkit::wait_until("the follow-on events published", WAIT, || async {
+        count("select count(*) from outbox_events where published_at is null").await == 0
+    })
+    .await
+    .unwrap();
+    let status = consumer.terminate().await;
+    assert_eq!(
+        status,
+        Some(0),
+        "the README's consumer on SIGTERM\n{}",
+        log("readme-consumer")
+    );
+    assert_eq!(relay.terminate().await, Some(0), "{}", log("outbox-relay"));
 }
 
 /// Each ```rust block of `readme` that follows a ```toml block holding
