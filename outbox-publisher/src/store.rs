@@ -121,6 +121,30 @@ impl<'r, T: sqlx::Decode<'r, Postgres>> sqlx::Decode<'r, Postgres> for Lenient<T
 }
 
 impl ClaimedRow {
+    /// A valid fresh row of type `a.b`, subject `e-1`, seq 42, for unit tests.
+    #[cfg(test)]
+    pub(crate) fn sample() -> Self {
+        Self {
+            id: Uuid::now_v7(),
+            seq: 42,
+            shard: 0,
+            retry: false,
+            event_type: "a.b".into(),
+            source: "svc".into(),
+            subject: "e-1".into(),
+            time: Some(Utc::now()),
+            created_at: Some(Utc::now()),
+            attempts: 0,
+            traceparent: None,
+            tracestate: None,
+            data: Some(r#"{"n": 1}"#.into()),
+            data_len: 8,
+            over_budget: false,
+            blocker: None,
+            decode_error: None,
+        }
+    }
+
     fn decode(row: ClaimRecord) -> Self {
         let mut out = Self {
             id: row.id,

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::process::{
-    PORT_ATTEMPTS, find_binary, free_port, have_setpriv, port_open, port_taken, remove_stale_dirs,
+    find_binary, free_port, have_setpriv, launch_on_a_free_port, port_open, remove_stale_dirs,
     signal, spawn, wait_exit, wait_ready,
 };
 
@@ -82,18 +82,11 @@ impl NatsServer {
             args,
             child: None,
         };
-        let mut attempt = 1;
-        loop {
-            match server.launch() {
-                Ok(()) => return Ok(server),
-                Err(e) if attempt < PORT_ATTEMPTS && port_taken(&e) => {
-                    server.child = None;
-                    server.port = free_port()?;
-                    attempt += 1;
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        launch_on_a_free_port(&mut server, Self::launch, |server, port| {
+            server.child = None;
+            server.port = port;
+        })?;
+        Ok(server)
     }
 
     fn log_path(&self) -> PathBuf {

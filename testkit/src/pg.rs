@@ -13,8 +13,8 @@ use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::error::{Error, Result};
 use crate::process::{
-    PORT_ATTEMPTS, current_uid, find_binary, free_port, have_setpriv, port_taken,
-    remove_stale_dirs, signal, spawn, wait_exit, wait_ready,
+    current_uid, find_binary, free_port, have_setpriv, launch_on_a_free_port, remove_stale_dirs,
+    signal, spawn, wait_exit, wait_ready,
 };
 use crate::tls::TestCerts;
 
@@ -103,18 +103,11 @@ impl PgServer {
         if let Some(certs) = certs {
             server.install_tls(certs)?;
         }
-        let mut attempt = 1;
-        loop {
-            match server.launch() {
-                Ok(()) => return Ok(server),
-                Err(e) if attempt < PORT_ATTEMPTS && port_taken(&e) => {
-                    server.child = None;
-                    server.port = free_port()?;
-                    attempt += 1;
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        launch_on_a_free_port(&mut server, Self::launch, |server, port| {
+            server.child = None;
+            server.port = port;
+        })?;
+        Ok(server)
     }
 
     fn tls_dir(&self) -> PathBuf {

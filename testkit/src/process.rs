@@ -93,6 +93,27 @@ pub(crate) fn port_taken(error: &Error) -> bool {
 /// the port turns out taken.
 pub(crate) const PORT_ATTEMPTS: usize = 4;
 
+/// `launch(server)`, and while it fails because its port was taken
+/// ([`port_taken`]), `new_port(server, port)` with another free port and
+/// `launch` again, up to [`PORT_ATTEMPTS`] in all.
+pub(crate) fn launch_on_a_free_port<T>(
+    server: &mut T,
+    launch: impl Fn(&mut T) -> Result<()>,
+    new_port: impl Fn(&mut T, u16),
+) -> Result<()> {
+    let mut attempt = 1;
+    loop {
+        match launch(server) {
+            Ok(()) => return Ok(()),
+            Err(e) if attempt < PORT_ATTEMPTS && port_taken(&e) => {
+                new_port(server, free_port()?);
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// The ports `[low, high)` the harness hands out: from 10000 to the start
 /// of the ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`), or
 /// 10000..32768 where that cannot be read or leaves too little room.

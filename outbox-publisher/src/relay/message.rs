@@ -126,25 +126,7 @@ mod tests {
     use super::*;
 
     fn row() -> ClaimedRow {
-        ClaimedRow {
-            id: uuid::Uuid::now_v7(),
-            seq: 42,
-            shard: 0,
-            retry: false,
-            event_type: "a.b".into(),
-            source: "svc".into(),
-            subject: "e-1".into(),
-            time: Some(chrono::Utc::now()),
-            created_at: Some(chrono::Utc::now()),
-            attempts: 0,
-            traceparent: None,
-            tracestate: None,
-            data: Some(r#"{"n": 1}"#.into()),
-            data_len: 8,
-            over_budget: false,
-            blocker: None,
-            decode_error: None,
-        }
+        ClaimedRow::sample()
     }
 
     fn error_of(row: &ClaimedRow) -> PublishFailure {

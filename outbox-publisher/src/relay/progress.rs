@@ -132,25 +132,7 @@ mod tests {
     use crate::sink::{FailureKind, PublishFailure};
 
     fn row() -> ClaimedRow {
-        ClaimedRow {
-            id: uuid::Uuid::now_v7(),
-            seq: 1,
-            shard: 0,
-            retry: false,
-            event_type: "a.b".into(),
-            source: "svc".into(),
-            subject: "e-1".into(),
-            time: Some(chrono::Utc::now()),
-            created_at: Some(chrono::Utc::now()),
-            attempts: 0,
-            traceparent: None,
-            tracestate: None,
-            data: Some("{}".into()),
-            data_len: 2,
-            over_budget: false,
-            blocker: None,
-            decode_error: None,
-        }
+        ClaimedRow::sample()
     }
 
     #[test]
