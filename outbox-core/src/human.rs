@@ -75,6 +75,30 @@ pub fn error_line(error: &(dyn std::error::Error + 'static)) -> String {
     line.replace(['\n', '\r'], " ")
 }
 
+/// A binary's exit: `SUCCESS`, or `result`'s error as one line on stderr,
+/// `program: ` first ([`error_line`]), and `FAILURE` (exit status 1). For a
+/// `main` that runs the program's body:
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> { Ok(()) }
+/// #[tokio::main]
+/// async fn main() -> std::process::ExitCode {
+///     outbox_pg::exit_code("billing", run().await)
+/// }
+/// ```
+pub fn exit_code(
+    program: &str,
+    result: Result<(), Box<dyn std::error::Error>>,
+) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{program}: {}", error_line(&*e));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -122,7 +122,7 @@ pub use envelope::{
 pub use error::{BoxError, Error, ErrorKind, Result, Violation, sqlstate};
 pub use event::{Event, check_schema_file};
 #[cfg(feature = "migrate")]
-pub use human::{HumanDuration, error_line};
+pub use human::{HumanDuration, error_line, exit_code};
 pub use layout::{
     SCHEMA_WAIT, check_inbox_layout, check_inbox_layout_at_start, check_outbox_layout,
     check_outbox_layout_at_start,

@@ -555,13 +555,22 @@ async fn adopt(conn: &mut PgConnection) -> Result<()> {
              _sqlx_migrations by a migrator of the service's own (from copies of the files) and \
              in {MIGRATION_TABLE} by outbox_pg::migrate. A binary whose own sqlx::migrate! lacks \
              the copies fails with \"migration {first} was previously applied but is missing\" \
-             (outbox_pg::explain_migrate_error says so). Use one way on a database: keep the \
-             copies in every binary's migrations and stop calling outbox_pg::migrate, or remove \
-             the copies and the rows (delete from _sqlx_migrations where version between {first} \
-             and {last}) and call outbox_pg::migrate in every binary"
+             (outbox_pg::explain_migrate_error says so). {}",
+            one_way(*first, *last)
         );
     }
     Ok(())
+}
+
+/// What to do about the outbox's migrations `first..=last` recorded both
+/// ways on one database.
+fn one_way(first: i64, last: i64) -> String {
+    format!(
+        "Use one way on a database: keep the copies in every binary's migrations and stop \
+         calling outbox_pg::migrate, or remove the copies and the rows (delete from \
+         _sqlx_migrations where version between {first} and {last}) and call \
+         outbox_pg::migrate in every binary"
+    )
 }
 
 /// A failure of the service's own sqlx migrator (`sqlx::migrate!(…).run(…)`)
@@ -596,13 +605,12 @@ pub fn explain_migrate_error(e: MigrateError) -> Error {
              outbox_pg::migrate once before this migrator, and it moves those rows to its own \
              table, {MIGRATION_TABLE}. Or the outbox's migrations were applied both ways on \
              this database, by a migrator that had copies of the files (or outbox_pg::MIGRATOR \
-             chained in) and by outbox_pg::migrate: use one way on a database. Copy the files \
-             into every binary's migrations and stop calling outbox_pg::migrate, or call \
-             outbox_pg::migrate in every binary and remove the outbox's rows from \
-             _sqlx_migrations (delete from _sqlx_migrations where version between {} and {})",
+             chained in) and by outbox_pg::migrate. {}",
             file_name(*v),
-            MIGRATOR.iter().map(|m| m.version).min().unwrap_or(*v),
-            MIGRATOR.iter().map(|m| m.version).max().unwrap_or(*v),
+            one_way(
+                MIGRATOR.iter().map(|m| m.version).min().unwrap_or(*v),
+                MIGRATOR.iter().map(|m| m.version).max().unwrap_or(*v),
+            ),
         ),
         MigrateError::VersionMismatch(v) if ours(*v) => format!(
             "_sqlx_migrations records the outbox migration {} with another text than this \

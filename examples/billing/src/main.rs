@@ -155,13 +155,7 @@ fn probability(s: &str) -> Result<f64, String> {
 /// exit status 1.
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    match run().await {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("billing: {}", outbox_pg::error_line(&*e));
-            std::process::ExitCode::FAILURE
-        }
-    }
+    outbox_pg::exit_code("billing", run().await)
 }
 
 async fn run() -> Result<(), Box<dyn Error>> {

@@ -79,13 +79,7 @@ struct Args {}
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let Args {} = Args::parse();
-    match run().await {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("quickstart: {}", outbox_pg::error_line(&*e));
-            std::process::ExitCode::FAILURE
-        }
-    }
+    outbox_pg::exit_code("quickstart", run().await)
 }
 
 async fn run() -> Result<(), Box<dyn Error>> {

@@ -84,13 +84,7 @@ struct Args {
 /// exit status 1.
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    match run().await {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("subscriptions: {}", outbox_pg::error_line(&*e));
-            std::process::ExitCode::FAILURE
-        }
-    }
+    outbox_pg::exit_code("subscriptions", run().await)
 }
 
 async fn run() -> Result<(), Box<dyn Error>> {
