@@ -198,18 +198,65 @@ pub fn describe() {
     );
 }
 
-pub(crate) fn published(
-    event_type: &str,
-    duplicate: bool,
-    latency: Duration,
-    since_commit: Duration,
-) {
-    counter!(PUBLISHED, "event_type" => event_type.to_owned()).increment(1);
-    if duplicate {
-        counter!(DUPLICATES, "event_type" => event_type.to_owned()).increment(1);
+/// The metrics of one chain's published rows: the histograms are looked up
+/// once and recorded per row, the counters added to once per run of rows of
+/// one event type (a chain is one subject's rows, mostly of few types), and
+/// on drop, rather than looked up per row.
+pub(crate) struct Published {
+    latency: metrics::Histogram,
+    since_commit: metrics::Histogram,
+    event_type: String,
+    published: u64,
+    duplicates: u64,
+}
+
+impl Published {
+    pub(crate) fn new() -> Self {
+        Self {
+            latency: histogram!(PUBLISH_LATENCY),
+            since_commit: histogram!(COMMIT_TO_ACK),
+            event_type: String::new(),
+            published: 0,
+            duplicates: 0,
+        }
     }
-    histogram!(PUBLISH_LATENCY).record(latency);
-    histogram!(COMMIT_TO_ACK).record(since_commit);
+
+    /// One row acked `latency` after its publish and `since_commit` after
+    /// its row was written.
+    pub(crate) fn record(
+        &mut self,
+        event_type: &str,
+        duplicate: bool,
+        latency: Duration,
+        since_commit: Duration,
+    ) {
+        if event_type != self.event_type {
+            self.flush();
+            event_type.clone_into(&mut self.event_type);
+        }
+        self.published += 1;
+        self.duplicates += u64::from(duplicate);
+        self.latency.record(latency);
+        self.since_commit.record(since_commit);
+    }
+
+    fn flush(&mut self) {
+        if self.published > 0 {
+            counter!(PUBLISHED, "event_type" => self.event_type.clone()).increment(self.published);
+        }
+        if self.duplicates > 0 {
+            counter!(DUPLICATES, "event_type" => self.event_type.clone())
+                .increment(self.duplicates);
+        }
+        self.published = 0;
+        self.duplicates = 0;
+    }
+}
+
+impl Drop for Published {
+    fn drop(&mut self) {
+        self.flush();
+    }
 }
 
 pub(crate) fn failed(kind: FailureKind) {

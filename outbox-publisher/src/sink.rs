@@ -417,7 +417,9 @@ impl JetStreamSink {
 
     fn headers(&self, message: &OutgoingMessage) -> HeaderMap {
         let mut headers = HeaderMap::new();
-        headers.insert("Nats-Msg-Id", message.id.to_string().as_str());
+        let mut id = Uuid::encode_buffer();
+        let id: &str = message.id.as_uuid().hyphenated().encode_lower(&mut id);
+        headers.insert("Nats-Msg-Id", id);
         if let Some(stream) = &self.expected_stream {
             headers.insert("Nats-Expected-Stream", stream.as_str());
         }

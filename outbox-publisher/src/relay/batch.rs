@@ -385,6 +385,7 @@ impl<S: Sink> Relay<S> {
         max_payload: usize,
     ) -> Vec<(ClaimedRow, Outcome)> {
         let mut out = Vec::with_capacity(chain.len());
+        let mut tally = metrics::Published::new();
         let mut pending: VecDeque<ClaimedRow> = chain.into();
         // Rows to publish one at a time before a batch is tried again.
         let mut singly = 0usize;
@@ -404,7 +405,10 @@ impl<S: Sink> Relay<S> {
                 let (mut messages, n) = self.batchable(&pending, max_payload);
                 if n >= MIN_BATCH {
                     messages.truncate(n);
-                    match self.publish_batch(&mut pending, messages, &mut out).await {
+                    match self
+                        .publish_batch(&mut pending, messages, &mut out, &mut tally)
+                        .await
+                    {
                         Ok(()) => continue,
                         Err(BatchStop::Refused) => singly = n,
                         Err(BatchStop::Fault) => break,
@@ -423,7 +427,7 @@ impl<S: Sink> Relay<S> {
                 Err(e) => Err(e),
             };
             match result {
-                Ok(ack) => out.push(published(row, &ack, started)),
+                Ok(ack) => out.push(published(row, &ack, started, &mut tally)),
                 Err(failure) => {
                     debug!(event_id = %row.id, subject = %message::for_log(&row.subject), error = %failure, "publish failed");
                     out.push((row, Outcome::Failed(failure)));
@@ -462,6 +466,7 @@ impl<S: Sink> Relay<S> {
         pending: &mut VecDeque<ClaimedRow>,
         messages: Vec<OutgoingMessage>,
         out: &mut Vec<(ClaimedRow, Outcome)>,
+        tally: &mut metrics::Published,
     ) -> Result<(), BatchStop> {
         let n = messages.len();
         let started = Instant::now();
@@ -469,7 +474,7 @@ impl<S: Sink> Relay<S> {
             Ok(acks) if acks.len() == n => {
                 for ack in acks {
                     if let Some(row) = pending.pop_front() {
-                        out.push(published(row, &ack, started));
+                        out.push(published(row, &ack, started, tally));
                     }
                 }
                 Ok(())
@@ -509,7 +514,12 @@ enum BatchStop {
 }
 
 /// A published row with its metrics recorded.
-fn published(row: ClaimedRow, ack: &PublishAck, started: Instant) -> (ClaimedRow, Outcome) {
+fn published(
+    row: ClaimedRow,
+    ack: &PublishAck,
+    started: Instant,
+    tally: &mut metrics::Published,
+) -> (ClaimedRow, Outcome) {
     let duplicate = ack.duplicate;
     let position = ack.position().map(|(stream, sequence)| Position {
         stream: stream.to_owned(),
@@ -519,7 +529,7 @@ fn published(row: ClaimedRow, ack: &PublishAck, started: Instant) -> (ClaimedRow
         .created_at
         .and_then(|t| (chrono::Utc::now() - t).to_std().ok())
         .unwrap_or_default();
-    metrics::published(&row.event_type, duplicate, started.elapsed(), since_commit);
+    tally.record(&row.event_type, duplicate, started.elapsed(), since_commit);
     (
         row,
         Outcome::Published {

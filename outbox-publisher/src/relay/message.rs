@@ -83,8 +83,8 @@ pub(crate) fn to_message(
         )));
     };
     outbox_pg::check_json_decodable(data).map_err(core)?;
-    let raw = RawValue::from_string(data.clone())
-        .map_err(|e| invalid(format!("data is not JSON: {e}")))?;
+    let raw: &RawValue =
+        serde_json::from_str(data).map_err(|e| invalid(format!("data is not JSON: {e}")))?;
     let seq =
         u64::try_from(row.seq).map_err(|_| invalid(format!("seq {} is negative", row.seq)))?;
     let id = EventId::from_uuid(row.id);

@@ -338,7 +338,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
                     }
                     Message::Insert { relation, values } if !r.skip => {
                         if let Some(Some(layout)) = r.relations.get(&relation)
-                            && let Inserted::Fresh(row) = layout.row(&values, self.max_payload)
+                            && let Inserted::Fresh(row) = layout.row(values, self.max_payload)
                             && row.seq > r.floor
                         {
                             self.hold(*row, r.xid);
