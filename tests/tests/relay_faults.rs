@@ -12,7 +12,8 @@
 //! - A broker that is down, or not started yet, never burns attempts, and a
 //!   relay started without a broker waits for one.
 //! - Four replicas drain a large backlog exactly once and in order per subject,
-//!   with one of them killed mid-drain.
+//!   with one of them killed mid-drain (two run on one thread, the default,
+//!   two with `--threads 2`).
 //!
 //! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
 //! before the tests run.
@@ -1017,7 +1018,9 @@ async fn four_replicas_drain_a_large_backlog_once_and_in_order_through_a_kill_9(
     .unwrap();
 
     let relays = Relays::new(&db, broker.url(), "DRAIN", "drain.>");
-    let mut replicas = relays.start("drain", 4, &[]).await;
+    // Two on the default single thread, two on a multi-threaded runtime.
+    let mut replicas = relays.start("drain", 2, &[]).await;
+    replicas.extend(relays.start("drain-mt", 2, &["--threads", "2"]).await);
     wait_until(
         "a fifth of the backlog published",
         Duration::from_secs(120),

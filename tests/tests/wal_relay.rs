@@ -16,6 +16,8 @@
 //!   once, no attempt burnt.
 //! - An idle outbox holds no WAL back: the slot follows the server's WAL.
 //! - `outboxctl wal status` shows the slot; `drop-slot` refuses it while read.
+//! - `--threads 2` (a multi-threaded runtime, beside the default single
+//!   thread): each event once, in order.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
@@ -367,6 +369,30 @@ async fn a_backlog_and_concurrent_writers_are_published_once_in_change_order() {
     let dropped = outboxctl(db.url(), &["wal", "drop-slot", &slot.0]);
     assert!(dropped.status.success(), "{}", dropped.stderr);
     assert!(slot_of(&db.pool).await.is_none());
+}
+
+/// The relay runs on one thread by default; `--threads N` runs it on N
+/// worker threads beside the main one, and keeps every promise there too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_several_threads_each_event_is_published_once_in_change_order() {
+    let db = TestDb::new().await.unwrap();
+    let nats = nats().unwrap();
+    let relays = Relays::new(&db, nats.url());
+    write_spread(&db.pool, "backlog", 10, 1, 10, 0).await;
+    let mut relay = relays.program("wal-threads").args(["--threads", "2"]);
+    relay.start().await.unwrap();
+    relays.wait_logged("wal-threads", "reading the WAL").await;
+    write_spread(&db.pool, "live", 200, 10, 10, 0).await;
+    let total = 10 * 10 + 200 * 10 * 10;
+    relays.wait_all(&db.pool, total, &["wal-threads"]).await;
+    assert_once_in_order(&read_stream(nats.url(), &relays.stream).await);
+    assert_positions(&db.pool).await;
+    assert_eq!(
+        relay.terminate().await,
+        Some(0),
+        "{}",
+        relays.tail("wal-threads")
+    );
 }
 
 /// `outboxctl` with `args`, against `url`.
