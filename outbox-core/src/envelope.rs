@@ -206,34 +206,14 @@ impl<T> Envelope<T> {
         subject: impl Into<String>,
         data: T,
     ) -> Result<Self> {
-        Self::build(EventId::new(), event_type, source, subject, Utc::now(), data)
-    }
-
-    /// An envelope of these attributes, the type, source and subject checked.
-    fn build(
-        id: EventId,
-        event_type: impl Into<String>,
-        source: impl Into<String>,
-        subject: impl Into<String>,
-        time: DateTime<Utc>,
-        data: T,
-    ) -> Result<Self> {
-        let event_type = EventType::new(event_type)?;
-        let source = source.into();
-        let subject = subject.into();
-        validate_attribute("source", &source)?;
-        validate_attribute("subject", &subject)?;
-        Ok(Self {
-            id,
+        Self::from_parts(
+            EventId::new(),
             event_type,
             source,
             subject,
-            time: time.trunc_subsecs(6),
+            Utc::now(),
             data,
-            traceparent: None,
-            tracestate: None,
-            sequence: None,
-        })
+        )
     }
 
     /// Sets when the state change happened (default: when the envelope was built).
@@ -404,9 +384,22 @@ impl<T> Envelope<T> {
         data: T,
     ) -> Result<Self> {
         validate_time(time)?;
-        // Not through `new`: no fresh id nor clock read for values replaced
-        // at once (the relay builds one envelope per row).
-        Self::build(id, event_type, source, subject, time, data)
+        let event_type = EventType::new(event_type)?;
+        let source = source.into();
+        let subject = subject.into();
+        validate_attribute("source", &source)?;
+        validate_attribute("subject", &subject)?;
+        Ok(Self {
+            id,
+            event_type,
+            source,
+            subject,
+            time: time.trunc_subsecs(6),
+            data,
+            traceparent: None,
+            tracestate: None,
+            sequence: None,
+        })
     }
 
     /// The structured-mode JSON of this envelope with `data` as given.
