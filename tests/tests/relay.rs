@@ -1023,3 +1023,87 @@ async fn a_batch_is_bounded_in_bytes_and_large_rows_still_drain_in_order() {
         assert!(n > prev, "{} out of order: {prev} then {n}", e.subject());
     }
 }
+
+/// The plan of the relay's mark statement (`queries/mark_published.sql`) for
+/// `n` of the unpublished rows, as a prepared statement sees it: custom
+/// (`plan_cache_mode = force_custom_plan`) or generic.
+async fn mark_plan(db: &TestDb, n: usize, mode: &str) -> String {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(db.url()).await.unwrap();
+    let ids: Vec<String> = sqlx::query_scalar(
+        "select id::text from outbox_events where published_at is null order by seq limit $1",
+    )
+    .bind(i64::try_from(n).unwrap())
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let mark = include_str!("../../outbox-publisher/queries/mark_published.sql");
+    let prepare = format!("prepare mark(uuid[], text[], bigint[]) as {mark}");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(prepare))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("set plan_cache_mode = {mode}")))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let streams = vec!["S"; ids.len()].join(",");
+    let seqs: Vec<String> = (1..=ids.len()).map(|i| i.to_string()).collect();
+    let explain = format!(
+        "explain (format json) execute mark('{{{}}}', '{{{streams}}}', '{{{}}}')",
+        ids.join(","),
+        seqs.join(",")
+    );
+    let plan: Value = sqlx::query_scalar(sqlx::AssertSqlSafe(explain))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    plan.to_string()
+}
+
+/// After a burst of writes the statistics have not seen (they were taken
+/// when every row was published), a mark still finds its rows through the
+/// primary key, one lookup per row: not by reading every unpublished row
+/// through the unpublished index for each mark (a cost that grows with the
+/// backlog), nor by hashing the ids against a scan of the table, nor by
+/// joining every id with every row found.
+#[tokio::test]
+async fn a_mark_finds_its_rows_by_id_whatever_the_statistics_say() {
+    let db = TestDb::new().await.unwrap();
+    let insert = |n: i64| {
+        sqlx::query(
+            "insert into outbox_events (id, event_type, source, subject, time, data)
+             select gen_random_uuid(), 'plan.checked', 'test', 'e-' || (g % 100), now(), '{}'
+               from generate_series(1, $1) g",
+        )
+        .bind(n)
+    };
+    insert(2_000).execute(&db.pool).await.unwrap();
+    sqlx::query("update outbox_events set published_at = now()")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("analyze outbox_events")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    insert(60_000).execute(&db.pool).await.unwrap();
+    for (n, mode) in [
+        (1_000, "force_custom_plan"),
+        (1_000, "force_generic_plan"),
+        (100, "force_custom_plan"),
+    ] {
+        let plan = mark_plan(&db, n, mode).await;
+        assert!(
+            !plan.contains("outbox_events_unpublished_idx")
+                && !plan.contains("Materialize")
+                && !plan.contains("Seq Scan")
+                && !plan.contains("Hash Join"),
+            "{n} rows, {mode}: {plan}"
+        );
+        assert!(
+            plan.contains("outbox_events_pkey"),
+            "{n} rows, {mode}: {plan}"
+        );
+    }
+}
