@@ -369,6 +369,8 @@ impl Store {
             &streams as &[Option<&str>],
             &seqs as &[Option<i64>],
         )
+        // Planned at each mark for the table as it is then (see the query).
+        .persistent(false)
         .execute(&self.pool)
         .await
         .map(|r| r.rows_affected())
