@@ -428,6 +428,27 @@ fn every_binary_s_help_starts_with_what_it_does() {
     }
 }
 
+/// `outbox-relay --threads` (and `OUTBOX_THREADS`) outside 1–1024 is refused
+/// before the relay connects to anything, naming the flag.
+#[test]
+fn a_thread_count_of_zero_is_refused_naming_the_flag() {
+    let by_flag = std::process::Command::new(support::bin_dir().join("outbox-relay"))
+        .args(["--threads", "0"])
+        .env_clear()
+        .output()
+        .unwrap();
+    let by_env = std::process::Command::new(support::bin_dir().join("outbox-relay"))
+        .env_clear()
+        .env("OUTBOX_THREADS", "0")
+        .output()
+        .unwrap();
+    for out in [by_flag, by_env] {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains("--threads"), "{stderr}");
+    }
+}
+
 /// A binary that refuses to run says why in one plain line: its message and
 /// causes, durations as an operator writes them, not Rust's `Debug` of the
 /// error (`Error: "…1209600s…"`).

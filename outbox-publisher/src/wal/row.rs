@@ -168,7 +168,9 @@ fn timestamp(s: &str) -> Option<DateTime<Utc>> {
 }
 
 /// `YYYY-MM-DD hh:mm:ss[.ffffff]` at UTC read as RFC 3339 (`T` for the
-/// space, `Z` after), in a buffer on the stack: one per row, no allocation.
+/// space, `Z` after), in a buffer on the stack: one per row, no allocation
+/// (the longest such text, with microseconds, is 26 bytes; a longer one is
+/// left to the general parser).
 fn rfc3339_at_utc(utc: &str) -> Option<DateTime<Utc>> {
     let mut buf = [0u8; 48];
     let bytes = utc.as_bytes();
