@@ -15,19 +15,24 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use sqlx::PgPool;
-use tower::{Service, ServiceBuilder};
+use tower::{Layer, Service, ServiceBuilder};
 
 use crate::dedupe::{DedupeLayer, Timeouts};
 use crate::delivery::{Delivery, InTx, Outcome};
 use crate::error::{BoxError, Error, ErrorKind, Result};
 use crate::handler::{BatchHandler, Handler};
 use crate::metrics::MetricsLayer;
-use crate::router::Router;
+use crate::router::{GroupRoute, Router, TxRoute};
 use crate::runtime::{Consumer, ConsumerConfig};
 use crate::trace::TraceLayer;
 
 /// The router the builder fills: handlers inside the inbox transaction.
 type TxRouter = Router<InTx<Delivery>, InTx<Outcome>>;
+
+/// The layers added with [`ConsumerBuilder::layer`] and
+/// [`ConsumerBuilder::batch_layer`], applied to the router at
+/// [`run`](ConsumerBuilder::run) in the order they were added.
+type Layers = Vec<Box<dyn FnOnce(TxRouter) -> TxRouter + Send>>;
 
 /// The longest pause between two looks for a stream that is not there yet.
 const MAX_STREAM_PAUSE: Duration = Duration::from_secs(2);
@@ -88,6 +93,7 @@ pub struct ConsumerBuilder {
     whole_stream: bool,
     batched: bool,
     stream_patience: Option<Duration>,
+    layers: Layers,
 }
 
 impl fmt::Debug for ConsumerBuilder {
@@ -99,6 +105,7 @@ impl fmt::Debug for ConsumerBuilder {
             .field("whole_stream", &self.whole_stream)
             .field("batched", &self.batched)
             .field("stream_patience", &self.stream_patience)
+            .field("layers", &self.layers.len())
             .finish_non_exhaustive()
     }
 }
@@ -124,6 +131,7 @@ impl Consumer {
             whole_stream: false,
             batched: true,
             stream_patience: None,
+            layers: Vec::new(),
         }
     }
 }
@@ -181,6 +189,83 @@ impl ConsumerBuilder {
         S::Future: Send + 'static,
     {
         self.router = self.router.route(event_type, service);
+        self
+    }
+
+    /// Wraps each handler in `layer`, inside the inbox transaction: between
+    /// the standard stack ([`Trace`](crate::Trace) → [`Metrics`](crate::Metrics)
+    /// → [`Dedupe`](crate::Dedupe)) and the handler, for every event type
+    /// routed, whenever it was routed. Each call wraps what the earlier ones
+    /// built, so the last layer added is the outermost
+    /// ([`Router::layer`], as axum's `Router::layer`).
+    ///
+    /// A failure the layer returns fails the delivery as a handler's would:
+    /// the transaction rolls back, the inbox row with it, and the delivery is
+    /// retried with backoff, then dead-lettered once its budget is spent.
+    ///
+    /// Event types routed to a [`BatchHandler`] then get their events one at
+    /// a time in a batch; [`batch_layer`](Self::batch_layer) keeps their
+    /// groups.
+    ///
+    /// ```no_run
+    /// # use inbox_consumer::prelude::*;
+    /// # use serde::{Deserialize, Serialize};
+    /// # #[derive(Serialize, Deserialize, JsonSchema)]
+    /// # struct InvoicePaid { invoice_id: String }
+    /// # impl Event for InvoicePaid { const TYPE: &'static str = "invoice.paid"; }
+    /// # #[derive(Clone)]
+    /// # struct MarkPaid;
+    /// # impl Handler for MarkPaid {
+    /// #     type Message = InvoicePaid;
+    /// #     async fn handle(&self, _: Envelope<InvoicePaid>, _: &mut sqlx::PgTransaction<'static>) -> Result<(), HandlerError> { Ok(()) }
+    /// # }
+    /// # #[tokio::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let pool = sqlx::PgPool::connect("postgres://localhost/ledger").await?;
+    /// # let nats = async_nats::connect("nats://localhost:4222").await?;
+    /// use std::time::Duration;
+    /// use tower::timeout::TimeoutLayer;
+    ///
+    /// Consumer::builder(nats, pool, "INVOICES", "ledger")
+    ///     .handler(MarkPaid)
+    ///     // A handler that takes over 10 s fails its delivery: rolled back, retried.
+    ///     .layer(TimeoutLayer::new(Duration::from_secs(10)))
+    ///     .run(inbox_consumer::shutdown_signal())
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn layer<L>(mut self, layer: L) -> Self
+    where
+        L: Layer<TxRoute> + Send + 'static,
+        L::Service:
+            Service<InTx<Delivery>, Response = InTx<Outcome>> + Clone + Send + Sync + 'static,
+        <L::Service as Service<InTx<Delivery>>>::Error: Into<BoxError>,
+        <L::Service as Service<InTx<Delivery>>>::Future: Send + 'static,
+    {
+        self.layers
+            .push(Box::new(move |router| router.layer(layer)));
+        self
+    }
+
+    /// [`layer`](Self::layer) for a layer that also wraps a
+    /// [`BatchHandler`]'s group call (`InTx<Vec<Delivery>>`), so batches keep
+    /// handing it its events together ([`Router::batch_layer`]). tower's
+    /// `TimeoutLayer` and `ConcurrencyLimitLayer` serve both; a timeout then
+    /// bounds the whole group's call.
+    pub fn batch_layer<L>(mut self, layer: L) -> Self
+    where
+        L: Layer<TxRoute> + Layer<GroupRoute> + Send + 'static,
+        <L as Layer<TxRoute>>::Service:
+            Service<InTx<Delivery>, Response = InTx<Outcome>> + Clone + Send + Sync + 'static,
+        <<L as Layer<TxRoute>>::Service as Service<InTx<Delivery>>>::Error: Into<BoxError>,
+        <<L as Layer<TxRoute>>::Service as Service<InTx<Delivery>>>::Future: Send + 'static,
+        <L as Layer<GroupRoute>>::Service:
+            Service<InTx<Vec<Delivery>>, Response = InTx<()>> + Clone + Send + Sync + 'static,
+        <<L as Layer<GroupRoute>>::Service as Service<InTx<Vec<Delivery>>>>::Error: Into<BoxError>,
+        <<L as Layer<GroupRoute>>::Service as Service<InTx<Vec<Delivery>>>>::Future: Send + 'static,
+    {
+        self.layers
+            .push(Box::new(move |router| router.batch_layer(layer)));
         self
     }
 
@@ -276,11 +361,15 @@ impl ConsumerBuilder {
             () = shutdown.as_mut() => return Ok(()),
             consumer = Consumer::new_when_ready(self.js, self.pool.clone(), config, self.stream_patience) => consumer?,
         };
+        let router = self
+            .layers
+            .into_iter()
+            .fold(self.router, |router, layer| layer(router));
         let stack = ServiceBuilder::new()
             .layer(TraceLayer::new())
             .layer(MetricsLayer::new())
             .layer(DedupeLayer::new(self.pool).timeouts(self.timeouts))
-            .service(self.router);
+            .service(router);
         if self.batched {
             consumer.run_batched(stack, shutdown).await
         } else {

@@ -132,6 +132,12 @@
 //! are `Service<Delivery>`; those inside are `Service<InTx<Delivery>>` and hand
 //! the transaction back.
 //!
+//! With the [builder](Consumer::builder), a layer of your own goes in with
+//! [`ConsumerBuilder::layer`]: it wraps each handler inside the transaction
+//! (`Service<InTx<Delivery>>`), whichever types are routed, with no stack to
+//! rebuild. [`ConsumerBuilder::batch_layer`] takes a layer that also wraps a
+//! [`BatchHandler`]'s group call, so its batches stay whole.
+//!
 //! # Features
 //!
 //! - `connect` (off): `inbox_consumer::connect`, re-exported from
@@ -187,7 +193,7 @@ pub use outbox_pg::shutdown_signal;
 pub use poison::{Poison, Reason};
 pub use retention::Retention;
 pub use retry::RetryPolicy;
-pub use router::{Routable, Router};
+pub use router::{GroupRoute, Routable, Route, Router, TxRoute};
 pub use runtime::{Consumer, ConsumerConfig, Start, Unrouted};
 pub use service::{BatchHandlerService, HandlerService, typed};
 pub use trace::{Trace, TraceLayer};

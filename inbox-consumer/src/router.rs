@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use tower::util::BoxCloneSyncService;
-use tower::{Service, ServiceExt};
+use tower::{Layer, Service, ServiceExt};
 
 use outbox_pg::Event;
 
@@ -35,10 +35,27 @@ impl Routable for InTx<Delivery> {
     }
 }
 
-type Route<Req, Resp> = BoxCloneSyncService<Req, Resp, BoxError>;
+/// A route: the service one event type's requests go to.
+pub type Route<Req, Resp> = BoxCloneSyncService<Req, Resp, BoxError>;
 
-/// A route for a whole group of one event type, in the batch's transaction.
-pub(crate) type GroupRoute = BoxCloneSyncService<InTx<Vec<Delivery>>, InTx<()>, BoxError>;
+/// A route inside the inbox transaction, as [`ConsumerBuilder`](crate::ConsumerBuilder)
+/// builds them: what [`Router::layer`] wraps there.
+pub type TxRoute = Route<InTx<Delivery>, InTx<Outcome>>;
+
+/// Boxes `service` as a route, its error boxed.
+fn boxed<Req, S>(service: S) -> BoxCloneSyncService<Req, S::Response, BoxError>
+where
+    Req: 'static,
+    S: Service<Req> + Clone + Send + Sync + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+{
+    BoxCloneSyncService::new(service.map_err(Into::into))
+}
+
+/// A route for a whole group of one event type, in the batch's transaction:
+/// what [`Router::batch_layer`] wraps beside each [`TxRoute`].
+pub type GroupRoute = BoxCloneSyncService<InTx<Vec<Delivery>>, InTx<()>, BoxError>;
 
 /// The group routes of a router, by event type.
 pub(crate) type Groups = Arc<HashMap<String, GroupRoute>>;
@@ -115,7 +132,7 @@ where
         S::Error: Into<BoxError>,
         S::Future: Send + 'static,
     {
-        let service = BoxCloneSyncService::new(service.map_err(Into::into));
+        let service = boxed(service);
         let event_type = event_type.into();
         // Copy-on-write: a clone of the router keeps its own routes.
         if self.groups.contains_key(&event_type) {
@@ -136,6 +153,57 @@ where
         S::Future: Send + 'static,
     {
         self.route(E::TYPE, service)
+    }
+
+    /// Wraps every route in `layer`: each delivery passes through it on its
+    /// way to its event type's service, as with
+    /// [`axum::Router::layer`](https://docs.rs/axum/latest/axum/struct.Router.html#method.layer).
+    /// Routes added afterwards are not wrapped.
+    ///
+    /// A type routed to a [`BatchHandler`] loses its group route here (a
+    /// layer written for one delivery cannot wrap a group): in a batch, its
+    /// events then reach the handler one at a time, each a group of one. To
+    /// keep the groups, use [`batch_layer`](Router::batch_layer) with a layer
+    /// that serves both requests (tower's `TimeoutLayer`,
+    /// `ConcurrencyLimitLayer` and the like do).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use inbox_consumer::prelude::*;
+    /// # use serde::{Deserialize, Serialize};
+    /// # #[derive(Serialize, Deserialize, JsonSchema)]
+    /// # struct InvoicePaid { invoice_id: String }
+    /// # impl Event for InvoicePaid { const TYPE: &'static str = "invoice.paid"; }
+    /// # #[derive(Clone)]
+    /// # struct MarkPaid;
+    /// # impl Handler for MarkPaid {
+    /// #     type Message = InvoicePaid;
+    /// #     async fn handle(&self, _: Envelope<InvoicePaid>, _: &mut sqlx::PgTransaction<'static>) -> Result<(), HandlerError> { Ok(()) }
+    /// # }
+    /// // Each handler gets at most 10 s; a slower one fails its delivery
+    /// // (rolled back, retried with backoff).
+    /// let router = Router::new()
+    ///     .handler(MarkPaid)
+    ///     .layer(tower::timeout::TimeoutLayer::new(Duration::from_secs(10)));
+    /// assert_eq!(router.event_types(), ["invoice.paid"]);
+    /// ```
+    #[must_use]
+    pub fn layer<L>(self, layer: L) -> Self
+    where
+        L: Layer<Route<Req, Resp>>,
+        L::Service: Service<Req, Response = Resp> + Clone + Send + Sync + 'static,
+        <L::Service as Service<Req>>::Error: Into<BoxError>,
+        <L::Service as Service<Req>>::Future: Send + 'static,
+    {
+        let routes = self
+            .routes
+            .iter()
+            .map(|(event_type, route)| (event_type.clone(), boxed(layer.layer(route.clone()))))
+            .collect();
+        Self {
+            routes: Arc::new(routes),
+            groups: Arc::new(HashMap::new()),
+        }
     }
 
     /// The routed event types, sorted: the filter subjects a consumer needs.
@@ -218,13 +286,68 @@ impl Router<InTx<Delivery>, InTx<Outcome>> {
             event_type.clone(),
             BatchHandlerService::new(handler.clone()),
         );
-        let group: GroupRoute =
-            BoxCloneSyncService::new(ServiceExt::<InTx<Vec<Delivery>>>::map_err(
-                BatchHandlerService::new(handler),
-                Into::<BoxError>::into,
-            ));
+        let group: GroupRoute = boxed(BatchHandlerService::new(handler));
         Arc::make_mut(&mut router.groups).insert(event_type, group);
         router
+    }
+
+    /// Wraps every route in `layer`, and every [`BatchHandler`]'s group call
+    /// too, so a batch keeps handing such a handler its events together
+    /// (see [`layer`](Router::layer), which drops the groups). `layer` serves
+    /// both a delivery (`InTx<Delivery>`) and a group
+    /// (`InTx<Vec<Delivery>>`): tower's `TimeoutLayer`,
+    /// `ConcurrencyLimitLayer` and other request-agnostic layers do.
+    ///
+    /// ```
+    /// use inbox_consumer::prelude::*;
+    /// # use serde::{Deserialize, Serialize};
+    /// # #[derive(Serialize, Deserialize, JsonSchema)]
+    /// # struct InvoicePaid { invoice_id: String }
+    /// # impl Event for InvoicePaid { const TYPE: &'static str = "invoice.paid"; }
+    /// # #[derive(Clone)]
+    /// # struct MarkPaid;
+    /// # impl BatchHandler for MarkPaid {
+    /// #     type Message = InvoicePaid;
+    /// #     async fn handle_batch(&self, _: Vec<Envelope<InvoicePaid>>, _: &mut sqlx::PgTransaction<'static>) -> Result<(), HandlerError> { Ok(()) }
+    /// # }
+    /// let router = Router::new()
+    ///     .batch_handler(MarkPaid)
+    ///     .batch_layer(tower::limit::ConcurrencyLimitLayer::new(4));
+    /// assert_eq!(router.event_types(), ["invoice.paid"]);
+    /// ```
+    #[must_use]
+    pub fn batch_layer<L>(self, layer: L) -> Self
+    where
+        L: Layer<TxRoute> + Layer<GroupRoute>,
+        <L as Layer<TxRoute>>::Service:
+            Service<InTx<Delivery>, Response = InTx<Outcome>> + Clone + Send + Sync + 'static,
+        <<L as Layer<TxRoute>>::Service as Service<InTx<Delivery>>>::Error: Into<BoxError>,
+        <<L as Layer<TxRoute>>::Service as Service<InTx<Delivery>>>::Future: Send + 'static,
+        <L as Layer<GroupRoute>>::Service:
+            Service<InTx<Vec<Delivery>>, Response = InTx<()>> + Clone + Send + Sync + 'static,
+        <<L as Layer<GroupRoute>>::Service as Service<InTx<Vec<Delivery>>>>::Error: Into<BoxError>,
+        <<L as Layer<GroupRoute>>::Service as Service<InTx<Vec<Delivery>>>>::Future: Send + 'static,
+    {
+        let routes = self
+            .routes
+            .iter()
+            .map(|(event_type, route)| {
+                let route = Layer::<TxRoute>::layer(&layer, route.clone());
+                (event_type.clone(), boxed(route))
+            })
+            .collect();
+        let groups = self
+            .groups
+            .iter()
+            .map(|(event_type, group)| {
+                let group = Layer::<GroupRoute>::layer(&layer, group.clone());
+                (event_type.clone(), boxed(group))
+            })
+            .collect();
+        Self {
+            routes: Arc::new(routes),
+            groups: Arc::new(groups),
+        }
     }
 
     /// The group routes, by event type.
@@ -332,6 +455,23 @@ mod tests {
         assert!(replaced.groups().contains_key("a.two"));
         // The clone it came from keeps its own.
         assert!(router.groups().contains_key("a.one"));
+    }
+
+    #[test]
+    fn layer_wraps_the_routes_and_drops_the_groups_batch_layer_keeps_them() {
+        let router: Router<InTx<Delivery>, InTx<Outcome>> = Router::new()
+            .route_batch_handler("a.one", Group)
+            .route("a.two", HandlerService::new(Plain));
+        let timeout = tower::timeout::TimeoutLayer::new(std::time::Duration::from_secs(1));
+
+        let each = router.clone().layer(timeout.clone());
+        assert_eq!(each.event_types(), ["a.one", "a.two"]);
+        assert!(each.groups().is_empty(), "a group would pass the layer by");
+
+        let batched = router.batch_layer(timeout);
+        assert_eq!(batched.event_types(), ["a.one", "a.two"]);
+        let groups: Vec<String> = batched.groups().keys().cloned().collect();
+        assert_eq!(groups, ["a.one"]);
     }
 
     #[derive(Clone)]

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream;
+use inbox_consumer::InTx;
 use inbox_consumer::prelude::*;
 use outbox_pg::SchemaRegistry;
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
@@ -306,21 +307,221 @@ async fn a_builder_without_a_handler_or_a_stream_fails_clearly() {
 
 #[tokio::test]
 async fn a_batched_builder_handles_each_event_once_through_duplicates() {
-    batched_builder("BUILDER_BATCHED", None).await;
+    batched_builder("BUILDER_BATCHED", None, |b| b).await;
 }
 
 /// The same through a [`BatchHandler`]: groups of more than one event.
 #[tokio::test]
 async fn a_batched_builder_hands_a_batch_handler_groups_each_event_once() {
     let handler = OpenAll::default();
-    batched_builder("BUILDER_GROUPED", Some(handler.clone())).await;
+    batched_builder("BUILDER_GROUPED", Some(handler.clone()), |b| b).await;
     let largest = handler.largest.load(std::sync::atomic::Ordering::SeqCst);
     assert!(largest > 1, "largest group {largest}");
 }
 
+/// A layer added through the builder wraps the batch handler's group call
+/// with `batch_layer`, so groups stay groups; with `layer` (one delivery at a
+/// time) the handler gets groups of one. Every account is opened once either way,
+/// and the layer saw every call.
+#[tokio::test]
+async fn layers_added_through_the_builder_wrap_each_call_and_batch_layer_keeps_groups() {
+    let handler = OpenAll::default();
+    let calls = Calls::default();
+    let layer = calls.clone();
+    batched_builder("BUILDER_LAYERED_GROUPS", Some(handler.clone()), move |b| {
+        b.batch_layer(tower::limit::ConcurrencyLimitLayer::new(1))
+            .batch_layer(layer)
+    })
+    .await;
+    let largest = handler.largest.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(largest > 1, "largest group {largest}");
+    assert!(calls.groups() > 0, "the layer never saw a group");
+
+    let handler = OpenAll::default();
+    let calls = Calls::default();
+    let layer = calls.clone();
+    batched_builder("BUILDER_LAYERED_EACH", Some(handler.clone()), move |b| {
+        b.layer(layer)
+    })
+    .await;
+    let largest = handler.largest.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(largest, 1, "a per-delivery layer was passed by a group");
+    assert_eq!(calls.deliveries(), 50, "one call per fresh delivery");
+    assert_eq!(calls.groups(), 0);
+}
+
+/// A tower `TimeoutLayer` through the builder: a handler slower than it
+/// fails its delivery, whose transaction rolls back (its insert with it), and
+/// the retry opens the account once.
+#[tokio::test]
+async fn a_timeout_layer_through_the_builder_fails_a_slow_handler_and_the_retry_applies_it_once() {
+    let db = database().await;
+    let nats = outbox_testkit::nats().unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    let stream = "BUILDER_TIMEOUT";
+    js.create_stream(jetstream::stream::Config {
+        name: stream.into(),
+        subjects: vec!["acct.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    for i in 0..5 {
+        let data = AccountOpened {
+            account_id: format!("t{i}"),
+            credit_cents: i,
+        };
+        let event = Envelope::event("accounts", format!("t{i}"), data).unwrap();
+        js.publish("acct.opened", event.to_json().unwrap().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let handler = SlowOnce::default();
+    let stop = CancellationToken::new();
+    let consumer = tokio::spawn(
+        Consumer::builder(js.clone(), db.pool.clone(), stream, "timed")
+            .handler(handler.clone())
+            .layer(tower::timeout::TimeoutLayer::new(Duration::from_millis(
+                300,
+            )))
+            .configure(|c| {
+                c.retry(inbox_consumer::RetryPolicy::default().base(Duration::from_millis(50)))
+            })
+            .run(stop.clone().cancelled_owned()),
+    );
+    wait_until("five accounts opened", WAIT, || async {
+        count(&db, "select count(*) from accounts").await == 5
+            && count(&db, "select count(*) from inbox_events").await == 5
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        handler.calls.load(std::sync::atomic::Ordering::SeqCst),
+        6,
+        "five events, one of them twice (timed out, retried)"
+    );
+    assert_eq!(
+        count(&db, "select count(*) from inbox_dead_letters").await,
+        0
+    );
+    stop.cancel();
+    consumer.await.unwrap().unwrap();
+}
+
+/// [`Open`], but the first call inserts and then outlasts any timeout.
+#[derive(Clone, Default)]
+struct SlowOnce {
+    calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Handler for SlowOnce {
+    type Message = AccountOpened;
+
+    async fn handle(
+        &self,
+        event: Envelope<AccountOpened>,
+        tx: &mut PgTransaction<'static>,
+    ) -> Result<(), HandlerError> {
+        let first = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+        Open.handle(event, tx).await?;
+        if first {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        }
+        Ok(())
+    }
+}
+
+/// A layer counting the calls it wraps: deliveries and groups.
+#[derive(Clone, Default)]
+struct Calls {
+    deliveries: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    groups: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Calls {
+    fn deliveries(&self) -> usize {
+        self.deliveries.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn groups(&self) -> usize {
+        self.groups.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl<S> tower::Layer<S> for Calls {
+    type Service = Counted<S>;
+
+    fn layer(&self, inner: S) -> Counted<S> {
+        Counted {
+            inner,
+            calls: self.clone(),
+        }
+    }
+}
+
+/// A service [`Calls`] counts.
+#[derive(Clone)]
+struct Counted<S> {
+    inner: S,
+    calls: Calls,
+}
+
+impl<S> tower::Service<InTx<Delivery>> for Counted<S>
+where
+    S: tower::Service<InTx<Delivery>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: InTx<Delivery>) -> S::Future {
+        self.calls
+            .deliveries
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.call(request)
+    }
+}
+
+impl<S> tower::Service<InTx<Vec<Delivery>>> for Counted<S>
+where
+    S: tower::Service<InTx<Vec<Delivery>>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: InTx<Vec<Delivery>>) -> S::Future {
+        self.calls
+            .groups
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.call(request)
+    }
+}
+
 /// 50 events and 10 copies consumed by a batched builder, with [`Open`] or
-/// with `grouped`: every account opened once.
-async fn batched_builder(stream: &str, grouped: Option<OpenAll>) {
+/// with `grouped`, after `configure`: every account opened once.
+async fn batched_builder(
+    stream: &str,
+    grouped: Option<OpenAll>,
+    configure: impl FnOnce(ConsumerBuilder) -> ConsumerBuilder,
+) {
     let db = database().await;
     let nats = outbox_testkit::nats().unwrap();
     let client = async_nats::connect(nats.url()).await.unwrap();
@@ -359,7 +560,11 @@ async fn batched_builder(stream: &str, grouped: Option<OpenAll>) {
         Some(handler) => builder.batch_handler(handler),
         None => builder.handler(Open),
     };
-    let consumer = tokio::spawn(builder.batched(16).run(stop.clone().cancelled_owned()));
+    let consumer = tokio::spawn(
+        configure(builder)
+            .batched(16)
+            .run(stop.clone().cancelled_owned()),
+    );
     let mut durable: jetstream::consumer::PullConsumer = loop {
         if let Ok(c) = js
             .get_stream(stream)
