@@ -145,9 +145,11 @@ impl DeadLetter<'_> {
                 bytes::Bytes::copy_from_slice(self.payload),
             )
             .await
-            .map_err(|e| Error::nats("publishing a dead letter", e))?
+            .map_err(|e| Error::caused(ErrorKind::Nats, "publishing a dead letter", e))?
             .await
-            .map_err(|e| Error::nats("awaiting the dead letter's publish ack", e))
+            .map_err(|e| {
+                Error::caused(ErrorKind::Nats, "awaiting the dead letter's publish ack", e)
+            })
         };
         match tokio::time::timeout(timeout, publish).await {
             Ok(result) => result.map(drop),

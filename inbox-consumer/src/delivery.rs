@@ -60,9 +60,9 @@ impl DeliveryInfo {
     /// # Errors
     /// [`ErrorKind::Nats`] if the message did not come from a JetStream consumer.
     pub fn from_message(message: &jetstream::Message) -> Result<Self, Error> {
-        let info = message
-            .info()
-            .map_err(|e| Error::nats("message carries no JetStream metadata", e))?;
+        let info = message.info().map_err(|e| {
+            Error::caused(ErrorKind::Nats, "message carries no JetStream metadata", e)
+        })?;
         Ok(Self {
             consumer: info.consumer.to_owned(),
             stream: info.stream.to_owned(),

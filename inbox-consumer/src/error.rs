@@ -1,11 +1,12 @@
-//! The crate's one error type, and [`HandlerError`], a handler's failure with
-//! its acknowledgement decision.
+//! The crate's error ([`outbox_pg::error::Error`] with this crate's
+//! [`ErrorKind`]), and [`HandlerError`], a handler's failure with its
+//! acknowledgement decision.
 
 use std::fmt;
 use std::time::Duration;
 
 /// A boxed error: what tower layers return when they add a failure of their own.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+pub use outbox_pg::BoxError;
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -60,93 +61,39 @@ impl fmt::Display for ErrorKind {
     }
 }
 
-/// The error of every fallible call in this crate.
+/// The error of every fallible call in this crate:
+/// [`outbox_pg::error::Error`] with this crate's [`ErrorKind`].
 ///
-/// Match on [`Error::kind`]; the underlying cause, where there is one, is the
-/// [`source`](std::error::Error::source).
-#[derive(Debug)]
-pub struct Error {
-    inner: Box<Inner>,
-}
+/// Match on [`kind`](outbox_pg::error::Error::kind); the underlying cause,
+/// where there is one, is the [`source`](std::error::Error::source).
+pub type Error = outbox_pg::error::Error<ErrorKind>;
 
-#[derive(Debug)]
-struct Inner {
-    kind: ErrorKind,
-    message: String,
-    source: Option<BoxError>,
-}
-
-impl Error {
-    pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Self {
-            inner: Box::new(Inner {
-                kind,
-                message: message.into(),
-                source: None,
-            }),
-        }
-    }
-
-    pub(crate) fn with_source(mut self, source: impl Into<BoxError>) -> Self {
-        self.inner.source = Some(source.into());
-        self
-    }
-
-    /// A database error; `42501` (insufficient privilege) is
-    /// [`ErrorKind::Privilege`], with the grant that fixes it.
-    pub(crate) fn database(context: &str, source: sqlx::Error) -> Self {
-        if outbox_pg::is_insufficient_privilege(&source) {
-            return Self::new(
-                ErrorKind::Privilege,
-                format!(
-                    "{context}: {source} (the consumer's role needs the privileges of \
-                     outbox_consumer, ops/sql/roles.sql)"
+impl outbox_pg::error::Kind for ErrorKind {
+    /// `42501` (insufficient privilege) is [`ErrorKind::Privilege`], with the
+    /// grant that fixes it.
+    fn database(insufficient_privilege: bool) -> (Self, Option<&'static str>) {
+        if insufficient_privilege {
+            (
+                Self::Privilege,
+                Some(
+                    "the consumer's role needs the privileges of outbox_consumer, \
+                     ops/sql/roles.sql",
                 ),
             )
-            .with_source(source);
+        } else {
+            (Self::Database, None)
         }
-        Self::new(ErrorKind::Database, format!("{context}: {source}")).with_source(source)
     }
 
-    pub(crate) fn nats(context: &str, source: impl Into<BoxError>) -> Self {
-        let source = source.into();
-        Self::new(ErrorKind::Nats, format!("{context}: {source}")).with_source(source)
-    }
-
-    /// What kind of error this is.
-    pub fn kind(&self) -> ErrorKind {
-        self.inner.kind
-    }
-
-    /// Whether retrying may succeed: a NATS error, or a database failure
-    /// that is not the call's own (a serialization failure or deadlock, a
-    /// lost connection, a server shutting down:
-    /// [`outbox_pg::failure::is_transient`]).
-    pub fn is_transient(&self) -> bool {
-        match self.inner.kind {
-            ErrorKind::Nats | ErrorKind::StreamUnavailable => true,
-            ErrorKind::Database => self
-                .inner
-                .source
-                .as_deref()
-                .is_some_and(|source| outbox_pg::failure::is_transient(source)),
+    /// A NATS error, or a database failure that is not the call's own (a
+    /// serialization failure or deadlock, a lost connection, a server
+    /// shutting down: [`outbox_pg::failure::is_transient`]).
+    fn is_transient(self, source: Option<&(dyn std::error::Error + 'static)>) -> bool {
+        match self {
+            Self::Nats | Self::StreamUnavailable => true,
+            Self::Database => source.is_some_and(outbox_pg::failure::is_transient),
             _ => false,
         }
-    }
-}
-
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.inner.message)
-    }
-}
-
-impl std::error::Error for Error {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.inner
-            .source
-            .as_deref()
-            .map(|e| e as &(dyn std::error::Error + 'static))
     }
 }
 
@@ -289,6 +236,19 @@ mod tests {
                 after: Some(Duration::from_millis(5))
             }
         );
+    }
+
+    #[test]
+    fn the_kind_says_which_errors_a_retry_may_cure() {
+        assert!(Error::new(ErrorKind::Nats, "down").is_transient());
+        assert!(Error::new(ErrorKind::StreamUnavailable, "missing").is_transient());
+        assert!(!Error::new(ErrorKind::Config, "bad").is_transient());
+        assert!(!Error::new(ErrorKind::Decode, "bad").is_transient());
+        assert!(Error::database("inserting", sqlx::Error::PoolTimedOut).is_transient());
+        assert!(!Error::database("inserting", sqlx::Error::RowNotFound).is_transient());
+        let e = Error::caused(ErrorKind::Nats, "acking", "connection closed");
+        assert_eq!(e.to_string(), "acking: connection closed");
+        assert!(std::error::Error::source(&e).is_some());
     }
 
     #[test]

@@ -1,4 +1,21 @@
-//! The crate's one error type.
+//! The error type of the outbox crates: one [`Error`], generic over the kind
+//! each crate matches on, as async-nats' `Error<Kind>`.
+//!
+//! This crate's errors are `Error<ErrorKind>` (plain [`Error`]); the relay's
+//! are `outbox_publisher::Error`, an alias of `Error<outbox_publisher::ErrorKind>`,
+//! and the consumer's `inbox_consumer::Error` likewise. All of them have a
+//! [`kind`](Error::kind) to match on, a one-line message and the cause as
+//! [`source`](std::error::Error::source), and say whether a retry may succeed
+//! ([`is_transient`](Error::is_transient)) through one classifier,
+//! [`failure`](crate::failure).
+//!
+//! ```
+//! use outbox_pg::{Envelope, ErrorKind};
+//!
+//! let err = Envelope::new("Not A Type", "billing", "sub-1", serde_json::json!({})).unwrap_err();
+//! assert_eq!(err.kind(), ErrorKind::InvalidEnvelope);
+//! assert!(!err.is_transient());
+//! ```
 
 use std::fmt;
 
@@ -87,26 +104,61 @@ impl fmt::Display for Violation {
     }
 }
 
-/// The error of every fallible call in this crate.
+/// What a crate's error kind says about its errors: which kind a failed
+/// statement is, and which kinds a retry may cure. Implemented by each crate's
+/// `ErrorKind`.
+pub trait Kind: Copy + fmt::Debug + fmt::Display + PartialEq + Send + Sync + 'static {
+    /// The kind of a failed database statement, and the words added to its
+    /// message. `insufficient_privilege` is SQLSTATE `42501`: a crate that
+    /// checks its role's grants returns its privilege kind and the group role
+    /// that grants them.
+    fn database(insufficient_privilege: bool) -> (Self, Option<&'static str>);
+
+    /// Whether an error of this kind, caused by `source`, may succeed if the
+    /// same call is made again. A database failure is transient as
+    /// [`failure::is_transient`](crate::failure::is_transient) says.
+    fn is_transient(self, source: Option<&(dyn std::error::Error + 'static)>) -> bool;
+}
+
+/// A kind that this crate's errors convert into (`?` from a call of
+/// `outbox_pg` in another crate).
+pub trait FromCore: Kind {
+    /// The kind an `outbox_pg` error of `kind` becomes.
+    fn from_core(kind: ErrorKind) -> Self;
+}
+
+impl Kind for ErrorKind {
+    fn database(_insufficient_privilege: bool) -> (Self, Option<&'static str>) {
+        (Self::Database, None)
+    }
+
+    fn is_transient(self, source: Option<&(dyn std::error::Error + 'static)>) -> bool {
+        source.is_some_and(crate::failure::is_transient)
+    }
+}
+
+/// An error of the outbox crates: a kind `K` to match on, a message, and the
+/// underlying cause. This crate's is `Error<ErrorKind>`, written [`Error`].
 ///
 /// Match on [`Error::kind`]; the underlying cause, where there is one, is the
 /// [`source`](std::error::Error::source).
 #[derive(Debug)]
-pub struct Error {
-    inner: Box<Inner>,
+pub struct Error<K = ErrorKind> {
+    inner: Box<Inner<K>>,
 }
 
 #[derive(Debug)]
-struct Inner {
-    kind: ErrorKind,
+struct Inner<K> {
+    kind: K,
     message: String,
     event_type: Option<String>,
     violations: Vec<Violation>,
     source: Option<BoxError>,
 }
 
-impl Error {
-    pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+impl<K: Kind> Error<K> {
+    /// An error of `kind` saying `message`.
+    pub fn new(kind: K, message: impl Into<String>) -> Self {
         Self {
             inner: Box::new(Inner {
                 kind,
@@ -118,19 +170,60 @@ impl Error {
         }
     }
 
-    pub(crate) fn with_source(mut self, source: impl Into<BoxError>) -> Self {
+    /// An error of `kind` caused by `source`: `"{context}: {source}"`.
+    pub fn caused(kind: K, context: impl fmt::Display, source: impl Into<BoxError>) -> Self {
+        let source = source.into();
+        Self::new(kind, format!("{context}: {source}")).with_source(source)
+    }
+
+    /// A failed statement, `context` saying what it was for: the kind
+    /// [`Kind::database`] gives (SQLSTATE `42501` a privilege error where the
+    /// crate has one, naming the grant that fixes it).
+    pub fn database(context: &str, source: sqlx::Error) -> Self {
+        let (kind, hint) = K::database(crate::is_insufficient_privilege(&source));
+        let message = match hint {
+            Some(hint) => format!("{context}: {source} ({hint})"),
+            None => format!("{context}: {source}"),
+        };
+        Self::new(kind, message).with_source(source)
+    }
+
+    /// The same error, caused by `source`.
+    #[must_use]
+    pub fn with_source(mut self, source: impl Into<BoxError>) -> Self {
         self.inner.source = Some(source.into());
         self
     }
 
-    pub(crate) fn with_event_type(mut self, event_type: impl Into<String>) -> Self {
-        self.inner.event_type = Some(event_type.into());
+    /// Prefixes the message with what it is about: `"{context}: {message}"`.
+    #[must_use]
+    pub fn context(mut self, context: impl fmt::Display) -> Self {
+        self.inner.message = format!("{context}: {}", self.inner.message);
         self
     }
 
-    /// Prefixes the message with what it is about: `"{context}: {message}"`.
-    pub(crate) fn context(mut self, context: impl fmt::Display) -> Self {
-        self.inner.message = format!("{context}: {}", self.inner.message);
+    /// What kind of error this is.
+    pub fn kind(&self) -> K {
+        self.inner.kind
+    }
+
+    /// Whether retrying the same call may succeed: a serialization failure or
+    /// deadlock, a lost connection, a server shutting down
+    /// ([`failure::is_transient`](crate::failure::is_transient)), and for the
+    /// relay and the consumer, the broker.
+    pub fn is_transient(&self) -> bool {
+        self.inner.kind.is_transient(
+            self.inner
+                .source
+                .as_deref()
+                .map(|e| e as &(dyn std::error::Error + 'static)),
+        )
+    }
+}
+
+impl Error<ErrorKind> {
+    pub(crate) fn with_event_type(mut self, event_type: impl Into<String>) -> Self {
+        self.inner.event_type = Some(event_type.into());
         self
     }
 
@@ -149,15 +242,6 @@ impl Error {
         err
     }
 
-    pub(crate) fn database(context: &str, source: sqlx::Error) -> Self {
-        Self::new(ErrorKind::Database, format!("{context}: {source}")).with_source(source)
-    }
-
-    /// What kind of error this is.
-    pub fn kind(&self) -> ErrorKind {
-        self.inner.kind
-    }
-
     /// The event type the error is about, where there is one.
     pub fn event_type(&self) -> Option<&str> {
         self.inner.event_type.as_deref()
@@ -167,15 +251,13 @@ impl Error {
     pub fn violations(&self) -> &[Violation] {
         &self.inner.violations
     }
+}
 
-    /// Whether retrying the same call may succeed: a serialization failure or
-    /// deadlock, a lost connection, a server shutting down
-    /// ([`failure::is_transient`](crate::failure::is_transient)).
-    pub fn is_transient(&self) -> bool {
-        self.inner
-            .source
-            .as_deref()
-            .is_some_and(|source| crate::failure::is_transient(source))
+/// `?` from `outbox_pg` in a crate whose kind is [`FromCore`]: the kind
+/// converted, the message kept, the `outbox_pg` error the source.
+impl<K: FromCore> From<Error<ErrorKind>> for Error<K> {
+    fn from(e: Error<ErrorKind>) -> Self {
+        Self::new(K::from_core(e.kind()), e.to_string()).with_source(e)
     }
 }
 
@@ -192,13 +274,13 @@ pub fn sqlstate(error: &(dyn std::error::Error + 'static)) -> Option<String> {
     None
 }
 
-impl fmt::Display for Error {
+impl<K> fmt::Display for Error<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.inner.message)
     }
 }
 
-impl std::error::Error for Error {
+impl<K: fmt::Debug> std::error::Error for Error<K> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         self.inner
             .source

@@ -92,7 +92,7 @@
 #[cfg(feature = "connect")]
 pub mod connect;
 mod envelope;
-mod error;
+pub mod error;
 pub mod event;
 pub mod failure;
 pub mod health;

@@ -1,9 +1,17 @@
-//! The crate's one error type.
+//! The crate's error: [`outbox_pg::error::Error`] with this crate's
+//! [`ErrorKind`].
 
 use std::fmt;
 
-/// A boxed error, as kept in [`Error::source`](std::error::Error::source).
-pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+pub use outbox_pg::BoxError;
+
+/// The error of every fallible call in this crate: match on
+/// [`kind`](outbox_pg::error::Error::kind); the underlying cause, where there
+/// is one, is the [`source`](std::error::Error::source).
+///
+/// Per-row publish failures are not errors of the relay: they are recorded on
+/// the row (`attempts`, `last_error`) and the relay goes on.
+pub type Error = outbox_pg::error::Error<ErrorKind>;
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -45,90 +53,84 @@ impl fmt::Display for ErrorKind {
     }
 }
 
-/// The error of every fallible call in this crate.
-///
-/// Per-row publish failures are not errors of the relay: they are recorded on
-/// the row (`attempts`, `last_error`) and the relay goes on.
-#[derive(Debug)]
-pub struct Error {
-    kind: ErrorKind,
-    message: String,
-    source: Option<BoxError>,
-}
-
-impl Error {
-    pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Self {
-            kind,
-            message: message.into(),
-            source: None,
-        }
-    }
-
-    pub(crate) fn with_source(mut self, source: impl Into<BoxError>) -> Self {
-        self.source = Some(source.into());
-        self
-    }
-
-    /// A database error; `42501` (insufficient privilege) is
-    /// [`ErrorKind::Privilege`], with the grant that fixes it.
-    pub(crate) fn database(context: &str, source: sqlx::Error) -> Self {
-        if outbox_pg::is_insufficient_privilege(&source) {
-            return Self::new(
-                ErrorKind::Privilege,
-                format!(
-                    "{context}: {source} (the relay's role needs the privileges of \
-                     outbox_relay, ops/sql/roles.sql)"
-                ),
+impl outbox_pg::error::Kind for ErrorKind {
+    /// `42501` (insufficient privilege) is [`ErrorKind::Privilege`], with the
+    /// grant that fixes it.
+    fn database(insufficient_privilege: bool) -> (Self, Option<&'static str>) {
+        if insufficient_privilege {
+            (
+                Self::Privilege,
+                Some("the relay's role needs the privileges of outbox_relay, ops/sql/roles.sql"),
             )
-            .with_source(source);
+        } else {
+            (Self::Database, None)
         }
-        Self::new(ErrorKind::Database, format!("{context}: {source}")).with_source(source)
     }
 
-    /// What kind of error this is.
-    pub fn kind(&self) -> ErrorKind {
-        self.kind
-    }
-
-    /// Whether the same call may succeed later (the broker, a lost
-    /// connection, a server shutting down, a serialization failure:
-    /// [`outbox_pg::failure::is_transient`]), as opposed to a configuration
-    /// problem.
-    pub fn is_transient(&self) -> bool {
-        match self.kind {
-            ErrorKind::Broker => true,
-            ErrorKind::Database => self
-                .source
-                .as_deref()
-                .is_some_and(|source| outbox_pg::failure::is_transient(source)),
+    /// The broker, a lost connection, a server shutting down, a
+    /// serialization failure ([`outbox_pg::failure::is_transient`]), as
+    /// opposed to a configuration problem.
+    fn is_transient(self, source: Option<&(dyn std::error::Error + 'static)>) -> bool {
+        match self {
+            Self::Broker => true,
+            Self::Database => source.is_some_and(outbox_pg::failure::is_transient),
             _ => false,
         }
     }
 }
 
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
+impl outbox_pg::error::FromCore for ErrorKind {
+    fn from_core(kind: outbox_pg::ErrorKind) -> Self {
+        match kind {
+            outbox_pg::ErrorKind::Database => Self::Database,
+            outbox_pg::ErrorKind::Broker => Self::Broker,
+            outbox_pg::ErrorKind::Privilege => Self::Privilege,
+            _ => Self::Config,
+        }
     }
 }
 
-impl std::error::Error for Error {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source
-            .as_deref()
-            .map(|e| e as &(dyn std::error::Error + 'static))
-    }
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-impl From<outbox_pg::Error> for Error {
-    fn from(e: outbox_pg::Error) -> Self {
-        let kind = match e.kind() {
-            outbox_pg::ErrorKind::Database => ErrorKind::Database,
-            outbox_pg::ErrorKind::Broker => ErrorKind::Broker,
-            outbox_pg::ErrorKind::Privilege => ErrorKind::Privilege,
-            _ => ErrorKind::Config,
-        };
-        Self::new(kind, e.to_string()).with_source(e)
+    fn refused() -> sqlx::Error {
+        sqlx::Error::Protocol("42501 stand-in: not a database error".into())
+    }
+
+    #[test]
+    fn the_kind_says_which_errors_a_retry_may_cure() {
+        assert!(Error::new(ErrorKind::Broker, "down").is_transient());
+        assert!(!Error::new(ErrorKind::Config, "bad").is_transient());
+        assert!(!Error::new(ErrorKind::Stream, "differs").is_transient());
+        // A database error is as transient as its cause.
+        assert!(Error::database("reading", sqlx::Error::PoolTimedOut).is_transient());
+        assert!(!Error::database("reading", sqlx::Error::RowNotFound).is_transient());
+        let e = Error::database("reading", refused());
+        assert_eq!(e.kind(), ErrorKind::Database);
+        assert_eq!(e.to_string(), format!("reading: {}", refused()));
+    }
+
+    #[test]
+    fn an_outbox_pg_error_keeps_its_message_and_maps_its_kind() {
+        fn relay_call() -> Result<()> {
+            let core: outbox_pg::Result<()> = Err(outbox_pg::Error::new(
+                outbox_pg::ErrorKind::Broker,
+                "no route",
+            ));
+            core?;
+            Ok(())
+        }
+        let e = relay_call().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Broker);
+        assert_eq!(e.to_string(), "no route");
+        let source =
+            std::error::Error::source(&e).and_then(|s| s.downcast_ref::<outbox_pg::Error>());
+        assert_eq!(
+            source.map(outbox_pg::Error::kind),
+            Some(outbox_pg::ErrorKind::Broker)
+        );
+        let e: Error = outbox_pg::Error::new(outbox_pg::ErrorKind::SchemaViolation, "x").into();
+        assert_eq!(e.kind(), ErrorKind::Config);
     }
 }

@@ -169,7 +169,11 @@ pub(crate) async fn send(
     };
     match tokio::time::timeout(timeout, sent).await {
         Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(Error::nats(&format!("sending {kind:?}"), e)),
+        Ok(Err(e)) => Err(Error::caused(
+            ErrorKind::Nats,
+            format!("sending {kind:?}"),
+            e,
+        )),
         Err(elapsed) => Err(
             Error::new(ErrorKind::Nats, format!("sending {kind:?} timed out")).with_source(elapsed),
         ),

@@ -263,7 +263,7 @@ use sqlx::PgPool;
 use tower::Service;
 
 use crate::delivery::{BatchResults, Delivery, Outcome};
-use crate::error::{BoxError, Error, Result};
+use crate::error::{BoxError, Error, ErrorKind, Result};
 use crate::retention;
 
 pub use crate::retry::RetryPolicy;
@@ -533,8 +533,9 @@ impl Consumer {
             }
         }
         let consumer: PullConsumer = created.map_err(|e| {
-            Error::nats(
-                &format!(
+            Error::caused(
+                ErrorKind::Nats,
+                format!(
                     "creating durable consumer `{}` on `{}`",
                     config.durable, config.stream
                 ),

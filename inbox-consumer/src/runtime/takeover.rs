@@ -77,7 +77,7 @@ use uuid::Uuid;
 
 use super::checkpoint::{self, Checkpoint};
 use super::process::Shared;
-use crate::error::Error;
+use crate::error::{Error, ErrorKind};
 
 /// Messages classified per inbox query.
 pub(crate) const CHUNK: usize = 1_000;
@@ -302,7 +302,7 @@ pub(crate) async fn scan<J: Pending>(
     let info = consumer
         .get_info()
         .await
-        .map_err(|e| Error::nats(&format!("reading consumer `{durable}`"), e))?;
+        .map_err(|e| Error::caused(ErrorKind::Nats, format!("reading consumer `{durable}`"), e))?;
     let (floor, delivered) = (
         info.ack_floor.stream_sequence,
         info.delivered.stream_sequence,
@@ -316,11 +316,13 @@ pub(crate) async fn scan<J: Pending>(
         });
     }
     let filters = filters_of(&info.config);
-    let stream = shared
-        .js
-        .get_stream(&config.stream)
-        .await
-        .map_err(|e| Error::nats(&format!("looking up stream `{}`", config.stream), e))?;
+    let stream = shared.js.get_stream(&config.stream).await.map_err(|e| {
+        Error::caused(
+            ErrorKind::Nats,
+            format!("looking up stream `{}`", config.stream),
+            e,
+        )
+    })?;
 
     // 1. Where the previous leader's checkpoint says to start.
     let saved = checkpoint::load(&shared.pool, durable).await?;
@@ -484,10 +486,13 @@ pub(crate) async fn catch_up(
         max_messages,
         max_unfinished: max_unfinished(config.max_ack_pending),
     };
-    let info = consumer
-        .get_info()
-        .await
-        .map_err(|e| Error::nats(&format!("reading consumer `{}`", config.durable), e))?;
+    let info = consumer.get_info().await.map_err(|e| {
+        Error::caused(
+            ErrorKind::Nats,
+            format!("reading consumer `{}`", config.durable),
+            e,
+        )
+    })?;
     let delivered = info.delivered.stream_sequence;
     let mut caught = CaughtUp {
         next_delivery: info.delivered.consumer_sequence.saturating_add(1),
@@ -499,11 +504,13 @@ pub(crate) async fn catch_up(
         return Ok(caught);
     }
     let filters = filters_of(&info.config);
-    let stream = shared
-        .js
-        .get_stream(&config.stream)
-        .await
-        .map_err(|e| Error::nats(&format!("looking up stream `{}`", config.stream), e))?;
+    let stream = shared.js.get_stream(&config.stream).await.map_err(|e| {
+        Error::caused(
+            ErrorKind::Nats,
+            format!("looking up stream `{}`", config.stream),
+            e,
+        )
+    })?;
     let mut found = Vec::new();
     let range = (after, delivered);
     let (ended, _) = scan_range(shared, &stream, &filters, range, &bounds, &mut found).await?;
@@ -545,7 +552,7 @@ async fn scan_range(
             ..Default::default()
         })
         .await
-        .map_err(|e| Error::nats("creating the takeover's stream reader", e))?;
+        .map_err(|e| Error::caused(ErrorKind::Nats, "creating the takeover's stream reader", e))?;
     let name = reader.cached_info().name.clone();
     let read = if reader.cached_info().num_pending == 0 {
         Ok((Ended::Complete, 0))
@@ -572,7 +579,7 @@ async fn read_range(
     let mut messages = reader
         .messages()
         .await
-        .map_err(|e| Error::nats("reading the stream for the takeover", e))?;
+        .map_err(|e| Error::caused(ErrorKind::Nats, "reading the stream for the takeover", e))?;
     let durable = &shared.config.durable;
     let mut chunk: Vec<Candidate> = Vec::with_capacity(CHUNK);
     let mut read_to = after;
@@ -596,10 +603,16 @@ async fn read_range(
                 break;
             }
         };
-        let message = next.map_err(|e| Error::nats("reading the stream for the takeover", e))?;
-        let meta = message
-            .info()
-            .map_err(|e| Error::nats("a takeover read carries no JetStream metadata", e))?;
+        let message = next.map_err(|e| {
+            Error::caused(ErrorKind::Nats, "reading the stream for the takeover", e)
+        })?;
+        let meta = message.info().map_err(|e| {
+            Error::caused(
+                ErrorKind::Nats,
+                "a takeover read carries no JetStream metadata",
+                e,
+            )
+        })?;
         let (sequence, left) = (meta.stream_sequence, meta.pending);
         if sequence > to {
             break;
@@ -667,8 +680,9 @@ async fn classify(
             Ok(message) => message,
             Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => continue,
             Err(e) => {
-                return Err(Error::nats(
-                    &format!("reading stream message {}", candidate.sequence),
+                return Err(Error::caused(
+                    ErrorKind::Nats,
+                    format!("reading stream message {}", candidate.sequence),
                     e,
                 ));
             }

@@ -65,7 +65,7 @@ impl TelemetryArgs {
     /// Installs the process's `tracing` subscriber: logs to stderr as
     /// `--log-format` says (colours only on a terminal), filtered by
     /// `RUST_LOG` (default `info`), and with an OTLP endpoint, spans exported
-    /// as the [module docs](self) say, the service named `service` unless
+    /// as the module docs say, the service named `service` unless
     /// `OTEL_SERVICE_NAME` names it. Keep the returned [`Telemetry`] until
     /// the process exits, and shut it down then.
     ///
