@@ -2,11 +2,10 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use futures::future::BoxFuture;
 use tower::util::BoxCloneSyncService;
 use tower::{Layer, Service, ServiceExt};
 
@@ -356,25 +355,6 @@ impl Router<InTx<Delivery>, InTx<Outcome>> {
     }
 }
 
-/// The future of [`Router`].
-pub struct ResponseFuture<Resp> {
-    inner: Pin<Box<dyn Future<Output = Result<Resp, BoxError>> + Send>>,
-}
-
-impl<Resp> fmt::Debug for ResponseFuture<Resp> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ResponseFuture").finish_non_exhaustive()
-    }
-}
-
-impl<Resp> Future for ResponseFuture<Resp> {
-    type Output = Result<Resp, BoxError>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
-    }
-}
-
 impl<Req, Resp> Service<Req> for Router<Req, Resp>
 where
     Req: Routable + Send + 'static,
@@ -382,7 +362,7 @@ where
 {
     type Response = Resp;
     type Error = BoxError;
-    type Future = ResponseFuture<Resp>;
+    type Future = BoxFuture<'static, Result<Resp, BoxError>>;
 
     /// Always ready: each route is driven to readiness in `call` (`oneshot`).
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
@@ -390,23 +370,21 @@ where
     }
 
     fn call(&mut self, request: Req) -> Self::Future {
-        let inner: Pin<Box<dyn Future<Output = Result<Resp, BoxError>> + Send>> =
-            match self.routes.get(request.event_type()) {
-                Some(route) => Box::pin(route.clone().oneshot(request)),
-                None => {
-                    let error = Error::new(
-                        ErrorKind::Unroutable,
-                        format!(
-                            "no handler is routed for event type `{}`",
-                            request.event_type()
-                        ),
-                    );
-                    Box::pin(std::future::ready(Err(
-                        Box::new(HandlerError::reject(error)) as BoxError,
-                    )))
-                }
-            };
-        ResponseFuture { inner }
+        match self.routes.get(request.event_type()) {
+            Some(route) => Box::pin(route.clone().oneshot(request)),
+            None => {
+                let error = Error::new(
+                    ErrorKind::Unroutable,
+                    format!(
+                        "no handler is routed for event type `{}`",
+                        request.event_type()
+                    ),
+                );
+                Box::pin(std::future::ready(Err(
+                    Box::new(HandlerError::reject(error)) as BoxError,
+                )))
+            }
+        }
     }
 }
 

@@ -3,9 +3,9 @@
 
 use std::fmt;
 use std::future::Future;
-use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use futures::future::BoxFuture;
 use outbox_pg::Envelope;
 use serde_json::Value;
 use sqlx::PgTransaction;
@@ -60,38 +60,18 @@ impl<H> fmt::Debug for HandlerService<H> {
     }
 }
 
-/// The future of [`HandlerService`].
-pub struct ResponseFuture {
-    inner: Pin<Box<dyn Future<Output = Result<InTx<Outcome>, HandlerError>> + Send>>,
-}
+/// The future of [`HandlerService`] and [`BatchHandlerService`].
+type ResponseFuture = BoxFuture<'static, Result<InTx<Outcome>, HandlerError>>;
 
-impl fmt::Debug for ResponseFuture {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ResponseFuture").finish_non_exhaustive()
-    }
-}
-
-impl ResponseFuture {
-    /// `handled`, run in `span` when there is one (a delivery's own span in
-    /// batch mode, see `crate::trace`), else in the caller's.
-    fn in_span<F>(span: Option<tracing::Span>, handled: F) -> Self
-    where
-        F: Future<Output = Result<InTx<Outcome>, HandlerError>> + Send + 'static,
-    {
-        Self {
-            inner: match span {
-                Some(span) => Box::pin(handled.instrument(span)),
-                None => Box::pin(handled),
-            },
-        }
-    }
-}
-
-impl Future for ResponseFuture {
-    type Output = Result<InTx<Outcome>, HandlerError>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
+/// `handled`, run in `span` when there is one (a delivery's own span in batch
+/// mode, see `crate::trace`), else in the caller's.
+fn in_span<F>(span: Option<tracing::Span>, handled: F) -> ResponseFuture
+where
+    F: Future<Output = Result<InTx<Outcome>, HandlerError>> + Send + 'static,
+{
+    match span {
+        Some(span) => Box::pin(handled.instrument(span)),
+        None => Box::pin(handled),
     }
 }
 
@@ -116,7 +96,7 @@ impl<H: Handler> Service<InTx<Delivery>> for HandlerService<H> {
             };
             hand_back(tx, result, Outcome::Handled).await
         };
-        ResponseFuture::in_span(span, handled)
+        in_span(span, handled)
     }
 }
 
@@ -163,14 +143,14 @@ impl<H: BatchHandler> Service<InTx<Delivery>> for BatchHandlerService<H> {
         let span = request.get_ref().span().cloned();
         let group = self.call(request.map(|delivery| vec![delivery]));
         let handled = async move { Ok(group.await?.map(|()| Outcome::Handled)) };
-        ResponseFuture::in_span(span, handled)
+        in_span(span, handled)
     }
 }
 
 impl<H: BatchHandler> Service<InTx<Vec<Delivery>>> for BatchHandlerService<H> {
     type Response = InTx<()>;
     type Error = HandlerError;
-    type Future = Pin<Box<dyn Future<Output = Result<InTx<()>, HandlerError>> + Send>>;
+    type Future = BoxFuture<'static, Result<InTx<()>, HandlerError>>;
 
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         Poll::Ready(Ok(()))

@@ -25,11 +25,12 @@ use std::collections::HashSet;
 use std::task::{Context, Poll};
 
 use chrono::{DateTime, Utc};
+use futures::future::BoxFuture;
 use sqlx::{PgPool, PgTransaction};
 use tower::{Service, ServiceExt};
 use uuid::Uuid;
 
-use super::{Dedupe, begin_tx, commit, future, note_duplicate};
+use super::{Dedupe, begin_tx, commit, note_duplicate};
 use crate::delivery::{BatchResults, Delivery, InTx, Outcome};
 use crate::error::{BoxError, Error, ErrorKind};
 use crate::ordering::sequence_column;
@@ -46,7 +47,7 @@ where
 {
     type Response = BatchResults;
     type Error = BoxError;
-    type Future = future::BatchFuture;
+    type Future = BoxFuture<'static, Result<BatchResults, BoxError>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx).map_err(Into::into)
@@ -63,7 +64,7 @@ where
             .downcast_ref::<TxRouter>()
             .map(Router::groups)
             .filter(|groups| !groups.is_empty());
-        future::BatchFuture::new(handle(inner, groups, pool, begin, deliveries))
+        Box::pin(handle(inner, groups, pool, begin, deliveries))
     }
 }
 

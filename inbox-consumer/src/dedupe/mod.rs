@@ -39,7 +39,6 @@
 //! `Dedupe` handles a whole batch in one transaction: see [`batch`].
 
 pub mod batch;
-pub mod future;
 mod layer;
 mod timeouts;
 
@@ -47,6 +46,7 @@ use std::fmt;
 use std::mem;
 use std::task::{Context, Poll};
 
+use futures::future::BoxFuture;
 use sqlx::{PgConnection, PgPool, PgTransaction};
 use tower::Service;
 
@@ -148,7 +148,7 @@ where
 {
     type Response = Outcome;
     type Error = BoxError;
-    type Future = future::ResponseFuture;
+    type Future = BoxFuture<'static, Result<Outcome, BoxError>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx).map_err(Into::into)
@@ -159,7 +159,7 @@ where
         let clone = self.inner.clone();
         let mut inner = mem::replace(&mut self.inner, clone);
         let (pool, begin) = (self.pool.clone(), self.timeouts.begin_statement());
-        future::ResponseFuture::new(async move {
+        Box::pin(async move {
             let mut tx = begin_tx(&pool, begin).await?;
             if !record(&mut tx, &delivery).await? {
                 if let Err(e) = tx.rollback().await {

@@ -79,13 +79,13 @@
 //! To keep replicas from handling a subject's events concurrently at all, and
 //! in stream order, see [`ConsumerConfig::ordered`](crate::ConsumerConfig::ordered).
 
-pub mod future;
 mod layer;
 
 use std::mem;
 use std::task::{Context, Poll};
 
 use chrono::{DateTime, Utc};
+use futures::future::BoxFuture;
 use outbox_pg::EventId;
 use sqlx::PgConnection;
 use tower::Service;
@@ -241,7 +241,7 @@ where
 {
     type Response = InTx<Outcome>;
     type Error = BoxError;
-    type Future = future::ResponseFuture;
+    type Future = BoxFuture<'static, Result<InTx<Outcome>, BoxError>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx).map_err(Into::into)
@@ -250,7 +250,7 @@ where
     fn call(&mut self, mut request: InTx<Delivery>) -> Self::Future {
         let clone = self.inner.clone();
         let mut inner = mem::replace(&mut self.inner, clone);
-        future::ResponseFuture::new(async move {
+        Box::pin(async move {
             let (tx, delivery) = request.parts_mut();
             let (consumer, subject, id) = (delivery.consumer(), delivery.subject(), delivery.id());
             lock_subject(tx, consumer, subject).await?;

@@ -16,13 +16,11 @@
 //! alone, where only the one that panics again fails (counted, nak'ed, or
 //! dead-lettered with reason `panic` once its budget is spent).
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use async_nats::jetstream::{self, AckKind};
-use futures::future::join_all;
+use futures::future::{BoxFuture, join_all};
 use tokio::sync::watch;
 use tower::{Service, ServiceExt};
 
@@ -220,7 +218,7 @@ where
 {
     type Response = Outcome;
     type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<Outcome, BoxError>> + Send>>;
+    type Future = BoxFuture<'static, Result<Outcome, BoxError>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.0.poll_ready(cx).map_err(Into::into)

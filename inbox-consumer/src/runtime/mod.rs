@@ -260,6 +260,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use outbox_pg::Privilege;
 use sqlx::PgPool;
+use tokio_util::task::AbortOnDropHandle;
 use tower::Service;
 
 use crate::delivery::{BatchResults, Delivery, Outcome};
@@ -656,8 +657,8 @@ impl Consumer {
         }
         let _pruner = config
             .prune
-            .then(|| AbortOnDrop(tokio::spawn(prune_periodically(Arc::clone(&shared)))));
-        let _lag = AbortOnDrop(tokio::spawn(lag::poll(
+            .then(|| AbortOnDropHandle::new(tokio::spawn(prune_periodically(Arc::clone(&shared)))));
+        let _lag = AbortOnDropHandle::new(tokio::spawn(lag::poll(
             self.consumer.clone(),
             Arc::clone(&shared),
         )));
@@ -773,15 +774,6 @@ async fn prune_periodically(shared: Arc<Shared>) {
                 tracing::warn!(consumer = %shared.config.durable, error = %e, "dead-letter pruning failed");
             }
         }
-    }
-}
-
-/// Aborts the task when dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 
