@@ -14,5 +14,7 @@ pub use ops::{
     LateReadiness, OpsServer, ROWS_BUCKETS, SECONDS_BUCKETS, install_prometheus, parse_ops_addr,
     serve_ops,
 };
-pub use outbox_pg::connect::{DatabaseArgs, NatsArgs, Secret, cancel_on_signal, redact_url};
+pub use outbox_pg::connect::{
+    DatabaseArgs, ExposeSecret, NatsArgs, Secret, cancel_on_signal, redact_url,
+};
 pub use telemetry::{LogFormat, Telemetry, TelemetryArgs, init_logging};

@@ -9,7 +9,7 @@ use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use super::redact::{self, SECRET_PARAMETERS, UrlProblem, redact_url};
-use super::secret::{Secret, inline_or_file};
+use super::secret::{ExposeSecret, Secret, inline_or_file};
 use crate::error::{Error, ErrorKind, Result};
 
 /// How to reach PostgreSQL, as flags and environment variables: exactly one

@@ -8,7 +8,7 @@
 //!   seed, creds file) and TLS (CA, client certificate); every secret from
 //!   an environment variable or a `--*-file` instead of argv, where `ps`
 //!   would show it.
-//! - [`Secret`]: a string whose `Debug` and `Display` print `[redacted]`;
+//! - [`Secret`] (`secrecy::SecretString`): a string whose `Debug` prints `[REDACTED]`;
 //!   [`redact_url`] masks a URL's password for logs, found by parsing the
 //!   URL, so a password holding `,` `#` `/` `?` `@` `%` `:` never shows, nor
 //!   any piece of one in a URL that does not parse.
@@ -50,5 +50,5 @@ mod signal;
 pub use database::DatabaseArgs;
 pub use nats::NatsArgs;
 pub use redact::redact_url;
-pub use secret::Secret;
+pub use secret::{ExposeSecret, Secret, secret_from_file};
 pub use signal::cancel_on_signal;

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use async_nats::ConnectErrorKind;
 
 use super::redact::{self, UrlCredentials, UrlProblem};
-use super::secret::{Secret, inline_or_file};
+use super::secret::{ExposeSecret, Secret, inline_or_file};
 use crate::error::{Error, ErrorKind, Result};
 
 /// How to reach NATS: the URL, credentials and TLS, as flags and environment

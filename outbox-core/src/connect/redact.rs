@@ -17,7 +17,7 @@ use std::fmt;
 use url::Url;
 use url::form_urlencoded;
 
-use super::secret::Secret;
+use super::secret::{ExposeSecret, Secret};
 
 /// Query parameters whose value is a secret (compared without case, after
 /// percent-decoding the name).
@@ -312,9 +312,9 @@ fn url_credentials(url: &Url) -> Option<UrlCredentials> {
     Some(match url.password() {
         Some(password) => UrlCredentials::UserPassword {
             user: decode(url.username()),
-            password: Secret::new(decode(password)),
+            password: Secret::from(decode(password)),
         },
-        None => UrlCredentials::Token(Secret::new(decode(url.username()))),
+        None => UrlCredentials::Token(Secret::from(decode(url.username()))),
     })
 }
 
@@ -479,19 +479,19 @@ mod tests {
             servers.credentials,
             Some(UrlCredentials::UserPassword {
                 user: "u".into(),
-                password: Secret::new("p,w")
+                password: Secret::from("p,w")
             })
         );
         let servers = nats_servers("tok%40en@a:4222,nats://tok%40en@b").unwrap();
         assert_eq!(servers.urls, ["nats://a:4222", "nats://b"]);
         assert_eq!(
             servers.credentials,
-            Some(UrlCredentials::Token(Secret::new("tok@en")))
+            Some(UrlCredentials::Token(Secret::from("tok@en")))
         );
         let servers = nats_servers("a:4222,nats://b:4222").unwrap();
         assert_eq!(servers.urls, ["nats://a:4222", "nats://b:4222"]);
         assert_eq!(servers.credentials, None);
-        assert!(format!("{:?}", UrlCredentials::Token(Secret::new("t0k3n"))).contains("redacted"));
+        assert!(format!("{:?}", UrlCredentials::Token(Secret::from("t0k3n"))).contains("redacted"));
     }
 
     #[test]

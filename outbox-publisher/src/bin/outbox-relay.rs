@@ -58,7 +58,8 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use outbox_publisher::cli::{
-    DatabaseArgs, NatsArgs, Secret, TelemetryArgs, cancel_on_signal, parse_ops_addr, serve_ops,
+    DatabaseArgs, ExposeSecret, NatsArgs, Secret, TelemetryArgs, cancel_on_signal, parse_ops_addr,
+    serve_ops,
 };
 use outbox_publisher::{Readiness, Relay, RelayConfig, StorageType, StreamSpec, WalSource};
 use sqlx::postgres::PgPoolOptions;
