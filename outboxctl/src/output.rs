@@ -59,30 +59,24 @@ pub(crate) fn age(seconds: f64) -> String {
     }
 }
 
-/// Rows of cells as aligned columns, the first row a header.
+/// Rows of cells as aligned columns, the first row a header: two spaces
+/// between columns, no borders, no trailing blanks, never wrapped.
 pub(crate) fn table(out: &mut dyn Write, rows: &[Vec<String>]) -> std::io::Result<()> {
-    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
-    let widths: Vec<usize> = (0..columns)
-        .map(|c| {
-            rows.iter()
-                .filter_map(|r| r.get(c))
-                .map(|cell| cell.chars().count())
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    for row in rows {
-        let mut line = String::new();
-        for (c, cell) in row.iter().enumerate() {
-            if c > 0 {
-                line.push_str("  ");
-            }
-            line.push_str(cell);
-            if c + 1 < row.len() {
-                let pad = widths[c].saturating_sub(cell.chars().count());
-                line.extend(std::iter::repeat_n(' ', pad));
-            }
+    let mut table = comfy_table::Table::new();
+    table
+        .load_preset(comfy_table::presets::NOTHING)
+        .set_content_arrangement(comfy_table::ContentArrangement::Disabled);
+    for (i, row) in rows.iter().enumerate() {
+        if i == 0 {
+            table.set_header(row);
+        } else {
+            table.add_row(row);
         }
+    }
+    for column in table.column_iter_mut() {
+        column.set_padding((0, 2));
+    }
+    for line in table.lines() {
         writeln!(out, "{}", line.trim_end())?;
     }
     Ok(())
