@@ -34,6 +34,8 @@ type TxRouter = Router<InTx<Delivery>, InTx<Outcome>>;
 /// [`run`](ConsumerBuilder::run) in the order they were added.
 type Layers = Vec<Box<dyn FnOnce(TxRouter) -> TxRouter + Send>>;
 
+/// The first pause between two looks for a stream that is not there yet.
+const FIRST_STREAM_PAUSE: Duration = Duration::from_millis(100);
 /// The longest pause between two looks for a stream that is not there yet.
 const MAX_STREAM_PAUSE: Duration = Duration::from_secs(2);
 
@@ -396,35 +398,28 @@ impl Consumer {
     ) -> Result<Self> {
         // Once: waiting for the stream changes nothing about the role.
         crate::runtime::check_privileges(&pool, &config).await?;
-        let deadline = patience.map(|p| tokio::time::Instant::now() + p);
-        let mut pause = Duration::from_millis(100);
         let mut told = false;
-        loop {
-            match Self::create(js.clone(), pool.clone(), config.clone()).await {
-                Ok(consumer) => {
-                    if told {
-                        tracing::info!(stream = config.stream(), "the stream is there; consuming");
-                    }
-                    return Ok(consumer);
+        let consumer = outbox_pg::ready::until_ready(
+            outbox_pg::ready::pauses(FIRST_STREAM_PAUSE, MAX_STREAM_PAUSE),
+            patience,
+            || Self::create(js.clone(), pool.clone(), config.clone()),
+            |e| e.kind() == ErrorKind::StreamUnavailable,
+            |e, _| {
+                if told {
+                    tracing::debug!(stream = config.stream(), error = %e, "still waiting for the stream");
+                } else {
+                    tracing::info!(
+                        stream = config.stream(), consumer = config.durable(), error = %e,
+                        "waiting for the stream to exist",
+                    );
+                    told = true;
                 }
-                Err(e) if e.kind() == ErrorKind::StreamUnavailable => {
-                    if deadline.is_some_and(|d| tokio::time::Instant::now() + pause > d) {
-                        return Err(e);
-                    }
-                    if told {
-                        tracing::debug!(stream = config.stream(), error = %e, "still waiting for the stream");
-                    } else {
-                        tracing::info!(
-                            stream = config.stream(), consumer = config.durable(), error = %e,
-                            "waiting for the stream to exist",
-                        );
-                        told = true;
-                    }
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(MAX_STREAM_PAUSE);
-                }
-                Err(e) => return Err(e),
-            }
+            },
+        )
+        .await?;
+        if told {
+            tracing::info!(stream = config.stream(), "the stream is there; consuming");
         }
+        Ok(consumer)
     }
 }

@@ -105,6 +105,7 @@ mod namespace;
 mod outbox;
 pub mod pooler;
 pub mod privilege;
+pub mod ready;
 mod schema;
 mod sequence;
 #[cfg(feature = "signal")]

@@ -1,7 +1,13 @@
 //! Retry delays: exponential with jitter, capped.
+//!
+//! A row's delay is a function of its attempt count, which the row keeps
+//! (`attempts`), so it is computed here rather than drawn from an iterator
+//! that starts at the first attempt in each process; the loops' pauses are
+//! backon's.
 
 use std::time::Duration;
 
+use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use rand::Rng;
 
 /// `base · 2^(attempt-1)`, capped at `max`, then jittered by ±20 % (and capped
@@ -36,31 +42,33 @@ impl Backoff {
     }
 }
 
-/// Exponential pause for the loop itself (not per row), without jitter.
+/// Exponential pause for the loop itself (not per row), without jitter:
+/// [`outbox_pg::ready::pauses`] (backon), from the first pause again after
+/// [`reset`](Self::reset).
 #[derive(Debug)]
 pub(crate) struct LoopBackoff {
-    base: Duration,
+    pauses: ExponentialBuilder,
+    current: ExponentialBackoff,
     max: Duration,
-    current: Option<Duration>,
 }
 
 impl LoopBackoff {
     pub(crate) fn new(base: Duration, max: Duration) -> Self {
+        let pauses = outbox_pg::ready::pauses(base, max);
         Self {
-            base,
+            pauses,
+            current: pauses.build(),
             max,
-            current: None,
         }
     }
 
     pub(crate) fn next(&mut self) -> Duration {
-        let next = self.current.map_or(self.base, |d| (d * 2).min(self.max));
-        self.current = Some(next);
-        next
+        // The pauses have no end; `max` only if that ever changed.
+        self.current.next().unwrap_or(self.max)
     }
 
     pub(crate) fn reset(&mut self) {
-        self.current = None;
+        self.current = self.pauses.build();
     }
 }
 

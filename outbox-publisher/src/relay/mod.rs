@@ -110,7 +110,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::backoff::{Backoff, LoopBackoff};
+use crate::backoff::Backoff;
 use crate::config::RelayConfig;
 use crate::error::{ErrorKind, Result};
 use crate::sink::{JetStreamSink, Sink};
@@ -362,42 +362,34 @@ impl Relay<JetStreamSink> {
             () = shutdown.cancelled() => return Ok(None),
             checked = check_privileges(&pool, &config) => checked?,
         }
-        let mut retry = LoopBackoff::new(Duration::from_millis(500), Duration::from_secs(10));
         let mut waiting = false;
-        loop {
-            let attempt = Self::set_up(pool.clone(), client.clone(), &stream, config.clone());
-            let result = tokio::select! {
-                () = shutdown.cancelled() => return Ok(None),
-                result = attempt => result,
-            };
-            match result {
-                Ok(relay) => {
-                    if waiting {
-                        info!(stream = stream.name(), "broker reachable; relay set up");
-                    }
-                    return Ok(Some(relay));
+        let set_up = outbox_pg::ready::until_ready(
+            outbox_pg::ready::pauses(Duration::from_millis(500), Duration::from_secs(10)),
+            None,
+            || Self::set_up(pool.clone(), client.clone(), &stream, config.clone()),
+            // Waiting cures the broker, not a configuration, a stream or a role.
+            |e: &crate::Error| {
+                !matches!(
+                    e.kind(),
+                    ErrorKind::Config | ErrorKind::Stream | ErrorKind::Privilege
+                )
+            },
+            |e, _| {
+                crate::metrics::broker_up(false);
+                if !waiting {
+                    warn!(stream = stream.name(), error = %e, "broker not reachable; waiting for it");
+                    waiting = true;
                 }
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        ErrorKind::Config | ErrorKind::Stream | ErrorKind::Privilege
-                    ) =>
-                {
-                    return Err(e);
-                }
-                Err(e) => {
-                    crate::metrics::broker_up(false);
-                    if !waiting {
-                        warn!(stream = stream.name(), error = %e, "broker not reachable; waiting for it");
-                        waiting = true;
-                    }
-                    tokio::select! {
-                        () = shutdown.cancelled() => return Ok(None),
-                        () = tokio::time::sleep(retry.next()) => {}
-                    }
-                }
-            }
+            },
+        );
+        let relay = tokio::select! {
+            () = shutdown.cancelled() => return Ok(None),
+            relay = set_up => relay?,
+        };
+        if waiting {
+            info!(stream = stream.name(), "broker reachable; relay set up");
         }
+        Ok(Some(relay))
     }
 }
 
