@@ -162,6 +162,7 @@ pub mod dead_letter;
 pub mod dedupe;
 mod delivery;
 mod error;
+mod fence;
 mod handler;
 mod health;
 pub mod metrics;

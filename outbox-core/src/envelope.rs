@@ -27,7 +27,8 @@ use uuid::Uuid;
 use crate::error::{Error, ErrorKind, Result};
 use crate::sequence::{format_sequence, parse_sequence};
 use crate::validate::{
-    excerpt, validate_event_type, validate_time, validate_traceparent, validate_tracestate,
+    MAX_ATTRIBUTE_LEN, excerpt, validate_event_type, validate_time, validate_traceparent,
+    validate_tracestate,
 };
 
 /// The only CloudEvents version this crate writes and reads.
@@ -36,10 +37,6 @@ pub const SPEC_VERSION: &str = "1.0";
 pub const DATA_CONTENT_TYPE: &str = "application/json";
 /// `subject` of an event that is about no particular entity.
 pub const PLATFORM_SUBJECT: &str = "platform";
-/// Longest accepted event type, in bytes.
-pub const MAX_EVENT_TYPE_LEN: usize = 255;
-/// Longest accepted `source` or `subject`, in bytes.
-pub const MAX_ATTRIBUTE_LEN: usize = 1024;
 /// Longest JetStream stream name (nats-server's `JSMaxNameLen`), the longest
 /// value of the `Nats-Expected-Stream` header the relay may send.
 const MAX_STREAM_NAME_LEN: usize = 255;
@@ -109,7 +106,7 @@ impl EventType {
     ///
     /// # Errors
     /// [`ErrorKind::InvalidEnvelope`] if `s` is empty, longer than
-    /// [`MAX_EVENT_TYPE_LEN`], has an empty token (`a..b`, `.a`, `a.`), or contains
+    /// [`MAX_EVENT_TYPE_LEN`](crate::MAX_EVENT_TYPE_LEN), has an empty token (`a..b`, `.a`, `a.`), or contains
     /// whitespace, a control character, `*` or `>`.
     pub fn new(s: impl Into<String>) -> Result<Self> {
         let s = s.into();
@@ -644,6 +641,7 @@ struct OwnedWire {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::MAX_EVENT_TYPE_LEN;
     use serde_json::json;
 
     #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

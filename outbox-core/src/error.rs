@@ -261,19 +261,6 @@ impl<K: FromCore> From<Error<ErrorKind>> for Error<K> {
     }
 }
 
-/// The SQLSTATE of the first database error (`sqlx::Error::Database`) in
-/// `error`'s `source` chain, `error` itself included.
-pub fn sqlstate(error: &(dyn std::error::Error + 'static)) -> Option<String> {
-    let mut cause = Some(error);
-    while let Some(e) = cause {
-        if let Some(sqlx::Error::Database(db)) = e.downcast_ref::<sqlx::Error>() {
-            return db.code().map(|code| code.into_owned());
-        }
-        cause = e.source();
-    }
-    None
-}
-
 impl<K> fmt::Display for Error<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.inner.message)

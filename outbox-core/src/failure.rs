@@ -26,7 +26,28 @@
 
 use std::error::Error as StdError;
 
-use crate::privilege::INSUFFICIENT_PRIVILEGE;
+/// SQLSTATE `42501`, `insufficient_privilege`: "permission denied for table …",
+/// "must be owner of table …".
+pub const INSUFFICIENT_PRIVILEGE: &str = "42501";
+
+/// Whether `error`, or an error in its `source` chain, is a database error
+/// with SQLSTATE `42501` ([`INSUFFICIENT_PRIVILEGE`]).
+pub fn is_insufficient_privilege(error: &(dyn StdError + 'static)) -> bool {
+    sqlstate(error).as_deref() == Some(INSUFFICIENT_PRIVILEGE)
+}
+
+/// The SQLSTATE of the first database error (`sqlx::Error::Database`) in
+/// `error`'s `source` chain, `error` itself included.
+pub fn sqlstate(error: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut cause = Some(error);
+    while let Some(e) = cause {
+        if let Some(sqlx::Error::Database(db)) = e.downcast_ref::<sqlx::Error>() {
+            return db.code().map(|code| code.into_owned());
+        }
+        cause = e.source();
+    }
+    None
+}
 
 /// What a PostgreSQL failure says about retrying (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -11,6 +11,11 @@ use sqlx::PgPool;
 
 use crate::error::{Error, ErrorKind, Result};
 
+/// Shards an outbox's rows are spread over: `outbox_events.shard` is
+/// `hashtextextended(subject, 0) & 63` (migration `20260101000005`), so one
+/// subject's rows share a shard. Relays own shards; `outboxctl` counts them.
+pub const SHARDS: usize = 64;
+
 /// How long [`check_outbox_layout_at_start`] and [`check_inbox_layout_at_start`]
 /// wait for a schema that is not there yet (a component started beside the
 /// service that migrates) before they refuse.

@@ -117,15 +117,15 @@ mod validate;
 pub mod prelude;
 
 pub use envelope::{
-    DATA_CONTENT_TYPE, Envelope, EventId, EventType, MAX_ATTRIBUTE_LEN, MAX_EVENT_TYPE_LEN,
-    PLATFORM_SUBJECT, SPEC_VERSION,
+    DATA_CONTENT_TYPE, Envelope, EventId, EventType, PLATFORM_SUBJECT, SPEC_VERSION,
 };
-pub use error::{BoxError, Error, ErrorKind, Result, Violation, sqlstate};
+pub use error::{BoxError, Error, ErrorKind, Result, Violation};
 pub use event::{Event, check_schema_file};
+pub use failure::sqlstate;
 #[cfg(feature = "migrate")]
 pub use human::{HumanDuration, error_line, exit_code};
 pub use layout::{
-    SCHEMA_WAIT, check_inbox_layout, check_inbox_layout_at_start, check_outbox_layout,
+    SCHEMA_WAIT, SHARDS, check_inbox_layout, check_inbox_layout_at_start, check_outbox_layout,
     check_outbox_layout_at_start,
 };
 pub use migrate::{
@@ -145,8 +145,9 @@ pub use sequence::{SEQUENCE_WIDTH, format_sequence, parse_sequence};
 #[cfg(feature = "signal")]
 pub use signal::shutdown_signal;
 pub use validate::{
-    MAX_JSON_DEPTH, MAX_TRACESTATE_LEN, check_json_decodable, validate_event_type, validate_time,
-    validate_traceparent, validate_tracestate,
+    MAX_ATTRIBUTE_LEN, MAX_EVENT_TYPE_LEN, MAX_JSON_DEPTH, MAX_TRACESTATE_LEN,
+    check_json_decodable, validate_event_type, validate_time, validate_traceparent,
+    validate_tracestate,
 };
 
 /// The crate README's examples, compiled as doc tests.

@@ -18,9 +18,7 @@ use sqlx::PgPool;
 
 use crate::error::{Error, ErrorKind, Result};
 
-/// SQLSTATE `42501`, `insufficient_privilege`: "permission denied for table …",
-/// "must be owner of table …".
-pub const INSUFFICIENT_PRIVILEGE: &str = "42501";
+pub use crate::failure::{INSUFFICIENT_PRIVILEGE, is_insufficient_privilege};
 
 /// What a privilege is held on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -166,10 +164,4 @@ pub async fn check_privileges_at_start(
             crate::HumanDuration(timeout)
         ))),
     }
-}
-
-/// Whether `error`, or an error in its `source` chain, is a database error
-/// with SQLSTATE `42501` ([`INSUFFICIENT_PRIVILEGE`]).
-pub fn is_insufficient_privilege(error: &(dyn std::error::Error + 'static)) -> bool {
-    crate::error::sqlstate(error).as_deref() == Some(INSUFFICIENT_PRIVILEGE)
 }

@@ -21,11 +21,14 @@ use std::fmt;
 use chrono::{DateTime, Datelike, Utc};
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 
-use crate::envelope::MAX_EVENT_TYPE_LEN;
 use crate::error::{Error, ErrorKind, Result};
 
 /// Longest accepted `tracestate`, in bytes (the W3C limit vendors must propagate).
 pub const MAX_TRACESTATE_LEN: usize = 512;
+/// Longest accepted event type, in bytes.
+pub const MAX_EVENT_TYPE_LEN: usize = 255;
+/// Longest accepted `source` or `subject`, in bytes.
+pub const MAX_ATTRIBUTE_LEN: usize = 1024;
 
 /// Deepest accepted nesting of arrays and objects in `data`.
 ///

@@ -66,7 +66,6 @@ use async_nats::jetstream::{
 };
 use chrono::{DateTime, Utc};
 use futures::StreamExt;
-use metrics::{counter, gauge};
 use sqlx::PgPool;
 use tracing::warn;
 use uuid::Uuid;
@@ -87,17 +86,13 @@ pub fn settle_margin(duplicate_window: Duration) -> Duration {
 
 /// The audit horizon of the relay by default: rows published within the last
 /// 15 minutes (and before the duplicate window) are audited.
-pub const DEFAULT_HORIZON: Duration = Duration::from_secs(15 * 60);
+pub const DEFAULT_HORIZON: Duration = crate::config::DEFAULT_AUDIT_HORIZON;
 
 /// Message reads in flight at once by default.
 pub const DEFAULT_CONCURRENCY: usize = 16;
 
 /// Bound on one message read by default.
 pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(5);
-
-pub(crate) const CHECKED: &str = "outbox_audit_checked_total";
-pub(crate) const REPUBLISHED: &str = "outbox_audit_republished_total";
-pub(crate) const LAG: &str = "outbox_audit_lag_seconds";
 
 /// A range of sequences is read by one consumer when it is at most this many
 /// times the rows to check (plus [`RANGE_SLACK`]); sparser, one read per row.
@@ -726,7 +721,7 @@ impl Audit {
         .rows_affected()
             > 0;
         if done {
-            counter!(REPUBLISHED).increment(1);
+            crate::metrics::audit_republished();
             warn!(
                 event_id = %row.id,
                 event_type = %row.event_type,
@@ -767,7 +762,7 @@ impl Audit {
             until: Some(until),
             ..AuditReport::default()
         };
-        let mut marks: Vec<(i16, DateTime<Utc>, Uuid)> = (0..crate::relay::SHARDS)
+        let mut marks: Vec<(i16, DateTime<Utc>, Uuid)> = (0..outbox_pg::SHARDS)
             .filter_map(|s| i16::try_from(s).ok())
             .map(|s| (s, from - chrono::Duration::microseconds(1), Uuid::max()))
             .collect();
@@ -810,7 +805,7 @@ impl Audit {
 impl AuditReport {
     fn add(&mut self, checked: &Checked) {
         self.checked += 1;
-        self::checked();
+        crate::metrics::audit_checked();
         match checked.finding {
             Finding::Intact => self.intact += 1,
             Finding::Discarded => self.discarded += 1,
@@ -862,24 +857,6 @@ impl Marks {
     pub(crate) fn oldest(&self) -> Option<DateTime<Utc>> {
         self.marks.values().map(|m| m.0).min()
     }
-}
-
-/// Registers the audit's metrics at zero, so they are exported before the
-/// first finding.
-pub(crate) fn register_metrics() {
-    counter!(CHECKED).increment(0);
-    counter!(REPUBLISHED).increment(0);
-    gauge!(LAG).set(0.0);
-}
-
-/// Counts one row checked.
-pub(crate) fn checked() {
-    counter!(CHECKED).increment(1);
-}
-
-/// Sets `outbox_audit_lag_seconds`.
-pub(crate) fn lag(seconds: f64) {
-    gauge!(LAG).set(seconds);
 }
 
 #[cfg(test)]

@@ -7,6 +7,9 @@ use outbox_pg::HumanDuration;
 use crate::error::{Error, ErrorKind, Result};
 use crate::wal::WalSource;
 
+/// The audit horizon by default ([`audit::DEFAULT_HORIZON`](crate::audit::DEFAULT_HORIZON)).
+pub(crate) const DEFAULT_AUDIT_HORIZON: Duration = Duration::from_secs(15 * 60);
+
 /// Smallest and largest accepted batch.
 pub const BATCH_SIZE_RANGE: std::ops::RangeInclusive<usize> = 1..=5_000;
 
@@ -70,7 +73,7 @@ impl Default for RelayConfig {
             prune_interval: Duration::from_secs(60),
             prune_batch: 1_000,
             batch_bytes: 8 * 1024 * 1024,
-            audit_horizon: Some(crate::audit::DEFAULT_HORIZON),
+            audit_horizon: Some(DEFAULT_AUDIT_HORIZON),
             audit_interval: Duration::from_secs(30),
             audit_rows: 2_000,
             require_durable: false,

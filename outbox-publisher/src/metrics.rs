@@ -44,10 +44,12 @@ use metrics::{
     Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
 };
 
-use crate::sink::FailureKind;
 use crate::store::Stats;
 
 pub(crate) const PUBLISHED: &str = "outbox_published_total";
+pub(crate) const AUDIT_CHECKED: &str = "outbox_audit_checked_total";
+pub(crate) const AUDIT_REPUBLISHED: &str = "outbox_audit_republished_total";
+pub(crate) const AUDIT_LAG: &str = "outbox_audit_lag_seconds";
 pub(crate) const DUPLICATES: &str = "outbox_duplicates_acked_total";
 pub(crate) const FAILURES: &str = "outbox_publish_failures_total";
 pub(crate) const CAPPED: &str = "outbox_capped_rows_total";
@@ -95,9 +97,9 @@ pub const NAMES: &[&str] = &[
     WAL_SLOT_LOST_TOTAL,
     WAL_STRANDED_TOTAL,
     WAL_SLOT_AT_RISK,
-    crate::audit::CHECKED,
-    crate::audit::REPUBLISHED,
-    crate::audit::LAG,
+    AUDIT_CHECKED,
+    AUDIT_REPUBLISHED,
+    AUDIT_LAG,
 ];
 
 /// Registers descriptions and units with the installed recorder. Call once
@@ -145,15 +147,15 @@ pub fn describe() {
         "1 while the relay's last database round trip succeeded, else 0"
     );
     describe_counter!(
-        crate::audit::CHECKED,
+        AUDIT_CHECKED,
         "Published rows whose message the audit read back from the stream"
     );
     describe_counter!(
-        crate::audit::REPUBLISHED,
+        AUDIT_REPUBLISHED,
         "Rows whose acknowledged message the stream lost, made unpublished again to be republished"
     );
     describe_gauge!(
-        crate::audit::LAG,
+        AUDIT_LAG,
         Unit::Seconds,
         "Age of the oldest audit mark (rows published since wait for their check)"
     );
@@ -259,8 +261,32 @@ impl Drop for Published {
     }
 }
 
-pub(crate) fn failed(kind: FailureKind) {
-    counter!(FAILURES, "reason" => kind.as_str()).increment(1);
+/// Counts one failed publish, `reason` its [`FailureKind`](crate::FailureKind)'s label.
+pub(crate) fn failed(reason: &'static str) {
+    counter!(FAILURES, "reason" => reason).increment(1);
+}
+
+/// Registers the audit's metrics at zero, so they are exported before the
+/// first finding.
+pub(crate) fn register_audit() {
+    counter!(AUDIT_CHECKED).increment(0);
+    counter!(AUDIT_REPUBLISHED).increment(0);
+    gauge!(AUDIT_LAG).set(0.0);
+}
+
+/// Counts one row the audit checked.
+pub(crate) fn audit_checked() {
+    counter!(AUDIT_CHECKED).increment(1);
+}
+
+/// Counts one row the audit made unpublished again (its message was lost).
+pub(crate) fn audit_republished() {
+    counter!(AUDIT_REPUBLISHED).increment(1);
+}
+
+/// Sets `outbox_audit_lag_seconds`.
+pub(crate) fn audit_lag(seconds: f64) {
+    gauge!(AUDIT_LAG).set(seconds);
 }
 
 pub(crate) fn capped(n: usize) {

@@ -37,8 +37,8 @@ use serde::Serialize;
 
 use crate::db::Database;
 use crate::error::{Error, ErrorKind, Result};
-use crate::inbox::{cutoff, parse_duration};
 use crate::output::{self, Report};
+use crate::time::{cutoff, parse_duration};
 
 /// Flags of `outboxctl audit`.
 #[derive(Debug, clap::Args)]

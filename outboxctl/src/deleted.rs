@@ -7,7 +7,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use crate::inbox::when;
+use crate::output::when;
 use crate::output::{self, Report};
 
 /// `{dry_run, older_than_seconds, cutoff, consumers: [{consumer, deleted |

@@ -26,6 +26,7 @@ mod inbox;
 mod nats;
 mod outbox;
 mod output;
+mod time;
 mod wal;
 
 use std::process::ExitCode;

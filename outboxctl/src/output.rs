@@ -59,6 +59,14 @@ pub(crate) fn age(seconds: f64) -> String {
     }
 }
 
+/// A timestamp for a table cell.
+pub(crate) fn when(at: Option<chrono::DateTime<chrono::Utc>>) -> String {
+    at.map_or_else(
+        || "-".to_owned(),
+        |at| at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+    )
+}
+
 /// Rows of cells as aligned columns, the first row a header: two spaces
 /// between columns, no borders, no trailing blanks, never wrapped.
 pub(crate) fn table(out: &mut dyn Write, rows: &[Vec<String>]) -> std::io::Result<()> {

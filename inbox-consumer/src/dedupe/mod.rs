@@ -52,8 +52,8 @@ use tower::Service;
 
 use crate::delivery::{Delivery, InTx, Outcome};
 use crate::error::{BoxError, Error, ErrorKind};
+use crate::fence::check_fence;
 use crate::metrics::names;
-use crate::runtime::lease::check_fence;
 
 pub use layer::DedupeLayer;
 pub use timeouts::Timeouts;

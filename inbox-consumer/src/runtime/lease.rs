@@ -42,7 +42,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::lock_holder::Watch;
-use crate::error::{Error, ErrorKind};
+use crate::error::Error;
 
 /// How recently a leader's session must have been confirmed for it to pull.
 pub(crate) const CONFIRM_WINDOW: Duration = Duration::from_secs(1);
@@ -63,37 +63,6 @@ fn ping_every(timeout: Duration) -> Duration {
 /// for the predecessor's last pull to have expired.
 pub(crate) fn takeover_wait() -> Duration {
     CONFIRM_WINDOW + PULL_EXPIRES + Duration::from_millis(250)
-}
-
-/// Checks, inside a leader's handler transaction and just before its commit,
-/// that `epoch` is still the consumer's leader epoch.
-///
-/// # Errors
-/// [`ErrorKind::LeaseLost`] if another replica has taken the lead since;
-/// [`ErrorKind::Database`] if a statement fails.
-pub(crate) async fn check_fence(
-    conn: &mut PgConnection,
-    consumer: &str,
-    epoch: i64,
-) -> Result<(), Error> {
-    sqlx::query_file!("queries/lease_fence_shared.sql", consumer)
-        .execute(&mut *conn)
-        .await
-        .map_err(|e| Error::database("taking the leadership fence", e))?;
-    let current: Option<i64> = sqlx::query_file_scalar!("queries/lease_epoch.sql", consumer)
-        .fetch_optional(&mut *conn)
-        .await
-        .map_err(|e| Error::database("reading the leader epoch", e))?;
-    if current == Some(epoch) {
-        return Ok(());
-    }
-    Err(Error::new(
-        ErrorKind::LeaseLost,
-        format!(
-            "consumer `{consumer}` has a new leader (epoch {}); this transaction of epoch {epoch} rolls back",
-            current.map_or_else(|| "none".to_owned(), |e| e.to_string()),
-        ),
-    ))
 }
 
 /// This replica leads the consumer until [`Tenure::lost`] fires.

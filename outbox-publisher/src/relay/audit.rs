@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::Relay;
-use crate::audit::{self, Audit, Marks};
+use crate::audit::{Audit, Marks};
 use crate::error::Result;
 use crate::sink::Sink;
 
@@ -43,7 +43,7 @@ impl<S: Sink> Relay<S> {
         let (Some(audit), Some(horizon)) = (&self.audit, self.config.audit_horizon) else {
             return;
         };
-        audit::register_metrics();
+        crate::metrics::register_audit();
         let mut marks = Marks::default();
         let mut failing = false;
         while !shutdown.is_cancelled() {
@@ -111,7 +111,7 @@ impl<S: Sink> Relay<S> {
             let shards: Vec<i16> = marks_now.iter().map(|m| m.0).collect();
             for row in audit.check(rows).await? {
                 checked += 1;
-                audit::checked();
+                crate::metrics::audit_checked();
                 if audit.republish(&row).await? {
                     lost += 1;
                 }
@@ -130,7 +130,7 @@ impl<S: Sink> Relay<S> {
         }
         if let Some(oldest) = marks.oldest() {
             let lag = (now - oldest).to_std().unwrap_or_default();
-            audit::lag(lag.as_secs_f64());
+            crate::metrics::audit_lag(lag.as_secs_f64());
         }
         debug!(checked, lost, took = ?started.elapsed(), "audit pass");
         Ok((checked, lost))

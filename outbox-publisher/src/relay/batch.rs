@@ -276,7 +276,7 @@ impl<S: Sink> Relay<S> {
                     }
                 }
                 Outcome::Failed(failure) if failure.kind().is_broker_fault() => {
-                    metrics::failed(failure.kind());
+                    metrics::failed(failure.kind().as_str());
                     broker_faults += 1;
                     first_fault.get_or_insert_with(|| failure.to_string());
                     unresolved.push(row);
@@ -315,7 +315,7 @@ impl<S: Sink> Relay<S> {
     /// again does not capture its type (the operator's fix is on the stream),
     /// waiting a refresh interval in the retry lane at no cost.
     pub(super) fn refusal(&self, row: &ClaimedRow, failure: &PublishFailure) -> Failure {
-        metrics::failed(failure.kind());
+        metrics::failed(failure.kind().as_str());
         if failure.kind().counts_as_attempt() {
             let attempt = u32::try_from(row.attempts).unwrap_or(0).saturating_add(1);
             Failure {

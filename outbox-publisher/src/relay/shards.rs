@@ -41,8 +41,8 @@ use crate::backoff::LoopBackoff;
 use crate::error::Result;
 use crate::store::Store;
 
-/// Shards rows are spread over (the migration's `& 63`).
-pub const SHARDS: usize = 64;
+/// Shards rows are spread over (the migration's `& 63`): [`outbox_pg::SHARDS`].
+pub use outbox_pg::SHARDS;
 /// How often ownership is confirmed and rebalanced.
 pub(crate) const REBALANCE_INTERVAL: Duration = Duration::from_millis(500);
 /// Every owned shard is read from its start again this often, to pick up

@@ -17,7 +17,7 @@ use serde::Serialize;
 
 use crate::db::Database;
 use crate::error::{Error, Result};
-use crate::inbox::when;
+use crate::output::when;
 use crate::output::{self, Report};
 
 /// Flags of `outboxctl dead-letters list`.

@@ -17,8 +17,8 @@ use std::time::Duration;
 use crate::db::Database;
 use crate::deleted::Deleted;
 use crate::error::{Error, ErrorKind, Result};
-use crate::inbox::{cutoff, parse_duration};
 use crate::output;
+use crate::time::{cutoff, parse_duration};
 
 /// Flags of `outboxctl dead-letters purge`.
 #[derive(Debug, clap::Args)]

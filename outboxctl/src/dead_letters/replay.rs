@@ -47,8 +47,9 @@ use serde_json::Value;
 use super::{Row, fetch};
 use crate::db::Database;
 use crate::error::{Error, ErrorKind, Result};
-use crate::inbox::{parse_duration, when};
+use crate::output::when;
 use crate::output::{self, Report};
+use crate::time::parse_duration;
 
 /// Flags of `outboxctl dead-letters replay`.
 #[derive(Debug, clap::Args)]

@@ -15,7 +15,7 @@ use serde_json::Value;
 use super::{Row, fetch};
 use crate::db::Database;
 use crate::error::Result;
-use crate::inbox::when;
+use crate::output::when;
 use crate::output::{self, Report};
 
 /// Flags of `outboxctl dead-letters show`.

@@ -25,9 +25,9 @@ use std::io::Write;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use super::when;
 use crate::db::Database;
 use crate::error::{Error, ErrorKind, Result};
+use crate::output::when;
 use crate::output::{self, Report};
 
 /// The table the owners are recorded in.

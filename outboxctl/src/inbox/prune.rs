@@ -12,11 +12,12 @@
 
 use std::time::Duration;
 
-use super::{cutoff, parse_duration, select_consumers};
+use super::select_consumers;
 use crate::db::Database;
 use crate::deleted::Deleted;
 use crate::error::{Error, ErrorKind, Result};
 use crate::output;
+use crate::time::{cutoff, parse_duration};
 
 /// The shortest window pruned without `--force`.
 const SHORTEST_WINDOW: Duration = Duration::from_secs(60 * 60);

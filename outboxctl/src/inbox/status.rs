@@ -18,9 +18,10 @@ use std::io::Write;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use super::{select_consumers, when};
+use super::select_consumers;
 use crate::db::Database;
 use crate::error::{Error, Result};
+use crate::output::when;
 use crate::output::{self, Report};
 
 /// Flags of `outboxctl inbox status`.

@@ -75,11 +75,6 @@ pub(crate) fn parse_ids(ids: &[String]) -> Result<Vec<Uuid>> {
         .collect()
 }
 
-/// A timestamp as RFC 3339 with seconds, UTC (`2026-01-01T12:00:00Z`).
-pub(crate) fn when(t: &chrono::DateTime<chrono::Utc>) -> String {
-    t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
-}
-
 /// At most `max` characters of `s` on one line, with `…` when cut.
 pub(crate) fn short(s: &str, max: usize) -> String {
     let line: String = s.split_whitespace().collect::<Vec<_>>().join(" ");

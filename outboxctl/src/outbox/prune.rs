@@ -18,9 +18,10 @@ use chrono::{DateTime, Utc};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use super::{TABLE, when};
+use super::TABLE;
 use crate::db::Database;
 use crate::error::{Error, ErrorKind, Result};
+use crate::output::when;
 use crate::output::{Report, print};
 
 /// Flags of `outboxctl prune`.
@@ -131,7 +132,7 @@ impl Report for Pruned {
                 "would delete {} published row{} older than {window} (before {}); nothing deleted (--dry-run)",
                 self.deleted,
                 if self.deleted == 1 { "" } else { "s" },
-                when(&self.cutoff)
+                when(Some(self.cutoff))
             )
         } else {
             writeln!(
@@ -139,7 +140,7 @@ impl Report for Pruned {
                 "deleted {} published row{} older than {window} (before {})",
                 self.deleted,
                 if self.deleted == 1 { "" } else { "s" },
-                when(&self.cutoff)
+                when(Some(self.cutoff))
             )
         }
     }

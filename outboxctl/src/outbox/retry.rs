@@ -19,9 +19,10 @@ use std::io::Write;
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{TABLE, parse_ids, when};
+use super::{TABLE, parse_ids};
 use crate::db::Database;
 use crate::error::{Error, ErrorKind, Result};
+use crate::output::when;
 use crate::output::{Report, print};
 
 /// Flags of `outboxctl retry`.
@@ -113,7 +114,7 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
                     format!(
                         "row {} was skipped at {} by {}: a skipped row is not retried; nothing was changed",
                         r.id,
-                        when(skipped_at),
+                        when(Some(*skipped_at)),
                         r.skipped_by.as_deref().unwrap_or("an unknown operator")
                     ),
                 ));
@@ -124,7 +125,7 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
                     format!(
                         "row {} was published at {}: nothing to retry; nothing was changed",
                         r.id,
-                        when(published_at)
+                        when(Some(*published_at))
                     ),
                 ));
             }

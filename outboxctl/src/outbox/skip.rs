@@ -26,9 +26,10 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{TABLE, parse_ids, shown, when};
+use super::{TABLE, parse_ids, shown};
 use crate::db::Database;
 use crate::error::{Error, ErrorKind, Result};
+use crate::output::when;
 use crate::output::{Report, print};
 
 /// Flags of `outboxctl skip`.
@@ -114,7 +115,7 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
             ErrorKind::InvalidState,
             format!(
                 "row {id} was already skipped at {} by {} ({})",
-                when(skipped_at),
+                when(Some(*skipped_at)),
                 row.skipped_by.as_deref().unwrap_or("an unknown operator"),
                 row.skip_reason.as_deref().unwrap_or("no reason recorded")
             ),
@@ -125,7 +126,7 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
             ErrorKind::InvalidState,
             format!(
                 "row {id} was published at {}: nothing to skip",
-                when(published_at)
+                when(Some(*published_at))
             ),
         ));
     }
@@ -161,7 +162,7 @@ impl Report for Skipped {
             "skipped {} (subject {}) at {} by {}: {}",
             self.id,
             shown(&self.subject),
-            when(&self.skipped_at),
+            when(Some(self.skipped_at)),
             self.skipped_by,
             self.reason
         )?;

@@ -28,14 +28,15 @@ use std::collections::BTreeMap;
 use std::io::Write;
 
 use chrono::{DateTime, Utc};
-use outbox_publisher::relay::shards::SHARDS;
+use outbox_pg::SHARDS;
 use serde::Serialize;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use super::{Cap, TABLE, short, shown, when};
+use super::{Cap, TABLE, short, shown};
 use crate::db::Database;
 use crate::error::{Error, ErrorKind, Result};
+use crate::output::when;
 use crate::output::{Report, age, print, table};
 
 /// Flags of `outboxctl status`.
@@ -409,7 +410,7 @@ impl Report for Status {
                     r.pid.to_string(),
                     r.application_name.clone().unwrap_or_else(|| "-".into()),
                     r.client_addr.clone().unwrap_or_else(|| "local".into()),
-                    r.backend_start.as_ref().map_or_else(|| "-".into(), when),
+                    when(r.backend_start),
                     r.state.clone().unwrap_or_else(|| "-".into()),
                     r.workers.map_or_else(|| "-".into(), |w| w.to_string()),
                     r.shards.len().to_string(),
@@ -433,7 +434,7 @@ impl Report for Status {
                     l.consumer.clone(),
                     l.holder.clone(),
                     l.epoch.to_string(),
-                    l.acquired_at.as_ref().map_or_else(|| "-".into(), when),
+                    when(l.acquired_at),
                     if l.released { "yes" } else { "no" }.to_owned(),
                 ]);
             }

@@ -14,9 +14,10 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{Cap, TABLE, short, shown, when};
+use super::{Cap, TABLE, short, shown};
 use crate::db::Database;
 use crate::error::{Error, Result};
+use crate::output::when;
 use crate::output::{Report, age, print, table};
 
 /// Flags of `outboxctl stuck`.
@@ -115,7 +116,7 @@ impl Report for Stuck {
         ];
         for r in &self.rows {
             let state = match (r.state.as_str(), &r.next_attempt_at) {
-                ("backoff", Some(t)) => format!("backoff until {}", when(t)),
+                ("backoff", Some(t)) => format!("backoff until {}", when(Some(*t))),
                 (s, _) => s.to_owned(),
             };
             let row_age = r.created_at.map_or_else(

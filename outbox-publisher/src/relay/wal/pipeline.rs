@@ -514,7 +514,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
                     }
                 }
                 Outcome::Failed(failure) if failure.kind().is_broker_fault() => {
-                    metrics::failed(failure.kind());
+                    metrics::failed(failure.kind().as_str());
                     faults += 1;
                     first_fault.get_or_insert_with(|| failure.to_string());
                     back.push(row);
