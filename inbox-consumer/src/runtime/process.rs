@@ -46,70 +46,91 @@ where
     S: Service<Delivery, Response = Outcome> + Clone,
     S::Error: Into<BoxError>,
 {
-    let info = delivery.info().clone();
-    let event_id = delivery.id();
-    let event_type = delivery.event_type().as_str().to_owned();
-    let mut attempt = info.delivered;
-    let (result, decision) = loop {
-        let (attempt_service, attempt_delivery) = (service.clone(), delivery.clone());
-        let call = async move {
-            attempt_service
-                .oneshot(attempt_delivery)
-                .await
-                .map_err(Into::into)
-        };
-        let result = match with_progress(panics::catch(call), &message, &shared.config).await {
-            Ok(result) => result,
-            Err(panicked) => {
-                panics::count(&info.consumer, &event_type);
-                Err(BoxError::from(panicked))
-            }
-        };
-        let decision = ack::decide(&result, attempt, &shared.config);
-        match decision {
+    let mut attempt = delivery.info().delivered;
+    loop {
+        let result = call(&shared, service.clone(), &message, &delivery).await;
+        match ack::decide(&result, attempt, &shared.config) {
             Decision::Nak(delay) if shared.config.ordered => {
-                if let Some(panicked) = panicked(&result) {
-                    log_panic(&delivery, attempt, panicked, Next::InPlace(delay));
-                } else if refused(&result) {
-                    let error = result.err().map(|e| e.to_string()).unwrap_or_default();
-                    tracing::error!(
-                        consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
-                        stream_sequence = info.stream_sequence, attempt, retry_in = ?delay, error = %error,
-                        "the consumer's database role lacks a privilege: rolled back, retried in place until it is granted (never dead-lettered)",
-                    );
-                } else {
-                    let error = result.err().map(|e| e.to_string()).unwrap_or_default();
-                    tracing::warn!(
-                        consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
-                        subject = delivery.subject(), stream_sequence = info.stream_sequence,
-                        attempt, retry_in = ?delay, error = %error,
-                        "delivery failed and rolled back; retried in place, its subject waits",
-                    );
-                }
-                let wait = async {
-                    tokio::select! {
-                        () = tokio::time::sleep(delay) => true,
-                        _ = stopping.wait_for(|stop| *stop) => false,
-                    }
-                };
-                if !with_progress(wait, &message, &shared.config).await {
-                    tracing::info!(
-                        consumer = %info.consumer, event_id = %event_id, stream_sequence = info.stream_sequence,
-                        "shutting down: the retry is left to the next leader",
-                    );
+                log_failure(&delivery, attempt, &result, Next::InPlace(delay));
+                if !wait_in_place(&shared, &message, &delivery, delay, &mut stopping).await {
                     return false;
                 }
                 attempt = attempt.saturating_add(1);
             }
-            decision => break (result, decision),
+            decision => {
+                return settle(&shared, &message, &delivery, attempt, result, decision).await;
+            }
+        }
+    }
+}
+
+/// One call of the service (→ commit), in-progress acks sent while it runs;
+/// a panic fails it like an error, and is counted.
+async fn call<S>(
+    shared: &Shared,
+    service: S,
+    message: &jetstream::Message,
+    delivery: &Delivery,
+) -> Result<Outcome, BoxError>
+where
+    S: Service<Delivery, Response = Outcome>,
+    S::Error: Into<BoxError>,
+{
+    let attempt = service.oneshot(delivery.clone());
+    let call = async move { attempt.await.map_err(Into::into) };
+    match with_progress(panics::catch(call), message, &shared.config).await {
+        Ok(result) => result,
+        Err(panicked) => {
+            panics::count(&delivery.info().consumer, delivery.event_type().as_str());
+            Err(BoxError::from(panicked))
+        }
+    }
+}
+
+/// An ordered consumer's pause before it tries a failed delivery again in
+/// place, in-progress acks sent meanwhile. False if shutdown came first: the
+/// retry is left to the next leader.
+async fn wait_in_place(
+    shared: &Shared,
+    message: &jetstream::Message,
+    delivery: &Delivery,
+    delay: Duration,
+    stopping: &mut watch::Receiver<bool>,
+) -> bool {
+    let wait = async {
+        tokio::select! {
+            () = tokio::time::sleep(delay) => true,
+            _ = stopping.wait_for(|stop| *stop) => false,
         }
     };
+    if with_progress(wait, message, &shared.config).await {
+        return true;
+    }
+    let info = delivery.info();
+    tracing::info!(
+        consumer = %info.consumer, event_id = %delivery.id(), stream_sequence = info.stream_sequence,
+        "shutting down: the retry is left to the next leader",
+    );
+    false
+}
+
+/// Carries out `decision` on the message: ack (after commit), nak, dead
+/// letter, or leave it. Returns whether the message is finished.
+async fn settle(
+    shared: &Shared,
+    message: &jetstream::Message,
+    delivery: &Delivery,
+    attempt: u64,
+    result: Result<Outcome, BoxError>,
+    decision: Decision,
+) -> bool {
+    let info = delivery.info();
     match decision {
         Decision::Ack(_) => {
             // The transaction has committed: only now is the message acked.
-            if let Err(e) = ack::send(&message, AckKind::Ack, shared.config.ack_timeout).await {
+            if let Err(e) = ack::send(message, AckKind::Ack, shared.config.ack_timeout).await {
                 tracing::warn!(
-                    consumer = %info.consumer, event_id = %event_id, stream_sequence = info.stream_sequence,
+                    consumer = %info.consumer, event_id = %delivery.id(), stream_sequence = info.stream_sequence,
                     error = %e,
                     "ack failed after commit; the redelivery will be a duplicate",
                 );
@@ -117,67 +138,53 @@ where
             true
         }
         Decision::Unrouted => {
-            metrics::counter!(
-                names::UNROUTED,
-                "consumer" => info.consumer.clone(),
-                "event_type" => event_type.clone(),
-            )
-            .increment(1);
-            tracing::debug!(
-                consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
-                "no route for this event type: acked without an effect",
-            );
-            if let Err(e) = ack::send(&message, AckKind::Ack, shared.config.ack_timeout).await {
-                tracing::warn!(
-                    consumer = %info.consumer, event_id = %event_id, error = %e,
-                    "ack of an unrouted message failed; it will be redelivered",
-                );
-            }
+            ack_unrouted(shared, message, delivery).await;
             true
         }
         Decision::Nak(delay) => {
-            if let Some(panicked) = panicked(&result) {
-                log_panic(&delivery, attempt, panicked, Next::Redelivery(delay));
-                nak(&message, &info, delay, &shared.config).await;
-                return false;
-            }
-            let refused = refused(&result);
-            let error = result.err().map(|e| e.to_string()).unwrap_or_default();
-            if refused {
-                tracing::error!(
-                    consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
-                    stream_sequence = info.stream_sequence, retry_in = ?delay, error = %error,
-                    "the consumer's database role lacks a privilege: rolled back, redelivered until it is granted (never dead-lettered)",
-                );
-                nak(&message, &info, delay, &shared.config).await;
-                return false;
-            }
-            tracing::warn!(
-                consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
-                subject = delivery.subject(), stream_sequence = info.stream_sequence, delivered = info.delivered,
-                retry_in = ?delay, error = %error,
-                "delivery failed and rolled back; it will be redelivered",
-            );
-            nak(&message, &info, delay, &shared.config).await;
+            log_failure(delivery, attempt, &result, Next::Redelivery(delay));
+            nak(message, info, delay, &shared.config).await;
             false
         }
         Decision::DeadLetter(reason) => {
             if let Some(panicked) = panicked(&result) {
-                log_panic(&delivery, attempt, panicked, Next::DeadLetter);
+                log_panic(delivery, attempt, panicked, Next::DeadLetter);
             }
             let error = result
                 .err()
                 .map(|e| error_chain(e.as_ref()))
                 .unwrap_or_default();
-            dead_letter(&shared, &message, &info, Some(event_id), reason, error).await
+            dead_letter(shared, message, info, Some(delivery.id()), reason, error).await
         }
         Decision::Abandon => {
             tracing::info!(
-                consumer = %info.consumer, event_id = %event_id, stream_sequence = info.stream_sequence,
+                consumer = %info.consumer, event_id = %delivery.id(), stream_sequence = info.stream_sequence,
                 "another replica leads now: rolled back, left for it",
             );
             false
         }
+    }
+}
+
+/// Acks a message no route handles, counted, without an effect.
+async fn ack_unrouted(shared: &Shared, message: &jetstream::Message, delivery: &Delivery) {
+    let info = delivery.info();
+    let event_type = delivery.event_type().as_str();
+    metrics::counter!(
+        names::UNROUTED,
+        "consumer" => info.consumer.clone(),
+        "event_type" => event_type.to_owned(),
+    )
+    .increment(1);
+    tracing::debug!(
+        consumer = %info.consumer, event_id = %delivery.id(), event_type = %event_type,
+        "no route for this event type: acked without an effect",
+    );
+    if let Err(e) = ack::send(message, AckKind::Ack, shared.config.ack_timeout).await {
+        tracing::warn!(
+            consumer = %info.consumer, event_id = %delivery.id(), error = %e,
+            "ack of an unrouted message failed; it will be redelivered",
+        );
     }
 }
 
@@ -362,12 +369,67 @@ fn log_panic(delivery: &Delivery, attempt: u64, panicked: &Panicked, next: Next)
     }
 }
 
-/// Whether the delivery failed on a privilege the role lacks (SQLSTATE 42501).
-fn refused(result: &Result<Outcome, BoxError>) -> bool {
-    result
-        .as_ref()
-        .err()
-        .is_some_and(|e| outbox_pg::is_insufficient_privilege(e.as_ref()))
+/// Why an attempt failed, as its log line tells it.
+#[derive(Debug)]
+enum Failure<'a> {
+    /// The service call panicked.
+    Panicked(&'a Panicked),
+    /// The role lacks a privilege (SQLSTATE 42501): retried until it is
+    /// granted, never dead-lettered.
+    Refused(&'a BoxError),
+    /// Anything else.
+    Failed(&'a BoxError),
+}
+
+impl<'a> Failure<'a> {
+    /// The failure of `result`; `None` if it succeeded.
+    fn of(result: &'a Result<Outcome, BoxError>) -> Option<Self> {
+        let error = result.as_ref().err()?;
+        Some(if let Some(panicked) = error.downcast_ref::<Panicked>() {
+            Self::Panicked(panicked)
+        } else if outbox_pg::is_insufficient_privilege(error.as_ref()) {
+            Self::Refused(error)
+        } else {
+            Self::Failed(error)
+        })
+    }
+}
+
+/// The runtime's one line for a failed attempt that will be tried again
+/// (`next`: in place, or by redelivery).
+fn log_failure(delivery: &Delivery, attempt: u64, result: &Result<Outcome, BoxError>, next: Next) {
+    let info = delivery.info();
+    let (event_id, event_type) = (delivery.id(), delivery.event_type());
+    let in_place = matches!(next, Next::InPlace(_));
+    let (Next::InPlace(delay) | Next::Redelivery(delay)) = next else {
+        return;
+    };
+    match Failure::of(result) {
+        None => {}
+        Some(Failure::Panicked(panicked)) => log_panic(delivery, attempt, panicked, next),
+        Some(Failure::Refused(error)) if in_place => tracing::error!(
+            consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
+            stream_sequence = info.stream_sequence, attempt, retry_in = ?delay, error = %error,
+            "the consumer's database role lacks a privilege: rolled back, retried in place until it is granted (never dead-lettered)",
+        ),
+        Some(Failure::Refused(error)) => tracing::error!(
+            consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
+            stream_sequence = info.stream_sequence, retry_in = ?delay, error = %error,
+            "the consumer's database role lacks a privilege: rolled back, redelivered until it is granted (never dead-lettered)",
+        ),
+        Some(Failure::Failed(error)) if in_place => tracing::warn!(
+            consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
+            subject = delivery.subject(), stream_sequence = info.stream_sequence,
+            attempt, retry_in = ?delay, error = %error,
+            "delivery failed and rolled back; retried in place, its subject waits",
+        ),
+        Some(Failure::Failed(error)) => tracing::warn!(
+            consumer = %info.consumer, event_id = %event_id, event_type = %event_type,
+            subject = delivery.subject(), stream_sequence = info.stream_sequence, delivered = info.delivered,
+            retry_in = ?delay, error = %error,
+            "delivery failed and rolled back; it will be redelivered",
+        ),
+    }
 }
 
 /// `error: cause: cause…`, for the dead-letter row.
@@ -383,4 +445,43 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
         source = cause.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_failure_is_told_apart_as_a_panic_or_an_error() {
+        // A refusal (SQLSTATE 42501) needs a server to raise it: tests/roles.rs.
+
+        let ok: Result<Outcome, BoxError> = Ok(Outcome::Handled);
+        assert!(Failure::of(&ok).is_none());
+
+        let panicked = panics::catch(async { panic!("boom") }).await.unwrap_err();
+        let result: Result<Outcome, BoxError> = Err(BoxError::from(panicked));
+        match Failure::of(&result) {
+            Some(Failure::Panicked(p)) => assert_eq!(p.message(), "boom"),
+            other => panic!("not a panic: {other:?}"),
+        }
+
+        let result: Result<Outcome, BoxError> = Err(BoxError::from(sqlx::Error::PoolTimedOut));
+        assert!(matches!(Failure::of(&result), Some(Failure::Failed(_))));
+    }
+
+    #[test]
+    fn the_error_chain_names_each_cause_once() {
+        let inner = crate::Error::database("inserting the inbox row", sqlx::Error::PoolTimedOut);
+        let outer = crate::HandlerError::retry(inner);
+        let text = error_chain(&outer);
+        assert!(
+            text.starts_with("handler failed: inserting the inbox row: "),
+            "{text}"
+        );
+        assert_eq!(
+            text.matches("pool timed out").count(),
+            1,
+            "a cause its wrapper already shows is not repeated: {text}"
+        );
+    }
 }
