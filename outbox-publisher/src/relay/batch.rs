@@ -105,6 +105,68 @@ pub(super) enum Outcome {
     Unresolved,
 }
 
+/// Rows a claim reads from each checked-out shard, in `had_rows`' order.
+///
+/// The batch is shared by the shards that had rows at their last read; the
+/// others are read a few rows deep ([`MIN_PER_SHARD`]), enough to notice new
+/// rows. So a backlog left in a few shards (the end of a drain, a few busy
+/// entities) is still read in full batches.
+fn claim_limits(had_rows: &[bool], batch_size: usize) -> Vec<i32> {
+    let busy = had_rows.iter().filter(|&&b| b).count().max(1);
+    let idle = batch_size.min(MIN_PER_SHARD);
+    let per_busy = batch_size.div_ceil(busy).max(idle);
+    had_rows
+        .iter()
+        .map(|&b| i32::try_from(if b { per_busy } else { idle }).unwrap_or(i32::MAX))
+        .collect()
+}
+
+/// Main-lane rows read per shard, and the highest `seq` read.
+fn main_lane_reads(rows: &[ClaimedRow]) -> HashMap<i16, (usize, i64)> {
+    let mut read: HashMap<i16, (usize, i64)> = HashMap::new();
+    for row in rows.iter().filter(|r| !r.retry) {
+        let e = read.entry(row.shard).or_insert((0, 0));
+        e.0 += 1;
+        e.1 = e.1.max(row.seq);
+    }
+    read
+}
+
+/// Where each of `shards`' cursors moves after a batch: up to `settled`, not
+/// past the last main-lane row read when the shard read its whole limit (it
+/// may have more), never past an unresolved main-lane row (the next batch
+/// reads it again).
+fn cursor_moves(
+    shards: &[i16],
+    limits: &[i32],
+    settled: i64,
+    read: &HashMap<i16, (usize, i64)>,
+    unresolved: &[ClaimedRow],
+) -> Vec<i64> {
+    let mut stop: HashMap<i16, i64> = HashMap::new();
+    for row in unresolved.iter().filter(|r| !r.retry) {
+        let e = stop.entry(row.shard).or_insert(i64::MAX);
+        *e = (*e).min(row.seq - 1);
+    }
+    shards
+        .iter()
+        .zip(limits)
+        .map(|(shard, &limit)| {
+            let mut to = settled;
+            let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+            if let Some(&(n, last)) = read.get(shard)
+                && n >= limit
+            {
+                to = to.min(last);
+            }
+            if let Some(&s) = stop.get(shard) {
+                to = to.min(s);
+            }
+            to
+        })
+        .collect()
+}
+
 impl<S: Sink> Relay<S> {
     /// Claims from `checkout`'s shards, publishes, marks, and advances cursors.
     pub(super) async fn run_batch(&self, checkout: &Checkout<'_>) -> Result<BatchReport> {
@@ -117,22 +179,7 @@ impl<S: Sink> Relay<S> {
         let main_until = self.main_until.load(std::sync::atomic::Ordering::Acquire);
         let settled = self.horizon.settled().min(main_until);
         let cursors = checkout.cursors(epoch);
-        // The batch is shared by the shards that had rows at their last read;
-        // the others are read a few rows deep, enough to notice new rows. So a
-        // backlog left in a few shards (the end of a drain, a few busy
-        // entities) is still read in full batches.
-        let had_rows = checkout.had_rows();
-        let busy = had_rows.iter().filter(|&&b| b).count().max(1);
-        let per_busy = self
-            .config
-            .batch_size
-            .div_ceil(busy)
-            .max(self.config.batch_size.min(MIN_PER_SHARD));
-        let idle = self.config.batch_size.min(MIN_PER_SHARD);
-        let limits: Vec<i32> = had_rows
-            .iter()
-            .map(|&b| i32::try_from(if b { per_busy } else { idle }).unwrap_or(i32::MAX))
-            .collect();
+        let limits = claim_limits(&checkout.had_rows(), self.config.batch_size);
         let max_payload = self.sink.max_payload();
         let started = Instant::now();
         let rows = self
@@ -164,43 +211,17 @@ impl<S: Sink> Relay<S> {
                 .config
                 .lease
                 .saturating_sub(self.config.publish_timeout);
-
-        // Sort rows out: deferred, unresolved, or to publish (per subject, in
-        // seq order; a subject stops at its first row that is not published).
         let mut report = BatchReport {
             claimed: rows.len(),
             ..BatchReport::default()
         };
-        // Main-lane rows read per shard, and the highest seq read.
-        let mut read: HashMap<i16, (usize, i64)> = HashMap::new();
-        for row in rows.iter().filter(|r| !r.retry) {
-            let e = read.entry(row.shard).or_insert((0, 0));
-            e.0 += 1;
-            e.1 = e.1.max(row.seq);
-        }
+        let read = main_lane_reads(&rows);
         let unresolved = self
             .publish_rows(rows, deadline, max_payload, &mut report, None)
             .await?;
-
-        // Cursors: up to the settled horizon, not past the last main-lane row
-        // read when the shard had more, never past an unresolved row.
-        let mut stop: HashMap<i16, i64> = HashMap::new();
-        for row in unresolved.iter().filter(|r| !r.retry) {
-            let e = stop.entry(row.shard).or_insert(i64::MAX);
-            *e = (*e).min(row.seq - 1);
-        }
-        for (i, &shard) in checkout.ids().iter().enumerate() {
-            let mut to = settled;
-            let limit = usize::try_from(limits[i]).unwrap_or(usize::MAX);
+        let moves = cursor_moves(checkout.ids(), &limits, settled, &read, &unresolved);
+        for (&shard, to) in checkout.ids().iter().zip(moves) {
             checkout.set_had_rows(shard, read.contains_key(&shard));
-            if let Some(&(n, last)) = read.get(&shard)
-                && n >= limit
-            {
-                to = to.min(last);
-            }
-            if let Some(&s) = stop.get(&shard) {
-                to = to.min(s);
-            }
             checkout.advance(shard, to, epoch);
         }
         self.tick_horizon().await?;
@@ -537,4 +558,63 @@ fn published(
             position,
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(shard: i16, seq: i64, retry: bool) -> ClaimedRow {
+        ClaimedRow {
+            shard,
+            seq,
+            retry,
+            ..ClaimedRow::sample()
+        }
+    }
+
+    #[test]
+    fn the_batch_is_shared_by_the_shards_that_had_rows() {
+        // Two busy shards share 100; the idle ones look 16 rows deep.
+        assert_eq!(
+            claim_limits(&[true, false, true, false], 100),
+            [50, 16, 50, 16]
+        );
+        // None busy: each looks 16 rows deep.
+        assert_eq!(claim_limits(&[false, false], 100), [16, 16]);
+        // A busy shard never reads fewer than an idle one.
+        assert_eq!(claim_limits(&[true; 10], 100), [16; 10]);
+        // A batch smaller than the idle depth bounds both.
+        assert_eq!(claim_limits(&[true, false], 8), [8, 8]);
+    }
+
+    #[test]
+    fn cursors_stop_at_the_settled_horizon_a_full_read_and_an_unresolved_row() {
+        let rows = [
+            row(1, 10, false),
+            row(1, 12, false),
+            row(2, 20, false),
+            row(2, 25, false),
+            row(3, 5, true), // the retry lane moves no cursor
+        ];
+        let read = main_lane_reads(&rows);
+        assert_eq!(read[&1], (2, 12));
+        assert_eq!(read[&2], (2, 25));
+        assert!(!read.contains_key(&3));
+        let shards = [1, 2, 3, 4];
+        // Shard 1 read its whole limit (2): it may have more past seq 12.
+        // Shard 2 read less than its limit, but seq 20 is unresolved.
+        // Shards 3 and 4 go to the settled horizon.
+        let limits = [2, 16, 16, 16];
+        let unresolved = [row(2, 20, false), row(3, 4, true)];
+        assert_eq!(
+            cursor_moves(&shards, &limits, 100, &read, &unresolved),
+            [12, 19, 100, 100]
+        );
+        // Nothing unresolved and nothing full: all to the horizon.
+        assert_eq!(
+            cursor_moves(&shards, &[16; 4], 30, &read, &[]),
+            [30, 30, 30, 30]
+        );
+    }
 }
