@@ -84,99 +84,29 @@ where
     S::Error: Into<BoxError>,
     S::Future: Send,
 {
-    let mut results: Vec<Option<Result<Outcome, BoxError>>> =
-        deliveries.iter().map(|_| None).collect();
-    let consumer = deliveries
-        .first()
-        .map(|d| d.consumer().to_owned())
-        .unwrap_or_default();
-    let mut rows: Vec<Row> = Vec::with_capacity(deliveries.len());
-    let mut repeated = Vec::new();
-    let mut seen = HashSet::with_capacity(deliveries.len());
-    for (index, delivery) in deliveries.iter().enumerate() {
-        if delivery.consumer() != consumer {
-            results[index] = Some(Err(Box::new(Error::new(
-                ErrorKind::Config,
-                format!(
-                    "a batch holds deliveries of one consumer: `{}` in a batch of `{consumer}`",
-                    delivery.consumer()
-                ),
-            ))));
-            continue;
-        }
-        match sequence_column(delivery.envelope().sequence()) {
-            Err(e) => results[index] = Some(Err(Box::new(e))),
-            Ok(_) if !seen.insert(delivery.id()) => repeated.push(index),
-            Ok(sequence) => rows.push((index, sequence)),
-        }
-    }
+    let Sorted {
+        consumer,
+        mut rows,
+        mut duplicates,
+        mut results,
+    } = sort_out(&deliveries);
     let epoch = deliveries.iter().find_map(Delivery::leader_epoch);
-    let mut duplicates = repeated;
     while !rows.is_empty() {
         let mut tx = begin_tx(&pool, begin.clone()).await?;
         let fresh = insert(&mut tx, &consumer, &deliveries, &rows).await?;
-        let mut handled = Vec::with_capacity(rows.len());
-        let mut tx = Some(tx);
-        let mut failed = None;
-        let mut in_group = HashSet::new();
-        for (position, &(index, _)) in rows.iter().enumerate() {
-            let delivery = &deliveries[index];
-            if !fresh.contains(delivery.id().as_uuid()) {
-                handled.push((index, Outcome::Duplicate));
-                continue;
-            }
-            if in_group.contains(&index) {
-                continue;
-            }
-            let Some(open) = tx.take() else { break };
-            let event_type = delivery.event_type().as_str();
-            if let Some(route) = groups.as_ref().and_then(|g| g.get(event_type)) {
-                let members: Vec<usize> = rows[position..]
-                    .iter()
-                    .map(|&(i, _)| i)
-                    .filter(|&i| {
-                        let d = &deliveries[i];
-                        d.event_type().as_str() == event_type && fresh.contains(d.id().as_uuid())
-                    })
-                    .collect();
-                let group = members.iter().map(|&i| deliveries[i].clone()).collect();
-                match route.clone().oneshot(InTx::new(open, group)).await {
-                    Ok(back) => {
-                        tx = Some(back.into_parts().0);
-                        for &i in &members {
-                            in_group.insert(i);
-                            handled.push((i, Outcome::Handled));
-                        }
-                        continue;
-                    }
-                    // Which event failed is not known: the runtime retries
-                    // each delivery alone.
-                    Err(e) if members.len() > 1 => return Err(e),
-                    Err(e) => {
-                        failed = Some((position, e));
-                        break;
-                    }
-                }
-            }
-            match call(&mut inner, InTx::new(open, delivery.clone())).await {
-                Ok(back) => {
-                    let (open, outcome) = back.into_parts();
-                    tx = Some(open);
-                    handled.push((index, outcome));
-                }
-                Err(e) => {
-                    failed = Some((position, e));
-                    break;
-                }
-            }
-        }
-        match (failed, tx) {
-            (Some((position, error)), _) => {
+        let batch = Pass {
+            deliveries: &deliveries,
+            rows: &rows,
+            fresh: &fresh,
+            groups: groups.as_ref(),
+        };
+        match batch.run(&mut inner, tx).await? {
+            Passed::Failed(position, error) => {
                 // The transaction is gone (rolled back): run the others again.
                 let (index, _) = rows.remove(position);
                 results[index] = Some(Err(error));
             }
-            (None, Some(tx)) => {
+            Passed::Handled(tx, handled) => {
                 commit(tx, &consumer, epoch).await?;
                 for (index, outcome) in handled {
                     if outcome == Outcome::Duplicate {
@@ -186,10 +116,9 @@ where
                 }
                 break;
             }
-            (None, None) => unreachable_state()?,
         }
     }
-    for index in duplicates {
+    for &index in &duplicates {
         note_duplicate(&deliveries[index]);
         results[index] = Some(Ok(Outcome::Duplicate));
     }
@@ -204,6 +133,151 @@ where
             })
         })
         .collect())
+}
+
+/// A batch's deliveries sorted out before any statement: the ones to write
+/// and handle, the repeated ones, and those failed already.
+#[derive(Debug)]
+struct Sorted {
+    /// The batch's consumer: the first delivery's.
+    consumer: String,
+    /// To write and handle, in the batch's order.
+    rows: Vec<Row>,
+    /// A copy of an earlier delivery of the batch (same event id).
+    duplicates: Vec<usize>,
+    /// Per delivery: its result if it has one already (another consumer's,
+    /// a sequence the inbox cannot store).
+    results: Vec<Option<Result<Outcome, BoxError>>>,
+}
+
+/// Sorts `deliveries` out (see [`Sorted`]).
+fn sort_out(deliveries: &[Delivery]) -> Sorted {
+    let mut sorted = Sorted {
+        consumer: deliveries
+            .first()
+            .map(|d| d.consumer().to_owned())
+            .unwrap_or_default(),
+        rows: Vec::with_capacity(deliveries.len()),
+        duplicates: Vec::new(),
+        results: deliveries.iter().map(|_| None).collect(),
+    };
+    let mut seen = HashSet::with_capacity(deliveries.len());
+    for (index, delivery) in deliveries.iter().enumerate() {
+        if delivery.consumer() != sorted.consumer {
+            sorted.results[index] = Some(Err(Box::new(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "a batch holds deliveries of one consumer: `{}` in a batch of `{}`",
+                    delivery.consumer(),
+                    sorted.consumer
+                ),
+            ))));
+            continue;
+        }
+        match sequence_column(delivery.envelope().sequence()) {
+            Err(e) => sorted.results[index] = Some(Err(Box::new(e))),
+            Ok(_) if !seen.insert(delivery.id()) => sorted.duplicates.push(index),
+            Ok(sequence) => sorted.rows.push((index, sequence)),
+        }
+    }
+    sorted
+}
+
+/// The fresh deliveries of `event_type` among `rows`, by index: a batch
+/// handler's group.
+fn group_of(
+    rows: &[Row],
+    deliveries: &[Delivery],
+    event_type: &str,
+    fresh: &HashSet<Uuid>,
+) -> Vec<usize> {
+    rows.iter()
+        .map(|&(i, _)| i)
+        .filter(|&i| {
+            let d = &deliveries[i];
+            d.event_type().as_str() == event_type && fresh.contains(d.id().as_uuid())
+        })
+        .collect()
+}
+
+/// One pass over a batch's rows, in one transaction whose inbox rows are
+/// written (`fresh`: the ones that were not there yet).
+struct Pass<'a> {
+    deliveries: &'a [Delivery],
+    rows: &'a [Row],
+    fresh: &'a HashSet<Uuid>,
+    groups: Option<&'a Groups>,
+}
+
+/// How a [`Pass`] ended.
+enum Passed {
+    /// Every row handled (or a duplicate): the transaction, to commit.
+    Handled(PgTransaction<'static>, Vec<(usize, Outcome)>),
+    /// The row at this position failed; the transaction is gone.
+    Failed(usize, BoxError),
+}
+
+impl Pass<'_> {
+    /// Runs each fresh row's handler (a batch handler's group at its first
+    /// row) in `tx`, in order, until one fails.
+    ///
+    /// # Errors
+    /// A group of more than one that failed: which of its events caused it
+    /// is not known, so the runtime retries each delivery alone.
+    async fn run<S>(&self, inner: &mut S, tx: PgTransaction<'static>) -> Result<Passed, BoxError>
+    where
+        S: tower::Service<InTx<Delivery>, Response = InTx<Outcome>> + Send,
+        S::Error: Into<BoxError>,
+        S::Future: Send,
+    {
+        let mut handled = Vec::with_capacity(self.rows.len());
+        let mut tx = tx;
+        let mut in_group = HashSet::new();
+        for (position, &(index, _)) in self.rows.iter().enumerate() {
+            let delivery = &self.deliveries[index];
+            if !self.fresh.contains(delivery.id().as_uuid()) {
+                handled.push((index, Outcome::Duplicate));
+                continue;
+            }
+            if in_group.contains(&index) {
+                continue;
+            }
+            let event_type = delivery.event_type().as_str();
+            if let Some(route) = self.groups.and_then(|g| g.get(event_type)) {
+                let members = group_of(
+                    &self.rows[position..],
+                    self.deliveries,
+                    event_type,
+                    self.fresh,
+                );
+                let group = members
+                    .iter()
+                    .map(|&i| self.deliveries[i].clone())
+                    .collect();
+                match route.clone().oneshot(InTx::new(tx, group)).await {
+                    Ok(back) => {
+                        tx = back.into_parts().0;
+                        for &i in &members {
+                            in_group.insert(i);
+                            handled.push((i, Outcome::Handled));
+                        }
+                        continue;
+                    }
+                    Err(e) if members.len() > 1 => return Err(e),
+                    Err(e) => return Ok(Passed::Failed(position, e)),
+                }
+            }
+            match call(inner, InTx::new(tx, delivery.clone())).await {
+                Ok(back) => {
+                    let (open, outcome) = back.into_parts();
+                    tx = open;
+                    handled.push((index, outcome));
+                }
+                Err(e) => return Ok(Passed::Failed(position, e)),
+            }
+        }
+        Ok(Passed::Handled(tx, handled))
+    }
 }
 
 /// Drives the inner service once (ready, then call).
@@ -257,10 +331,56 @@ async fn insert(
     Ok(inserted.into_iter().collect())
 }
 
-/// Neither a failure nor a transaction: cannot happen, reported rather than panicking.
-fn unreachable_state() -> Result<(), Error> {
-    Err(Error::new(
-        ErrorKind::Database,
-        "the batch's transaction was lost without an error",
-    ))
+#[cfg(test)]
+mod tests {
+    use outbox_pg::Envelope;
+
+    use super::*;
+    use crate::delivery::DeliveryInfo;
+
+    fn delivery(consumer: &str, event_type: &str) -> Delivery {
+        let env = Envelope::new(event_type, "svc", "s1", serde_json::json!({})).unwrap();
+        Delivery::new(env, DeliveryInfo::new(consumer))
+    }
+
+    #[test]
+    fn a_batch_is_sorted_into_rows_repeats_and_refusals_before_any_statement() {
+        let first = delivery("c1", "a.one");
+        let deliveries = vec![
+            first.clone(),
+            delivery("c2", "a.one"),
+            first,
+            delivery("c1", "a.two"),
+        ];
+        let sorted = sort_out(&deliveries);
+        assert_eq!(sorted.consumer, "c1");
+        assert_eq!(sorted.rows, [(0, None), (3, None)]);
+        assert_eq!(
+            sorted.duplicates,
+            [2],
+            "the same event id again in the batch"
+        );
+        let refused = sorted.results[1].as_ref().unwrap().as_ref().unwrap_err();
+        assert!(
+            refused.to_string().contains("`c2` in a batch of `c1`"),
+            "{refused}"
+        );
+        assert!(sorted.results[0].is_none() && sorted.results[3].is_none());
+    }
+
+    #[test]
+    fn a_group_is_the_fresh_deliveries_of_its_type_from_its_first_row_on() {
+        let deliveries = vec![
+            delivery("c1", "a.one"),
+            delivery("c1", "a.two"),
+            delivery("c1", "a.one"),
+            delivery("c1", "a.one"),
+        ];
+        let rows: Vec<Row> = (0..4).map(|i| (i, None)).collect();
+        // The last one was in the inbox already.
+        let fresh: HashSet<Uuid> = deliveries[..3].iter().map(|d| *d.id().as_uuid()).collect();
+        assert_eq!(group_of(&rows, &deliveries, "a.one", &fresh), [0, 2]);
+        assert_eq!(group_of(&rows[1..], &deliveries, "a.one", &fresh), [2]);
+        assert_eq!(group_of(&rows, &deliveries, "a.two", &fresh), [1]);
+    }
 }
