@@ -111,6 +111,20 @@ struct Stored {
     subject: String,
 }
 
+impl Stored {
+    /// What `message` says: its `Nats-Msg-Id` and subject.
+    fn of(message: &jetstream::Message) -> Self {
+        Self {
+            id: message
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("Nats-Msg-Id"))
+                .map(|v| v.as_str().to_owned()),
+            subject: message.subject.to_string(),
+        }
+    }
+}
+
 /// What `stored` (the message at the row's sequence, if any) says of `row`.
 fn judge(row: &AuditedRow, stored: Option<&Stored>) -> Finding {
     match stored {
@@ -594,15 +608,23 @@ impl Audit {
         if lo > hi {
             return Ok(out);
         }
-        let failed = |what: &str, e: Option<crate::BoxError>| {
-            self.broker(
-                format!(
-                    "reading sequences {lo}..={hi} of stream `{}`: {what}",
-                    self.stream
-                ),
-                e,
-            )
-        };
+        let consumer = self.range_consumer(stream, lo, hi).await?;
+        let name = consumer.cached_info().name.clone();
+        let read = self.read_headers(&consumer, lo, hi, &mut out).await;
+        // Best effort: an ephemeral consumer left behind goes by itself
+        // once idle.
+        let _ = tokio::time::timeout(self.read_timeout, stream.delete_consumer(&name)).await;
+        read.map(|()| out)
+    }
+
+    /// An ephemeral consumer reading headers only from `lo` on, unacked, in
+    /// memory, gone by itself once idle.
+    async fn range_consumer(
+        &self,
+        stream: &jetstream::stream::Stream,
+        lo: u64,
+        hi: u64,
+    ) -> Result<jetstream::consumer::PullConsumer> {
         let config = jetstream::consumer::pull::Config {
             deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
                 start_sequence: lo,
@@ -613,73 +635,79 @@ impl Audit {
             inactive_threshold: RANGE_CONSUMER_IDLE,
             ..Default::default()
         };
-        let consumer = tokio::time::timeout(self.read_timeout, stream.create_consumer(config))
+        tokio::time::timeout(self.read_timeout, stream.create_consumer(config))
             .await
-            .map_err(|_| failed("no answer creating a consumer", None))?
-            .map_err(|e| failed(&format!("creating a consumer: {e}"), Some(e.into())))?;
-        let name = consumer.cached_info().name.clone();
+            .map_err(|_| self.range_failed(lo, hi, "no answer creating a consumer", None))?
+            .map_err(|e| {
+                self.range_failed(lo, hi, &format!("creating a consumer: {e}"), Some(e.into()))
+            })
+    }
+
+    /// Reads what `consumer` delivers up to sequence `hi` into `out`, by
+    /// stream sequence, in fetches of at most [`RANGE_BATCH`].
+    async fn read_headers(
+        &self,
+        consumer: &jetstream::consumer::PullConsumer,
+        lo: u64,
+        hi: u64,
+        out: &mut HashMap<u64, Stored>,
+    ) -> Result<()> {
+        let failed = |what: &str, e: Option<crate::BoxError>| self.range_failed(lo, hi, what, e);
         let mut pending = consumer.cached_info().num_pending;
-        let read = async {
-            while pending > 0 {
-                let want = usize::try_from(pending.min(hi - lo + 1).min(RANGE_BATCH))
-                    .unwrap_or(1)
-                    .max(1);
-                let mut batch = consumer
-                    .batch()
-                    .max_messages(want)
-                    .expires(self.read_timeout)
-                    .messages()
+        while pending > 0 {
+            let want = usize::try_from(pending.min(hi - lo + 1).min(RANGE_BATCH))
+                .unwrap_or(1)
+                .max(1);
+            let mut batch = consumer
+                .batch()
+                .max_messages(want)
+                .expires(self.read_timeout)
+                .messages()
+                .await
+                .map_err(|e| failed(&format!("fetching: {e}"), Some(e.into())))?;
+            let mut got = 0_usize;
+            loop {
+                let next = tokio::time::timeout(self.read_timeout * 2, batch.next())
                     .await
-                    .map_err(|e| failed(&format!("fetching: {e}"), Some(e.into())))?;
-                let mut got = 0_usize;
-                loop {
-                    let next = tokio::time::timeout(self.read_timeout * 2, batch.next())
-                        .await
-                        .map_err(|_| failed("no answer fetching", None))?;
-                    let Some(message) = next else { break };
-                    let message =
-                        message.map_err(|e| failed(&format!("fetching: {e}"), Some(e)))?;
-                    let info = message.info().map_err(|e| {
-                        failed(&format!("reading a message's metadata: {e}"), Some(e))
-                    })?;
-                    let seq = info.stream_sequence;
-                    pending = info.pending;
-                    got += 1;
-                    if seq > hi {
-                        return Ok(());
-                    }
-                    out.insert(
-                        seq,
-                        Stored {
-                            id: message
-                                .headers
-                                .as_ref()
-                                .and_then(|h| h.get("Nats-Msg-Id"))
-                                .map(|v| v.as_str().to_owned()),
-                            subject: message.subject.to_string(),
-                        },
-                    );
-                    if seq == hi || pending == 0 {
-                        return Ok(());
-                    }
+                    .map_err(|_| failed("no answer fetching", None))?;
+                let Some(message) = next else { break };
+                let message = message.map_err(|e| failed(&format!("fetching: {e}"), Some(e)))?;
+                let info = message
+                    .info()
+                    .map_err(|e| failed(&format!("reading a message's metadata: {e}"), Some(e)))?;
+                let seq = info.stream_sequence;
+                pending = info.pending;
+                got += 1;
+                if seq > hi {
+                    return Ok(());
                 }
-                if got == 0 {
-                    return Err(failed(
-                        &format!(
-                            "no message within {} though {pending} are pending",
-                            outbox_pg::HumanDuration(self.read_timeout)
-                        ),
-                        None,
-                    ));
+                out.insert(seq, Stored::of(&message));
+                if seq == hi || pending == 0 {
+                    return Ok(());
                 }
             }
-            Ok(())
+            if got == 0 {
+                return Err(failed(
+                    &format!(
+                        "no message within {} though {pending} are pending",
+                        outbox_pg::HumanDuration(self.read_timeout)
+                    ),
+                    None,
+                ));
+            }
         }
-        .await;
-        // Best effort: an ephemeral consumer left behind goes by itself
-        // once idle.
-        let _ = tokio::time::timeout(self.read_timeout, stream.delete_consumer(&name)).await;
-        read.map(|()| out)
+        Ok(())
+    }
+
+    /// A broker error reading sequences `lo..=hi`.
+    fn range_failed(&self, lo: u64, hi: u64, what: &str, e: Option<crate::BoxError>) -> Error {
+        self.broker(
+            format!(
+                "reading sequences {lo}..={hi} of stream `{}`: {what}",
+                self.stream
+            ),
+            e,
+        )
     }
 
     fn broker(&self, what: String, source: Option<crate::BoxError>) -> Error {
