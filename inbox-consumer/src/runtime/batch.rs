@@ -18,6 +18,7 @@
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
 use futures::future::{BoxFuture, join_all};
@@ -26,7 +27,8 @@ use tower::{Service, ServiceExt};
 
 use super::Job;
 use super::ack::{self, UNAVAILABLE_MAX_DELAY};
-use super::panics;
+use super::config::ConsumerConfig;
+use super::panics::{self, Panicked};
 use super::process::{self, Shared, with_progress_all};
 use crate::delivery::{BatchResults, Delivery, Outcome};
 use crate::error::{BoxError, Error, ErrorKind};
@@ -48,18 +50,11 @@ where
     let count = jobs.len();
     let mut attempt: u64 = 0;
     loop {
-        let deliveries: Vec<Delivery> = jobs.iter().map(|(_, d)| d.clone()).collect();
-        let messages: Vec<&jetstream::Message> = jobs.iter().map(|(m, _)| m).collect();
-        let batch_service = service.clone();
-        let call = async move {
-            batch_service
-                .oneshot(deliveries)
-                .await
-                .map_err(Into::<BoxError>::into)
-        };
-        let result = match with_progress_all(panics::catch(call), &messages, config).await {
-            Ok(result) => result,
-            Err(panicked) => {
+        let error = match call_batch(&shared, service.clone(), &jobs).await {
+            Called::Results(results) => {
+                return settle(&shared, service, jobs, results, stopping).await;
+            }
+            Called::Panicked(panicked) => {
                 // Which delivery panicked is not known: each is handled
                 // alone, where the panic is pinned on its own event.
                 let events: Vec<String> = jobs.iter().map(|(_, d)| d.id().to_string()).collect();
@@ -69,61 +64,36 @@ where
                 );
                 return alone(&shared, service, jobs, &stopping).await;
             }
+            Called::Failed(error) => error,
         };
-        let error: BoxError = match result {
-            Ok(results) if results.len() == count => {
-                return settle(&shared, service, jobs, results, stopping).await;
+        let next = after_failure(error.as_ref(), config.ordered);
+        match next {
+            AfterFailure::Leave => {
+                tracing::info!(
+                    consumer = %config.durable, deliveries = count,
+                    "another replica leads now: the batch rolled back, left for it",
+                );
+                return vec![false; count];
             }
-            Ok(results) => Box::new(Error::new(
-                ErrorKind::Config,
-                format!(
-                    "the batch service answered {} results for {count} deliveries",
-                    results.len()
-                ),
-            )),
-            Err(e) => e,
-        };
-        if ack::lease_lost(error.as_ref()) {
-            tracing::info!(
-                consumer = %config.durable, deliveries = count,
-                "another replica leads now: the batch rolled back, left for it",
-            );
-            return vec![false; count];
-        }
-        if !ack::unavailable(error.as_ref()) {
-            tracing::warn!(
-                consumer = %config.durable, deliveries = count, error = %error,
-                "the batch failed as a whole and rolled back; its deliveries are retried one at a time",
-            );
-            return alone(&shared, service, jobs, &stopping).await;
+            AfterFailure::Alone => {
+                tracing::warn!(
+                    consumer = %config.durable, deliveries = count, error = %error,
+                    "the batch failed as a whole and rolled back; its deliveries are retried one at a time",
+                );
+                return alone(&shared, service, jobs, &stopping).await;
+            }
+            AfterFailure::Nak | AfterFailure::InPlace => {}
         }
         attempt = attempt.saturating_add(1);
         let delay = config.retry.delay(attempt).min(UNAVAILABLE_MAX_DELAY);
-        let refused = outbox_pg::is_insufficient_privilege(error.as_ref());
-        if refused {
-            tracing::error!(
-                consumer = %config.durable, deliveries = count, retry_in = ?delay, error = %error,
-                "the consumer's database role lacks a privilege: the batch rolled back, retried until it is granted (never dead-lettered)",
-            );
-        }
-        if !config.ordered {
-            if !refused {
-                tracing::warn!(
-                    consumer = %config.durable, deliveries = count, retry_in = ?delay, error = %error,
-                    "the batch could not reach the database; its messages are nak'ed",
-                );
-            }
+        log_unavailable(config, count, delay, error.as_ref(), next);
+        let messages: Vec<&jetstream::Message> = jobs.iter().map(|(m, _)| m).collect();
+        if next == AfterFailure::Nak {
             let naks = jobs
                 .iter()
                 .map(|(message, delivery)| process::nak(message, delivery.info(), delay, config));
             join_all(naks).await;
             return vec![false; count];
-        }
-        if !refused {
-            tracing::warn!(
-                consumer = %config.durable, deliveries = count, retry_in = ?delay, error = %error,
-                "the batch could not reach the database; retried in place, its subjects wait",
-            );
         }
         let wait = async {
             tokio::select! {
@@ -134,6 +104,99 @@ where
         if !with_progress_all(wait, &messages, config).await {
             return vec![false; count];
         }
+    }
+}
+
+/// How one call of the batch service ended.
+enum Called {
+    /// One result per delivery.
+    Results(BatchResults),
+    /// A handler (or layer) panicked.
+    Panicked(Panicked),
+    /// The batch failed as a whole (or answered the wrong number of results).
+    Failed(BoxError),
+}
+
+/// One call of the batch service, in-progress acks sent while it runs.
+async fn call_batch<S>(shared: &Shared, service: S, jobs: &[Job]) -> Called
+where
+    S: Service<Vec<Delivery>, Response = BatchResults>,
+    S::Error: Into<BoxError>,
+{
+    let count = jobs.len();
+    let deliveries: Vec<Delivery> = jobs.iter().map(|(_, d)| d.clone()).collect();
+    let messages: Vec<&jetstream::Message> = jobs.iter().map(|(m, _)| m).collect();
+    let call = service.oneshot(deliveries);
+    let call = async move { call.await.map_err(Into::<BoxError>::into) };
+    match with_progress_all(panics::catch(call), &messages, &shared.config).await {
+        Err(panicked) => Called::Panicked(panicked),
+        Ok(Ok(results)) if results.len() == count => Called::Results(results),
+        Ok(Ok(results)) => Called::Failed(Box::new(Error::new(
+            ErrorKind::Config,
+            format!(
+                "the batch service answered {} results for {count} deliveries",
+                results.len()
+            ),
+        ))),
+        Ok(Err(e)) => Called::Failed(e),
+    }
+}
+
+/// What follows a batch that failed as a whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AfterFailure {
+    /// Another replica leads: leave the messages to it.
+    Leave,
+    /// The batch's own failure: handle each delivery alone, where the
+    /// failure is pinned on its event.
+    Alone,
+    /// The database is unavailable (or refuses the role): nak all for
+    /// redelivery.
+    Nak,
+    /// The same, ordered: retry the batch in place, its subjects waiting.
+    InPlace,
+}
+
+/// What follows a batch that failed with `error` (see [`AfterFailure`]).
+fn after_failure(
+    error: &(dyn std::error::Error + Send + Sync + 'static),
+    ordered: bool,
+) -> AfterFailure {
+    if ack::lease_lost(error) {
+        AfterFailure::Leave
+    } else if !ack::unavailable(error) {
+        AfterFailure::Alone
+    } else if ordered {
+        AfterFailure::InPlace
+    } else {
+        AfterFailure::Nak
+    }
+}
+
+/// The one line for a batch that will be tried again after `delay` because
+/// the database could not be used, or refused the role.
+fn log_unavailable(
+    config: &ConsumerConfig,
+    count: usize,
+    delay: Duration,
+    error: &(dyn std::error::Error + 'static),
+    next: AfterFailure,
+) {
+    if outbox_pg::is_insufficient_privilege(error) {
+        tracing::error!(
+            consumer = %config.durable, deliveries = count, retry_in = ?delay, error = %error,
+            "the consumer's database role lacks a privilege: the batch rolled back, retried until it is granted (never dead-lettered)",
+        );
+    } else if next == AfterFailure::InPlace {
+        tracing::warn!(
+            consumer = %config.durable, deliveries = count, retry_in = ?delay, error = %error,
+            "the batch could not reach the database; retried in place, its subjects wait",
+        );
+    } else {
+        tracing::warn!(
+            consumer = %config.durable, deliveries = count, retry_in = ?delay, error = %error,
+            "the batch could not reach the database; its messages are nak'ed",
+        );
     }
 }
 
@@ -239,5 +302,23 @@ where
                     )))
                 })
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_batch_is_left_split_naked_or_retried_in_place() {
+        let lost: BoxError = Box::new(Error::new(ErrorKind::LeaseLost, "new leader"));
+        let down: BoxError = Box::new(Error::database("beginning", sqlx::Error::PoolTimedOut));
+        let own: BoxError = Box::new(crate::HandlerError::retry("bad row"));
+        for ordered in [false, true] {
+            assert_eq!(after_failure(lost.as_ref(), ordered), AfterFailure::Leave);
+            assert_eq!(after_failure(own.as_ref(), ordered), AfterFailure::Alone);
+        }
+        assert_eq!(after_failure(down.as_ref(), false), AfterFailure::Nak);
+        assert_eq!(after_failure(down.as_ref(), true), AfterFailure::InPlace);
     }
 }
