@@ -326,29 +326,14 @@ pub(crate) async fn scan<J: Pending>(
 
     // 1. Where the previous leader's checkpoint says to start.
     let saved = checkpoint::load(&shared.pool, durable).await?;
-    let (start, listed) = match saved {
-        Some(saved) if saved.sequence <= delivered => {
-            let start = saved.sequence.max(floor);
-            // At or below the floor: acked. Above the start: read with the range.
-            let mut listed: Vec<u64> = saved
-                .pending
-                .into_iter()
-                .filter(|s| *s > floor && *s <= start)
-                .collect();
-            listed.sort_unstable();
-            listed.dedup();
-            (start, listed)
-        }
-        Some(saved) => {
-            tracing::warn!(
-                consumer = %durable, checkpoint = saved.sequence, delivered,
-                "the takeover checkpoint is past the consumer's last delivered message \
-                 (the stream or the durable was created again?): scanning from the ack floor",
-            );
-            (floor, Vec::new())
-        }
-        None => (floor, Vec::new()),
-    };
+    if let Some(saved) = saved.as_ref().filter(|saved| saved.sequence > delivered) {
+        tracing::warn!(
+            consumer = %durable, checkpoint = saved.sequence, delivered,
+            "the takeover checkpoint is past the consumer's last delivered message \
+             (the stream or the durable was created again?): scanning from the ack floor",
+        );
+    }
+    let (start, listed) = start_from(saved, floor, delivered);
     let mut found = Vec::new();
     // Listed sequences are read whole (their headers alone would need a
     // request each as well).
@@ -380,35 +365,21 @@ pub(crate) async fn scan<J: Pending>(
         (Ended::Complete, 0)
     };
 
-    let mut backlog = Backlog::default();
     let (classified_to, next_delivery) = match &ended {
         Ended::Complete => (delivered, Some(next_delivery)),
         Ended::Bounded { classified_to, .. } => (*classified_to, None),
     };
     found.sort_by_key(|f| f.sequence);
     let open: Vec<u64> = found.iter().map(|f| f.sequence).collect();
-    for f in found {
-        backlog
-            .blocked
-            .entry(f.subject)
-            .or_default()
-            .push_back(Unfinished {
-                id: f.id,
-                sequence: f.sequence,
-            });
-    }
-    backlog.unsettled = matches!(ended, Ended::Bounded { .. });
-    if !backlog.is_empty() {
-        let longest_wait = info
-            .config
-            .backoff
-            .iter()
-            .copied()
-            .max()
-            .unwrap_or_default()
-            .max(info.config.ack_wait);
-        backlog.deadline = Some(Instant::now() + longest_wait * 2 + Duration::from_secs(10));
-    }
+    let longest_wait = info
+        .config
+        .backoff
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or_default()
+        .max(info.config.ack_wait);
+    let backlog = backlog_of(found, matches!(ended, Ended::Bounded { .. }), longest_wait);
     let took = started.elapsed();
     match &ended {
         Ended::Complete if backlog.is_empty() => {
@@ -439,6 +410,56 @@ pub(crate) async fn scan<J: Pending>(
         backlog,
         checkpoint: Checkpoint::new(classified_to, next_delivery, open),
     })
+}
+
+/// Where the scan starts, and the sequences of the previous leader's
+/// checkpoint listed at or below that start (read one by one): from its
+/// checkpoint when it is one of this consumer's (at or below its last
+/// delivered message), else from the ack floor.
+fn start_from(saved: Option<checkpoint::Saved>, floor: u64, delivered: u64) -> (u64, Vec<u64>) {
+    match saved {
+        Some(saved) if saved.sequence <= delivered => {
+            let start = saved.sequence.max(floor);
+            // At or below the floor: acked. Above the start: read with the range.
+            let mut listed: Vec<u64> = saved
+                .pending
+                .into_iter()
+                .filter(|s| *s > floor && *s <= start)
+                .collect();
+            listed.sort_unstable();
+            listed.dedup();
+            (start, listed)
+        }
+        _ => (floor, Vec::new()),
+    }
+}
+
+/// The backlog of the unfinished events `found` (in sequence order): each
+/// subject's, in order. Once there is one, later messages wait for it until
+/// twice the longest redelivery wait (and 10 s) has passed; `unsettled`
+/// (the scan hit a bound) makes every message that is not a known unfinished
+/// event wait so.
+fn backlog_of<J: Pending>(
+    found: Vec<Found>,
+    unsettled: bool,
+    longest_wait: Duration,
+) -> Backlog<J> {
+    let mut backlog = Backlog::default();
+    for f in found {
+        backlog
+            .blocked
+            .entry(f.subject)
+            .or_default()
+            .push_back(Unfinished {
+                id: f.id,
+                sequence: f.sequence,
+            });
+    }
+    backlog.unsettled = unsettled;
+    if !backlog.is_empty() {
+        backlog.deadline = Some(Instant::now() + longest_wait * 2 + Duration::from_secs(10));
+    }
+    backlog
 }
 
 /// The durable's filter subjects.
@@ -777,6 +798,60 @@ mod tests {
         }
         b.deadline = Some(Instant::now() + Duration::from_secs(60));
         b
+    }
+
+    #[test]
+    fn the_scan_starts_at_a_checkpoint_of_this_consumer_else_at_the_ack_floor() {
+        let saved = |sequence, pending: &[u64]| {
+            Some(checkpoint::Saved {
+                sequence,
+                pending: pending.to_vec(),
+            })
+        };
+        // From the checkpoint: listed are those above the floor, up to the
+        // start, once each, in order (those above the start are in the range).
+        assert_eq!(
+            start_from(saved(50, &[45, 12, 30, 30, 60, 10]), 20, 100),
+            (50, vec![30, 45])
+        );
+        // A checkpoint below the floor starts at the floor.
+        assert_eq!(start_from(saved(15, &[12]), 20, 100), (20, vec![]));
+        // One past the last delivered message is not this consumer's.
+        assert_eq!(start_from(saved(150, &[120]), 20, 100), (20, vec![]));
+        assert_eq!(start_from(None, 20, 100), (20, vec![]));
+    }
+
+    #[test]
+    fn the_backlog_holds_each_subjects_unfinished_events_in_order_with_a_deadline() {
+        let (e1, e2, e3) = (EventId::new(), EventId::new(), EventId::new());
+        let found = |subject: &str, id, sequence| Found {
+            sequence,
+            id,
+            subject: subject.to_owned(),
+        };
+        let b: Backlog<J> = backlog_of(
+            vec![found("s", e1, 3), found("t", e2, 4), found("s", e3, 7)],
+            false,
+            Duration::from_secs(30),
+        );
+        let ids: Vec<EventId> = b.blocked["s"].iter().map(|u| u.id).collect();
+        assert_eq!(ids, [e1, e3]);
+        assert_eq!(b.unfinished(), 3);
+        let wait = b
+            .deadline
+            .unwrap()
+            .saturating_duration_since(Instant::now());
+        assert!(
+            wait > Duration::from_secs(60) && wait <= Duration::from_secs(70),
+            "{wait:?}"
+        );
+
+        // Nothing found and nothing unsettled: no deadline, nothing waits.
+        let b: Backlog<J> = backlog_of(Vec::new(), false, Duration::from_secs(30));
+        assert!(b.is_empty() && b.deadline.is_none());
+        // A bounded scan: everything waits, with a deadline.
+        let b: Backlog<J> = backlog_of(Vec::new(), true, Duration::from_secs(30));
+        assert!(!b.is_empty() && b.deadline.is_some());
     }
 
     #[test]
