@@ -380,36 +380,64 @@ pub(crate) async fn scan<J: Pending>(
         .unwrap_or_default()
         .max(info.config.ack_wait);
     let backlog = backlog_of(found, matches!(ended, Ended::Bounded { .. }), longest_wait);
-    let took = started.elapsed();
-    match &ended {
-        Ended::Complete if backlog.is_empty() => {
-            tracing::info!(
-                consumer = %durable, ack_floor = floor, delivered, start, listed = listed.len(),
-                scanned, ?took, "taking over: earlier leaders left nothing unfinished",
-            );
-        }
-        Ended::Complete => {
-            tracing::info!(
-                consumer = %durable, events = backlog.unfinished(), subjects = backlog.blocked.len(),
-                ack_floor = floor, delivered, start, listed = listed.len(), scanned, ?took,
-                "taking over: earlier leaders left events unfinished; later events of their subjects wait for them",
-            );
-        }
-        Ended::Bounded { classified_to, why } => {
-            tracing::warn!(
-                consumer = %durable, events = backlog.unfinished(), ack_floor = floor, delivered,
-                start, classified_to, listed = listed.len(), scanned, ?took, bound = %why,
-                wait = ?backlog.deadline.map(|d| d.saturating_duration_since(Instant::now())),
-                "taking over: the scan of what earlier leaders left hit its bound; the unfinished \
-                 events found go first, and every other message waits until the earlier leaders' \
-                 messages have had time to come back",
-            );
-        }
-    }
+    let scanned = Scanned {
+        floor,
+        delivered,
+        start,
+        listed: listed.len(),
+        scanned,
+        took: started.elapsed(),
+    };
+    scanned.log(durable, &ended, &backlog);
     Ok(Takeover {
         backlog,
         checkpoint: Checkpoint::new(classified_to, next_delivery, open),
     })
+}
+
+/// What a takeover's scan went through, for its log line.
+struct Scanned {
+    floor: u64,
+    delivered: u64,
+    start: u64,
+    listed: usize,
+    scanned: usize,
+    took: Duration,
+}
+
+impl Scanned {
+    /// The takeover's one line: what earlier leaders left, and whether the
+    /// scan hit a bound.
+    fn log<J: Pending>(&self, durable: &str, ended: &Ended, backlog: &Backlog<J>) {
+        match ended {
+            Ended::Complete if backlog.is_empty() => {
+                tracing::info!(
+                    consumer = %durable, ack_floor = self.floor, delivered = self.delivered,
+                    start = self.start, listed = self.listed, scanned = self.scanned, took = ?self.took,
+                    "taking over: earlier leaders left nothing unfinished",
+                );
+            }
+            Ended::Complete => {
+                tracing::info!(
+                    consumer = %durable, events = backlog.unfinished(), subjects = backlog.blocked.len(),
+                    ack_floor = self.floor, delivered = self.delivered, start = self.start,
+                    listed = self.listed, scanned = self.scanned, took = ?self.took,
+                    "taking over: earlier leaders left events unfinished; later events of their subjects wait for them",
+                );
+            }
+            Ended::Bounded { classified_to, why } => {
+                tracing::warn!(
+                    consumer = %durable, events = backlog.unfinished(), ack_floor = self.floor,
+                    delivered = self.delivered, start = self.start, classified_to, listed = self.listed, scanned = self.scanned,
+                    took = ?self.took, bound = %why,
+                    wait = ?backlog.deadline.map(|d| d.saturating_duration_since(Instant::now())),
+                    "taking over: the scan of what earlier leaders left hit its bound; the unfinished \
+                     events found go first, and every other message waits until the earlier leaders' \
+                     messages have had time to come back",
+                );
+            }
+        }
+    }
 }
 
 /// Where the scan starts, and the sequences of the previous leader's
