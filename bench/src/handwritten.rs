@@ -93,7 +93,7 @@ pub(crate) async fn run(
             nats,
             spec,
             config,
-            stop.clone(),
+            stop.clone().cancelled_owned(),
         ))
     });
     let workers: Vec<_> = (0..WORKERS)

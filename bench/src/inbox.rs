@@ -737,7 +737,7 @@ async fn library_drain_on(
         .max_connections(u32::try_from(concurrency + 4).unwrap_or(20))
         .connect(&db.url)
         .await?;
-    let consumer = Consumer::new(env.js.clone(), pool.clone(), config).await?;
+    let consumer = Consumer::new(pool.clone(), env.js.clone(), config).await?;
     let service = ServiceBuilder::new()
         .layer(TraceLayer::new())
         .layer(MetricsLayer::new())

@@ -78,7 +78,7 @@ const MAX_STREAM_PAUSE: Duration = Duration::from_secs(2);
 /// outbox_pg::migrate(&pool).await?;
 /// let nats = async_nats::connect("nats://localhost:4222").await?;
 ///
-/// Consumer::builder(nats, pool, "SUBSCRIPTIONS", "billing")
+/// Consumer::builder(pool, nats, "SUBSCRIPTIONS", "billing")
 ///     .handler(OpenAccount) // subscribes to subscription.created
 ///     .configure(|config| config.concurrency(16))
 ///     .run(async { let _ = tokio::signal::ctrl_c().await; })
@@ -115,12 +115,13 @@ impl fmt::Debug for ConsumerBuilder {
 impl Consumer {
     /// A builder for the durable consumer `durable` of `stream`, handling
     /// events in transactions on `pool`. `nats` is an
-    /// [`async_nats::Client`] or a [`jetstream::Context`].
+    /// [`async_nats::Client`] or a [`jetstream::Context`]. The database comes
+    /// first, the broker second, as everywhere in the outbox crates.
     ///
     /// `durable` is also the inbox's dedupe namespace: keep it stable.
     pub fn builder(
-        nats: impl IntoJetStream,
         pool: PgPool,
+        nats: impl IntoJetStream,
         stream: impl Into<String>,
         durable: impl Into<String>,
     ) -> ConsumerBuilder {
@@ -228,7 +229,7 @@ impl ConsumerBuilder {
     /// use std::time::Duration;
     /// use tower::timeout::TimeoutLayer;
     ///
-    /// Consumer::builder(nats, pool, "INVOICES", "ledger")
+    /// Consumer::builder(pool, nats, "INVOICES", "ledger")
     ///     .handler(MarkPaid)
     ///     // A handler that takes over 10 s fails its delivery: rolled back, retried.
     ///     .layer(TimeoutLayer::new(Duration::from_secs(10)))
@@ -361,7 +362,7 @@ impl ConsumerBuilder {
         let consumer = tokio::select! {
             biased;
             () = shutdown.as_mut() => return Ok(()),
-            consumer = Consumer::new_when_ready(self.js, self.pool.clone(), config, self.stream_patience) => consumer?,
+            consumer = Consumer::new_when_ready(self.pool.clone(), self.js, config, self.stream_patience) => consumer?,
         };
         let router = self
             .layers
@@ -391,8 +392,8 @@ impl Consumer {
     /// As [`Consumer::new`]; [`ErrorKind::StreamUnavailable`] once `patience`
     /// has run out.
     pub async fn new_when_ready(
-        js: jetstream::Context,
         pool: PgPool,
+        js: jetstream::Context,
         config: ConsumerConfig,
         patience: Option<Duration>,
     ) -> Result<Self> {

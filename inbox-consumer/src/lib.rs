@@ -50,7 +50,7 @@
 //! outbox_pg::migrate(&pool).await?; // inbox_events, inbox_dead_letters
 //! let nats = async_nats::connect("nats://localhost:4222").await?;
 //!
-//! Consumer::builder(nats, pool, "SUBSCRIPTIONS", "billing")
+//! Consumer::builder(pool, nats, "SUBSCRIPTIONS", "billing")
 //!     .handler(OpenAccount)
 //!     .configure(|config| config.concurrency(16))
 //!     .run(inbox_consumer::shutdown_signal()) // SIGTERM or ctrl-c, then drains
@@ -88,7 +88,7 @@
 //!     .layer(DedupeLayer::new(pool.clone())) // begin, inbox row, commit
 //!     .service(router);
 //!
-//! let consumer = Consumer::new_when_ready(js, pool, config, None).await?;
+//! let consumer = Consumer::new_when_ready(pool, js, config, None).await?;
 //! consumer.run(service, inbox_consumer::shutdown_signal()).await?; // SIGTERM or ctrl-c
 //! # Ok(()) }
 //! ```

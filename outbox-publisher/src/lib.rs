@@ -6,7 +6,6 @@
 //!
 //! ```no_run
 //! use outbox_publisher::{Relay, RelayConfig, StreamSpec};
-//! use tokio_util::sync::CancellationToken;
 //!
 //! # #[tokio::main]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -16,13 +15,8 @@
 //! let stream = StreamSpec::new("OUTBOX", vec!["subscription.>".into()]);
 //! let relay = Relay::jetstream(pool, nats, &stream, RelayConfig::default()).await?;
 //!
-//! let shutdown = CancellationToken::new();
-//! let on_signal = shutdown.clone();
-//! tokio::spawn(async move {
-//!     let _ = tokio::signal::ctrl_c().await;
-//!     on_signal.cancel(); // finish the current batch, then return
-//! });
-//! relay.run(shutdown).await?;
+//! // SIGTERM or ctrl-c: finish the current batch, then return.
+//! relay.run(outbox_publisher::shutdown_signal()).await?;
 //! # Ok(()) }
 //! ```
 //!
@@ -102,8 +96,8 @@ pub mod wal;
 pub use config::{BATCH_SIZE_RANGE, RelayConfig, Source};
 pub use error::{BoxError, Error, ErrorKind, Result};
 pub use health::{DEFAULT_CHECK_TIMEOUT, Readiness};
-/// Resolves on SIGTERM or ctrl-c: cancel the token given to
-/// [`Relay::run`] with it, for a relay run in-process.
+/// Resolves on SIGTERM or ctrl-c: the `shutdown` to give [`Relay::run`] (or
+/// [`Relay::run_jetstream`]) for a relay run in-process.
 pub use outbox_pg::shutdown_signal;
 pub use relay::{BatchReport, NOTIFY_CHANNEL, Relay, required_privileges};
 pub use sink::{

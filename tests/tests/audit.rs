@@ -286,7 +286,7 @@ fn start_consumer(
     stop: &CancellationToken,
 ) -> tokio::task::JoinHandle<Result<(), inbox_consumer::Error>> {
     tokio::spawn(
-        Consumer::builder(client.clone(), db.pool.clone(), stream, durable)
+        Consumer::builder(db.pool.clone(), client.clone(), stream, durable)
             .handler(Apply)
             .stream_patience(WAIT)
             .run(stop.clone().cancelled_owned()),

@@ -121,7 +121,7 @@ async fn typed_events_flow_from_enqueue_to_a_builder_started_before_its_stream()
     // The consumer starts first: its stream does not exist yet.
     let stop = CancellationToken::new();
     let consumer = tokio::spawn(
-        Consumer::builder(client.clone(), db.pool.clone(), stream, "accounts")
+        Consumer::builder(db.pool.clone(), client.clone(), stream, "accounts")
             .handler(Open)
             .configure(|c| c.concurrency(4))
             .run(stop.clone().cancelled_owned()),
@@ -187,7 +187,7 @@ async fn typed_events_flow_from_enqueue_to_a_builder_started_before_its_stream()
         client.clone(),
         StreamSpec::new(stream, vec!["acct.>".into()]),
         RelayConfig::default(),
-        stop.clone(),
+        stop.clone().cancelled_owned(),
     ));
     wait_until("five accounts opened", WAIT, || async {
         count(&db, "select count(*) from accounts").await == 5
@@ -270,7 +270,7 @@ async fn a_builder_without_a_handler_or_a_stream_fails_clearly() {
     let nats = outbox_testkit::nats().unwrap();
     let client = async_nats::connect(nats.url()).await.unwrap();
 
-    let err = Consumer::builder(client.clone(), db.pool.clone(), "BUILDER_NONE", "empty")
+    let err = Consumer::builder(db.pool.clone(), client.clone(), "BUILDER_NONE", "empty")
         .run(std::future::pending())
         .await
         .unwrap_err();
@@ -278,7 +278,7 @@ async fn a_builder_without_a_handler_or_a_stream_fails_clearly() {
     assert!(err.to_string().contains("no handler"), "{err}");
 
     let started = tokio::time::Instant::now();
-    let err = Consumer::builder(client.clone(), db.pool.clone(), "BUILDER_NEVER", "waits")
+    let err = Consumer::builder(db.pool.clone(), client.clone(), "BUILDER_NEVER", "waits")
         .handler(Open)
         .stream_patience(Duration::from_millis(600))
         .run(std::future::pending())
@@ -291,7 +291,7 @@ async fn a_builder_without_a_handler_or_a_stream_fails_clearly() {
     // Without patience it waits until shutdown, and shutdown is not an error.
     let stop = CancellationToken::new();
     let waiting = tokio::spawn(
-        Consumer::builder(client, db.pool.clone(), "BUILDER_NEVER", "waits")
+        Consumer::builder(db.pool.clone(), client, "BUILDER_NEVER", "waits")
             .handler(Open)
             .run(stop.clone().cancelled_owned()),
     );
@@ -382,7 +382,7 @@ async fn a_timeout_layer_through_the_builder_fails_a_slow_handler_and_the_retry_
     let handler = SlowOnce::default();
     let stop = CancellationToken::new();
     let consumer = tokio::spawn(
-        Consumer::builder(js.clone(), db.pool.clone(), stream, "timed")
+        Consumer::builder(db.pool.clone(), js.clone(), stream, "timed")
             .handler(handler.clone())
             .layer(tower::timeout::TimeoutLayer::new(Duration::from_millis(
                 300,
@@ -555,7 +555,7 @@ async fn batched_builder(
     }
 
     let stop = CancellationToken::new();
-    let builder = Consumer::builder(js.clone(), db.pool.clone(), stream, "batched");
+    let builder = Consumer::builder(db.pool.clone(), js.clone(), stream, "batched");
     let builder = match grouped {
         Some(handler) => builder.batch_handler(handler),
         None => builder.handler(Open),
@@ -625,7 +625,7 @@ async fn a_consumer_on_an_unmigrated_database_refuses_at_start_saying_what_to_ru
         })
         .await
         .unwrap();
-    let run = Consumer::builder(client, pool.clone(), stream, "accounts")
+    let run = Consumer::builder(pool.clone(), client, stream, "accounts")
         .handler(Open)
         .run(std::future::pending::<()>());
     // It waits out SCHEMA_WAIT for a service migrating beside it, then stops.

@@ -109,7 +109,7 @@ impl World {
         let stop = CancellationToken::new();
         let token = stop.clone();
         let handle = tokio::spawn(async move {
-            relay.run(token).await.unwrap();
+            relay.run(token.cancelled_owned()).await.unwrap();
         });
         Task { stop, handle }
     }

@@ -112,8 +112,8 @@ async fn consumer_readiness_names_a_missing_durable() {
     );
 
     Consumer::new(
-        js,
         db.pool.clone(),
+        js,
         ConsumerConfig::new("HEALTH_CONSUMER", "health-durable"),
     )
     .await
@@ -193,8 +193,8 @@ async fn a_running_consumer_exports_its_lag() {
         std::future::pending::<Result<Outcome, BoxError>>().await
     });
     let consumer = Consumer::new(
-        js,
         db.pool.clone(),
+        js,
         ConsumerConfig::new("HEALTH_LAG", "lagger")
             .concurrency(2)
             .max_buffered(2),

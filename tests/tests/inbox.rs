@@ -35,7 +35,7 @@ async fn the_same_event_published_twice_and_redelivered_has_one_effect() {
     let w = world("INBOX_DUP").await;
     let handler = Record::new("a");
     let config = config(&w, "dup").ack_wait(Duration::from_secs(1));
-    let consumer = Consumer::new(w.js.clone(), w.db.pool.clone(), config)
+    let consumer = Consumer::new(w.db.pool.clone(), w.js.clone(), config)
         .await
         .unwrap();
 
@@ -696,7 +696,7 @@ async fn retention_prunes_old_rows_and_refuses_a_window_shorter_than_redelivery(
         .ack_wait(Duration::from_secs(30))
         .max_deliver(10)
         .retention(Retention::default().window(Duration::from_secs(60)));
-    let err = Consumer::new(w.js.clone(), w.db.pool.clone(), short)
+    let err = Consumer::new(w.db.pool.clone(), w.js.clone(), short)
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Config);

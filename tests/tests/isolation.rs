@@ -217,7 +217,7 @@ impl World {
 /// Registers `config`'s consumer through the runtime under `pool`'s role
 /// (which claims the name), without running it.
 async fn register(w: &World, pool: &PgPool, config: ConsumerConfig) {
-    Consumer::new(w.js.clone(), pool.clone(), config)
+    Consumer::new(pool.clone(), w.js.clone(), config)
         .await
         .unwrap();
 }
@@ -453,7 +453,7 @@ impl Running {
 /// transaction or (`batched`) several.
 async fn start(w: &World, pool: &PgPool, config: ConsumerConfig, batched: bool) -> Running {
     let durable = config.durable().to_owned();
-    let consumer = Consumer::new(w.js.clone(), pool.clone(), config)
+    let consumer = Consumer::new(pool.clone(), w.js.clone(), config)
         .await
         .unwrap_or_else(|e| panic!("{durable}: {e}"));
     let stack = ServiceBuilder::new()
@@ -522,8 +522,8 @@ async fn consumers_run_under_their_own_roles_and_a_name_owned_by_another_is_refu
         (&w.pool_a, "iso_b", &w.b, &w.a, false),
     ] {
         let err = Consumer::new(
-            w.js.clone(),
             pool.clone(),
+            w.js.clone(),
             w.config(durable).ordered(ordered),
         )
         .await

@@ -138,7 +138,7 @@ impl Replica {
         S::Future: Send + 'static,
     {
         let pool = PgPool::connect(w.db.url()).await.unwrap();
-        let consumer = Consumer::new(w.js.clone(), pool.clone(), config)
+        let consumer = Consumer::new(pool.clone(), w.js.clone(), config)
             .await
             .unwrap();
         let (stop, stopped) = oneshot::channel::<()>();

@@ -305,7 +305,7 @@ async fn a_dead_letter_is_replayed_to_its_consumer_only_and_applied_once() {
     // honoured on every path.
     let stop = CancellationToken::new();
     let builder = |durable: &'static str| {
-        Consumer::builder(client.clone(), db.pool.clone(), stream_name, durable)
+        Consumer::builder(db.pool.clone(), client.clone(), stream_name, durable)
             .handler(Apply { consumer: durable })
             .stream_patience(WAIT)
     };

@@ -257,7 +257,7 @@ async fn broker_outage_costs_no_attempts_then_delivers_everything() {
     let shutdown = CancellationToken::new();
     let running = {
         let shutdown = shutdown.clone();
-        async move { relay.run(shutdown).await }
+        async move { relay.run(shutdown.cancelled_owned()).await }
     };
     let handle = tokio::spawn(running);
 
@@ -319,7 +319,9 @@ async fn three_replicas_keep_subject_order_through_a_broker_restart() {
     for _ in 0..3 {
         let relay = relay(&db, &url, "ORDERED", fast_config().batch_size(100)).await;
         let shutdown = shutdown.clone();
-        handles.push(tokio::spawn(async move { relay.run(shutdown).await }));
+        handles.push(tokio::spawn(async move {
+            relay.run(shutdown.cancelled_owned()).await
+        }));
     }
 
     // Writers commit in many small transactions while the relays run.
@@ -474,7 +476,7 @@ async fn poison_rows_block_only_their_own_subject() {
     let shutdown = CancellationToken::new();
     let run = {
         let shutdown = shutdown.clone();
-        tokio::spawn(async move { relay.run(shutdown).await })
+        tokio::spawn(async move { relay.run(shutdown.cancelled_owned()).await })
     };
     wait_until(
         "healthy subjects flow, poison rows hit the cap, the uncaptured type waits",
@@ -604,7 +606,7 @@ async fn a_commit_wakes_the_relay_without_waiting_for_the_poll() {
     let shutdown = CancellationToken::new();
     let run = {
         let shutdown = shutdown.clone();
-        tokio::spawn(async move { relay.run(shutdown).await })
+        tokio::spawn(async move { relay.run(shutdown.cancelled_owned()).await })
     };
     // Let the first (empty) poll pass and the listener attach.
     wait_until("relay listening", Duration::from_secs(10), || async {
@@ -732,7 +734,7 @@ async fn shutdown_finishes_promptly() {
     let shutdown = CancellationToken::new();
     let run = {
         let shutdown = shutdown.clone();
-        tokio::spawn(async move { relay.run(shutdown).await })
+        tokio::spawn(async move { relay.run(shutdown.cancelled_owned()).await })
     };
     commit(&db, &[event("orders.created", "o1", json!({}))]).await;
     wait_until("published", Duration::from_secs(10), || async {
@@ -770,7 +772,7 @@ async fn a_blocked_subject_with_a_long_queue_does_not_starve_the_others() {
     let shutdown = CancellationToken::new();
     let run = {
         let shutdown = shutdown.clone();
-        tokio::spawn(async move { relay.run(shutdown).await })
+        tokio::spawn(async move { relay.run(shutdown.cancelled_owned()).await })
     };
     wait_until(
         "the healthy subjects drain",
@@ -814,7 +816,7 @@ async fn a_seq_taken_before_thousands_of_published_rows_and_committed_after_them
     let shutdown = CancellationToken::new();
     let run = {
         let shutdown = shutdown.clone();
-        tokio::spawn(async move { relay.run(shutdown).await })
+        tokio::spawn(async move { relay.run(shutdown.cancelled_owned()).await })
     };
 
     let mut slow = db.pool.begin().await.unwrap();
@@ -929,7 +931,7 @@ async fn a_repaired_parked_row_is_published_first_and_its_followers_after_it_in_
     let shutdown = CancellationToken::new();
     let run = {
         let shutdown = shutdown.clone();
-        tokio::spawn(async move { relay.run(shutdown).await })
+        tokio::spawn(async move { relay.run(shutdown.cancelled_owned()).await })
     };
     wait_until(
         "the bad row parked, its followers deferred, the rest published",

@@ -184,8 +184,8 @@ async fn a_recorded_floor_past_the_end_of_a_stream_created_anew_is_refused() {
         .await
         .unwrap();
     let refused = Consumer::new(
-        world.js.clone(),
         world.db.pool.clone(),
+        world.js.clone(),
         config(&world, "billing"),
     )
     .await

@@ -187,7 +187,7 @@ impl World {
     }
 
     async fn consumer(&self, config: ConsumerConfig) -> Consumer {
-        Consumer::new(self.js.clone(), self.db.pool.clone(), config)
+        Consumer::new(self.db.pool.clone(), self.js.clone(), config)
             .await
             .unwrap()
     }

@@ -224,7 +224,7 @@ pub async fn connect_consumer(
     config: ConsumerConfig,
     patience: Duration,
 ) -> inbox_consumer::Result<Consumer> {
-    Consumer::new_when_ready(js, pool, config, Some(patience)).await
+    Consumer::new_when_ready(pool, js, config, Some(patience)).await
 }
 
 /// Applies the outbox migrations and creates the `invoices` table if it does

@@ -206,7 +206,9 @@ async fn run() -> Result<(), Box<dyn Error>> {
             let config = RelayConfig::default()
                 .lease(Duration::from_secs(10))
                 .publish_timeout(Duration::from_secs(2));
-            let result = Relay::run_jetstream(pool, nats, stream, config, stop.clone()).await;
+            let result =
+                Relay::run_jetstream(pool, nats, stream, config, stop.clone().cancelled_owned())
+                    .await;
             if let Err(e) = &result {
                 // A relay that cannot run (its role lacks a privilege, the
                 // stream differs) stops billing rather than leaving its

@@ -187,7 +187,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
     // router, and subscribes to the handled type only.
     let stop = CancellationToken::new();
     let consuming = tokio::spawn(
-        Consumer::builder(js, pool.clone(), "QUICKSTART", format!("quickstart_{run}"))
+        Consumer::builder(pool.clone(), js, "QUICKSTART", format!("quickstart_{run}"))
             .handler(OpenAccount)
             .run(stop.clone().cancelled_owned()),
     );

@@ -137,9 +137,14 @@ async fn run() -> Result<(), Box<dyn Error>> {
         let stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());
         let (pool, stop) = (pool.clone(), shutdown.clone());
         Some(tokio::spawn(async move {
-            let result =
-                Relay::run_jetstream(pool, nats, stream, RelayConfig::default(), stop.clone())
-                    .await;
+            let result = Relay::run_jetstream(
+                pool,
+                nats,
+                stream,
+                RelayConfig::default(),
+                stop.clone().cancelled_owned(),
+            )
+            .await;
             if let Err(e) = &result {
                 // A relay that cannot run (its role lacks a privilege, the
                 // stream differs) stops the service rather than leaving its

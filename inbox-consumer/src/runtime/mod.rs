@@ -503,7 +503,7 @@ impl Consumer {
     /// is shorter than the delivery budget's redeliveries (see
     /// [`crate::retention`] and
     /// [`check_window`](crate::retention::check_window)).
-    pub async fn new(js: jetstream::Context, pool: PgPool, config: ConsumerConfig) -> Result<Self> {
+    pub async fn new(pool: PgPool, js: jetstream::Context, config: ConsumerConfig) -> Result<Self> {
         check_privileges(&pool, &config).await?;
         Self::create(js, pool, config).await
     }

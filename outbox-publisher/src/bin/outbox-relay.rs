@@ -346,7 +346,9 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         "finishing the current batch",
     ));
     // A broker that is down at start is waited for, not an error.
-    let Some(relay) = Relay::connect_jetstream(pool, nats, stream, config, &shutdown).await? else {
+    let Some(relay) =
+        Relay::connect_jetstream(pool, nats, stream, config, shutdown.cancelled()).await?
+    else {
         return Ok(ExitCode::SUCCESS);
     };
 
@@ -365,6 +367,6 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         });
     }
 
-    relay.run(shutdown).await?;
+    relay.run(shutdown.cancelled_owned()).await?;
     Ok(ExitCode::SUCCESS)
 }

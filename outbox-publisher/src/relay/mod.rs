@@ -101,6 +101,7 @@
 //! that insert events for one entity without touching a common row are
 //! unordered, as they are in the database itself.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
 
@@ -317,7 +318,7 @@ impl Relay<JetStreamSink> {
     }
 
     /// Sets up a JetStream relay as [`Relay::jetstream`] does and runs it until
-    /// `shutdown` is cancelled, for a service that runs its relay in-process
+    /// `shutdown` resolves, for a service that runs its relay in-process
     /// or a binary that must not depend on the broker being up when it starts.
     /// A set-up failure that may pass (NATS not reachable yet) is logged once
     /// and retried with backoff (0.5 s doubling to 10 s); events wait in the
@@ -333,13 +334,17 @@ impl Relay<JetStreamSink> {
         client: async_nats::Client,
         stream: StreamSpec,
         config: RelayConfig,
-        shutdown: CancellationToken,
+        shutdown: impl Future<Output = ()> + Send,
     ) -> Result<()> {
-        let Some(relay) = Self::connect_jetstream(pool, client, stream, config, &shutdown).await?
-        else {
-            return Ok(());
+        let token = CancellationToken::new();
+        let run = async {
+            let Some(relay) = Self::connect_until(pool, client, stream, config, &token).await?
+            else {
+                return Ok(());
+            };
+            relay.run_until(&token).await
         };
-        relay.run(shutdown).await
+        until_shutdown(shutdown, &token, run).await
     }
 
     /// [`Relay::jetstream`], its set-up retried while the broker cannot be
@@ -350,6 +355,19 @@ impl Relay<JetStreamSink> {
     /// # Errors
     /// As [`Relay::run_jetstream`].
     pub async fn connect_jetstream(
+        pool: PgPool,
+        client: async_nats::Client,
+        stream: StreamSpec,
+        config: RelayConfig,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<Option<Self>> {
+        let token = CancellationToken::new();
+        let connect = Self::connect_until(pool, client, stream, config, &token);
+        until_shutdown(shutdown, &token, connect).await
+    }
+
+    /// [`Relay::connect_jetstream`] until `shutdown` is cancelled.
+    async fn connect_until(
         pool: PgPool,
         client: async_nats::Client,
         stream: StreamSpec,
@@ -447,7 +465,7 @@ impl<S: Sink> Relay<S> {
         check_privileges(self.store.pool(), &self.config).await
     }
 
-    /// Runs until `shutdown` is cancelled: shard ownership, the publisher
+    /// Runs until `shutdown` resolves: shard ownership, the publisher
     /// workers, the LISTEN wake-ups, the backlog gauges, the pruner, the
     /// audit ([`crate::audit`], on a relay built by [`Relay::jetstream`]) and
     /// the sink's periodic re-read of the stream ([`Sink::refresh`]). On
@@ -459,15 +477,21 @@ impl<S: Sink> Relay<S> {
     /// URL leads to a transaction pooler (a relay whose start-up check could
     /// not run): the relay stops as on shutdown. Database and broker failures
     /// are retried with backoff, not returned.
-    pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
+    pub async fn run(&self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
+        let token = CancellationToken::new();
+        until_shutdown(shutdown, &token, self.run_until(&token)).await
+    }
+
+    /// [`Relay::run`] until `shutdown` is cancelled.
+    async fn run_until(&self, shutdown: &CancellationToken) -> Result<()> {
         let crate::config::Source::Wal(wal) = &self.config.source else {
-            return self.run_parts(&shutdown, None).await;
+            return self.run_parts(shutdown, None).await;
         };
         // A standby publishes nothing: the leader's polling workers and WAL
         // reader do it all (see crate::wal).
         loop {
             self.main_until.store(-1, Ordering::Release);
-            let Some((mut lead, names)) = self.wal_lead(wal, &shutdown).await? else {
+            let Some((mut lead, names)) = self.wal_lead(wal, shutdown).await? else {
                 info!("outbox relay stopped");
                 return Ok(());
             };
@@ -552,4 +576,21 @@ impl<S: Sink> Relay<S> {
         info!("outbox relay stopped");
         Ok(())
     }
+}
+
+/// Runs `work`, which stops once `token` is cancelled, to its end; when
+/// `shutdown` resolves first, cancels `token` and lets `work` finish.
+/// Shutdown is a future, as in axum's `with_graceful_shutdown` and
+/// `inbox_consumer::Consumer::run`.
+async fn until_shutdown<T>(
+    shutdown: impl Future<Output = ()>,
+    token: &CancellationToken,
+    work: impl Future<Output = T>,
+) -> T {
+    let mut work = std::pin::pin!(work);
+    tokio::select! {
+        out = &mut work => return out,
+        () = shutdown => token.cancel(),
+    }
+    work.await
 }

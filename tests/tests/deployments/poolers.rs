@@ -196,10 +196,10 @@ async fn the_consumer_library_refuses_a_transaction_pool_naming_it() {
 
     let started = Instant::now();
     let config = ConsumerConfig::new(&stream, "pooled").ordered(true);
-    let direct = Consumer::new(js.clone(), pool.clone(), config)
+    let direct = Consumer::new(pool.clone(), js.clone(), config)
         .await
         .unwrap_err();
-    let built = Consumer::builder(js.clone(), pool.clone(), &stream, "pooled")
+    let built = Consumer::builder(pool.clone(), js.clone(), &stream, "pooled")
         .whole_stream()
         .stream_patience(Duration::from_secs(5))
         .run(std::future::pending::<()>())

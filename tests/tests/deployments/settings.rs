@@ -136,7 +136,7 @@ async fn a_consumer_on_an_unmigrated_inbox_is_refused_naming_what_to_run() {
     let pool = sqlx::PgPool::connect(&bare).await.unwrap();
     let started = Instant::now();
     let config = inbox_consumer::ConsumerConfig::new("SET_INBOX", "billing").ordered(true);
-    let Err(err) = inbox_consumer::Consumer::new(js, pool, config).await else {
+    let Err(err) = inbox_consumer::Consumer::new(pool, js, config).await else {
         panic!("a consumer started on a database without its tables");
     };
     assert_eq!(err.kind(), inbox_consumer::ErrorKind::Config, "{err}");

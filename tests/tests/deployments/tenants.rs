@@ -310,7 +310,7 @@ async fn ordered_consumers_of_one_name_in_two_schemas_both_lead() {
             .lease_timeout(Duration::from_secs(6))
             .ack_wait(Duration::from_secs(3))
             .retry(RetryPolicy::default().base(Duration::from_millis(50)));
-        let consumer = Consumer::new(js.clone(), pool.clone(), config)
+        let consumer = Consumer::new(pool.clone(), js.clone(), config)
             .await
             .unwrap();
         let service = ServiceBuilder::new()

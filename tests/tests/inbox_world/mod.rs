@@ -533,7 +533,7 @@ async fn spawn<F>(
 where
     F: std::future::Future<Output = inbox_consumer::Result<()>> + Send + 'static,
 {
-    let consumer = Consumer::new(world.js.clone(), world.db.pool.clone(), config)
+    let consumer = Consumer::new(world.db.pool.clone(), world.js.clone(), config)
         .await
         .unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
