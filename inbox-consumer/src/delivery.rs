@@ -297,6 +297,98 @@ impl Outcome {
 /// order (see [`Consumer::run_batched`](crate::Consumer::run_batched)).
 pub type BatchResults = Vec<Result<Outcome, crate::error::BoxError>>;
 
+/// What the runtime asks of a stack: one [`Delivery`] (answered with an
+/// [`Outcome`]), or a batch, `Vec<Delivery>` (answered with
+/// [`BatchResults`]). [`Trace`](crate::Trace) and
+/// [`Metrics`](crate::Metrics) serve both through it, one implementation each.
+pub trait Deliveries: Send + 'static {
+    /// What the stack answers.
+    type Response;
+
+    /// The deliveries asked for, in order.
+    fn deliveries(&self) -> &[Delivery];
+
+    /// Each delivery's result in `response`, in order: its outcome, or the
+    /// error of its own (`None`: it failed with the whole request's error).
+    fn results(
+        response: &Self::Response,
+    ) -> impl Iterator<Item = Result<Outcome, &crate::error::BoxError>>;
+
+    /// For a batch, the `inbox.batch` span its service call is polled in,
+    /// the parent of its deliveries' spans (which they carry down the
+    /// stack); `None` for one delivery, called and polled in its own span.
+    fn batch_span(&self) -> Option<tracing::Span>;
+
+    /// The request with each delivery carrying its span down the stack,
+    /// where the handler runs in it (a batch's; see
+    /// [`Deliveries::batch_span`]).
+    #[must_use]
+    fn in_spans(self, spans: &[tracing::Span]) -> Self;
+}
+
+impl Deliveries for Delivery {
+    type Response = Outcome;
+
+    fn deliveries(&self) -> &[Delivery] {
+        std::slice::from_ref(self)
+    }
+
+    fn results(
+        response: &Outcome,
+    ) -> impl Iterator<Item = Result<Outcome, &crate::error::BoxError>> {
+        std::iter::once(Ok(*response))
+    }
+
+    fn batch_span(&self) -> Option<tracing::Span> {
+        None
+    }
+
+    /// Unchanged: one delivery is called and polled inside its own span.
+    fn in_spans(self, _spans: &[tracing::Span]) -> Self {
+        self
+    }
+}
+
+impl Deliveries for Vec<Delivery> {
+    type Response = BatchResults;
+
+    fn deliveries(&self) -> &[Delivery] {
+        self
+    }
+
+    fn results(
+        response: &BatchResults,
+    ) -> impl Iterator<Item = Result<Outcome, &crate::error::BoxError>> {
+        response.iter().map(|result| result.as_ref().copied())
+    }
+
+    fn batch_span(&self) -> Option<tracing::Span> {
+        let span = tracing::info_span!(
+            "inbox.batch",
+            consumer = self.first().map(Delivery::consumer),
+            deliveries = self.len(),
+        );
+        #[cfg(feature = "opentelemetry")]
+        for delivery in self {
+            if let Some(writer) = crate::trace::writer_context(delivery) {
+                use opentelemetry::trace::TraceContextExt;
+                tracing_opentelemetry::OpenTelemetrySpanExt::add_link(
+                    &span,
+                    writer.span().span_context().clone(),
+                );
+            }
+        }
+        Some(span)
+    }
+
+    fn in_spans(self, spans: &[tracing::Span]) -> Self {
+        self.into_iter()
+            .zip(spans)
+            .map(|(delivery, span)| delivery.in_span(span.clone()))
+            .collect()
+    }
+}
+
 /// A value travelling with the open transaction it belongs to.
 ///
 /// Services inside [`Dedupe`](crate::dedupe::Dedupe) take an

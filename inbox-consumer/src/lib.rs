@@ -179,7 +179,8 @@ pub mod trace;
 pub use builder::{ConsumerBuilder, IntoJetStream};
 pub use dedupe::{Dedupe, DedupeLayer, Timeouts};
 pub use delivery::{
-    BatchResults, Delivery, DeliveryInfo, InTx, Outcome, TRACEPARENT_HEADER, TRACESTATE_HEADER,
+    BatchResults, Deliveries, Delivery, DeliveryInfo, InTx, Outcome, TRACEPARENT_HEADER,
+    TRACESTATE_HEADER,
 };
 pub use error::{Action, BoxError, Error, ErrorKind, HandlerError, Result};
 pub use handler::{BatchHandler, Handler};

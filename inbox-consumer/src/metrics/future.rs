@@ -1,46 +1,63 @@
 //! The future of [`Metrics`](super::Metrics).
 
 use std::future::Future;
+use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use std::time::Instant;
 
 use pin_project_lite::pin_project;
 
-use crate::delivery::Outcome;
+use super::{Labels, record};
+use crate::delivery::Deliveries;
 
 pin_project! {
-    /// Records the outcome and latency when the inner future resolves.
+    /// Records each delivery's outcome and latency (a batch's, for each of
+    /// its deliveries) when the inner future resolves.
     #[derive(Debug)]
-    pub struct ResponseFuture<F> {
+    pub struct ResponseFuture<F, R> {
         #[pin]
         inner: F,
         start: Instant,
-        labels: [(&'static str, String); 2],
+        labels: Vec<Labels>,
+        request: PhantomData<fn() -> R>,
     }
 }
 
-impl<F> ResponseFuture<F> {
-    pub(crate) fn new(inner: F, start: Instant, labels: [(&'static str, String); 2]) -> Self {
+impl<F, R> ResponseFuture<F, R> {
+    pub(crate) fn new(inner: F, start: Instant, labels: Vec<Labels>) -> Self {
         Self {
             inner,
             start,
             labels,
+            request: PhantomData,
         }
     }
 }
 
-impl<F, E> Future for ResponseFuture<F>
+impl<F, R, E> Future for ResponseFuture<F, R>
 where
-    F: Future<Output = Result<Outcome, E>>,
+    R: Deliveries,
+    F: Future<Output = Result<R::Response, E>>,
 {
-    type Output = Result<Outcome, E>;
+    type Output = Result<R::Response, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let out = ready!(this.inner.poll(cx));
         let seconds = this.start.elapsed().as_secs_f64();
-        super::record(this.labels, out.as_ref().ok(), seconds);
+        match &out {
+            Ok(response) => {
+                for (labels, result) in this.labels.iter().zip(R::results(response)) {
+                    record(labels, result.ok().as_ref(), seconds);
+                }
+            }
+            Err(_) => {
+                for labels in this.labels.iter() {
+                    record(labels, None, seconds);
+                }
+            }
+        }
         Poll::Ready(out)
     }
 }

@@ -39,7 +39,6 @@
 //! `inbox_`. Install any `metrics` recorder (for example
 //! `metrics-exporter-prometheus`) to export them.
 
-mod batch;
 pub mod future;
 mod layer;
 
@@ -48,7 +47,7 @@ use std::time::Instant;
 
 use tower::Service;
 
-use crate::delivery::{Delivery, Outcome};
+use crate::delivery::{Deliveries, Delivery, Outcome};
 
 pub use layer::MetricsLayer;
 
@@ -142,7 +141,10 @@ pub fn describe() {
 
 /// Counts one delivery's result (`None`: failed) and, unless it was a
 /// duplicate, its latency.
-fn record(labels: &[(&'static str, String); 2], outcome: Option<&Outcome>, seconds: f64) {
+/// The labels of one delivery's metrics: its consumer and event type.
+type Labels = [(&'static str, String); 2];
+
+fn record(labels: &Labels, outcome: Option<&Outcome>, seconds: f64) {
     let counter = match outcome {
         Some(Outcome::Handled) => names::HANDLED,
         Some(Outcome::Stale) => names::STALE,
@@ -182,121 +184,59 @@ impl<S> Metrics<S> {
     }
 }
 
-impl<S> Service<Delivery> for Metrics<S>
+impl<S, R> Service<R> for Metrics<S>
 where
-    S: Service<Delivery, Response = Outcome>,
+    R: Deliveries,
+    S: Service<R, Response = R::Response>,
 {
-    type Response = Outcome;
+    type Response = R::Response;
     type Error = S::Error;
-    type Future = future::ResponseFuture<S::Future>;
+    type Future = future::ResponseFuture<S::Future, R>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, delivery: Delivery) -> Self::Future {
-        let labels = [
-            ("consumer", delivery.consumer().to_owned()),
-            ("event_type", delivery.event_type().as_str().to_owned()),
-        ];
-        future::ResponseFuture::new(self.inner.call(delivery), Instant::now(), labels)
+    fn call(&mut self, request: R) -> Self::Future {
+        let labels = request.deliveries().iter().map(labels).collect();
+        future::ResponseFuture::new(self.inner.call(request), Instant::now(), labels)
     }
+}
+
+/// The labels of `delivery`'s metrics.
+fn labels(delivery: &Delivery) -> Labels {
+    [
+        ("consumer", delivery.consumer().to_owned()),
+        ("event_type", delivery.event_type().as_str().to_owned()),
+    ]
 }
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashMap;
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::{Arc, Mutex};
-
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
     use outbox_pg::Envelope;
     use tower::Layer;
     use tower_test::mock;
 
     use super::*;
-    use crate::delivery::DeliveryInfo;
+    use crate::delivery::{BatchResults, DeliveryInfo};
 
-    /// Counts counters and histogram samples by name.
-    #[derive(Default)]
-    struct Recorder(Mutex<HashMap<String, Arc<Count>>>);
-
-    #[derive(Default)]
-    struct Count(AtomicU64);
-
-    impl metrics::CounterFn for Count {
-        fn increment(&self, value: u64) {
-            self.0.fetch_add(value, Ordering::SeqCst);
+    /// Counter increments and histogram samples by name, read once (a
+    /// snapshot drains them), every series labelled by consumer and event
+    /// type.
+    fn counts(snapshotter: &Snapshotter) -> std::collections::HashMap<String, u64> {
+        let mut counts = std::collections::HashMap::new();
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            let labels: Vec<_> = key.key().labels().map(|l| l.key().to_owned()).collect();
+            assert_eq!(labels, ["consumer", "event_type"], "{key:?}");
+            let n = match value {
+                DebugValue::Counter(n) => n,
+                DebugValue::Histogram(samples) => samples.len() as u64,
+                DebugValue::Gauge(_) => 0,
+            };
+            *counts.entry(key.key().name().to_owned()).or_default() += n;
         }
-        fn absolute(&self, value: u64) {
-            self.0.store(value, Ordering::SeqCst);
-        }
-    }
-
-    impl metrics::HistogramFn for Count {
-        fn record(&self, _: f64) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    impl Recorder {
-        fn get(&self, name: &str) -> u64 {
-            self.0
-                .lock()
-                .unwrap()
-                .get(name)
-                .map_or(0, |c| c.0.load(Ordering::SeqCst))
-        }
-        fn entry(&self, key: &metrics::Key) -> Arc<Count> {
-            let labels: Vec<_> = key.labels().map(|l| l.key().to_owned()).collect();
-            assert_eq!(labels, ["consumer", "event_type"]);
-            self.0
-                .lock()
-                .unwrap()
-                .entry(key.name().to_owned())
-                .or_default()
-                .clone()
-        }
-    }
-
-    impl metrics::Recorder for Recorder {
-        fn describe_counter(
-            &self,
-            _: metrics::KeyName,
-            _: Option<metrics::Unit>,
-            _: metrics::SharedString,
-        ) {
-        }
-        fn describe_gauge(
-            &self,
-            _: metrics::KeyName,
-            _: Option<metrics::Unit>,
-            _: metrics::SharedString,
-        ) {
-        }
-        fn describe_histogram(
-            &self,
-            _: metrics::KeyName,
-            _: Option<metrics::Unit>,
-            _: metrics::SharedString,
-        ) {
-        }
-        fn register_counter(
-            &self,
-            key: &metrics::Key,
-            _: &metrics::Metadata<'_>,
-        ) -> metrics::Counter {
-            metrics::Counter::from_arc(self.entry(key))
-        }
-        fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-            metrics::Gauge::noop()
-        }
-        fn register_histogram(
-            &self,
-            key: &metrics::Key,
-            _: &metrics::Metadata<'_>,
-        ) -> metrics::Histogram {
-            metrics::Histogram::from_arc(self.entry(key))
-        }
+        counts
     }
 
     fn delivery() -> Delivery {
@@ -306,7 +246,8 @@ mod tests {
 
     #[test]
     fn counts_outcomes_and_failures_with_latency() {
-        let recorder = Recorder::default();
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
         metrics::with_local_recorder(&recorder, || {
             futures::executor::block_on(async {
                 let (inner, mut handle) = mock::pair::<Delivery, Outcome>();
@@ -335,11 +276,46 @@ mod tests {
                 }
             });
         });
-        assert_eq!(recorder.get(names::HANDLED), 1);
-        assert_eq!(recorder.get(names::STALE), 1);
-        assert_eq!(recorder.get(names::FAILED), 1);
+        let counts = counts(&snapshotter);
+        let count = |name: &str| counts.get(name).copied().unwrap_or(0);
+        assert_eq!(count(names::HANDLED), 1);
+        assert_eq!(count(names::STALE), 1);
+        assert_eq!(count(names::FAILED), 1);
         // Duplicates are counted by the dedupe layer, not here.
-        assert_eq!(recorder.get(names::DUPLICATES), 0);
-        assert_eq!(recorder.get(names::HANDLER_DURATION), 3);
+        assert_eq!(count(names::DUPLICATES), 0);
+        assert_eq!(count(names::HANDLER_DURATION), 3);
+    }
+
+    #[test]
+    fn a_batch_is_counted_per_delivery_by_its_own_result() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, || {
+            futures::executor::block_on(async {
+                let (inner, mut handle) = mock::pair::<Vec<Delivery>, BatchResults>();
+                let mut svc = MetricsLayer::new().layer(inner);
+                handle.allow(2);
+                std::future::poll_fn(|cx| svc.poll_ready(cx)).await.unwrap();
+                let fut = svc.call(vec![delivery(), delivery(), delivery()]);
+                let (_, send) = handle.next_request().await.unwrap();
+                send.send_response(vec![
+                    Ok(Outcome::Handled),
+                    Err("bad row".into()),
+                    Ok(Outcome::Stale),
+                ]);
+                assert_eq!(fut.await.unwrap().len(), 3);
+                // A batch failing as a whole fails each of its deliveries.
+                std::future::poll_fn(|cx| svc.poll_ready(cx)).await.unwrap();
+                let fut = svc.call(vec![delivery(), delivery()]);
+                let (_, send) = handle.next_request().await.unwrap();
+                send.send_error("down");
+                assert!(fut.await.is_err());
+            });
+        });
+        let counts = counts(&snapshotter);
+        let count = |name: &str| counts.get(name).copied().unwrap_or(0);
+        assert_eq!(count(names::HANDLED), 1);
+        assert_eq!(count(names::STALE), 1);
+        assert_eq!(count(names::FAILED), 3);
     }
 }

@@ -1,24 +1,8 @@
 //! The acknowledgement decision: what a delivery's result means for JetStream.
 //!
-//! | result | JetStream |
-//! | --- | --- |
-//! | `Ok(Handled / Duplicate / Stale)` (committed) | `+ACK`, confirmed (`double_ack`) |
-//! | the database unreachable, a lock wait timed out, or a privilege the role lacks (rolled back) | `-NAK {delay}`, whatever the delivery count: never dead-lettered |
-//! | other retryable error (rolled back) | `-NAK {delay}`, delay from [`RetryPolicy`](crate::RetryPolicy) or [`HandlerError::retry_after`] |
-//! | other retryable error once the delivery budget is spent | dead letter (`max_deliveries`), then `+TERM` |
-//! | the handler or a layer panicked (caught, rolled back) | `-NAK {delay}`, delay from [`RetryPolicy`](crate::RetryPolicy) |
-//! | a panic once the delivery budget is spent | dead letter (`panic`), then `+TERM` |
-//! | reject, undecodable payload | dead letter, then `+TERM` |
-//! | no route for the event type | `+ACK`, counted (`inbox_unrouted_total`); or dead letter, by [`Unrouted`] |
-//! | [`ErrorKind::LeaseLost`] (an ordered consumer's deposed leader) | nothing: the new leader gets it |
-//!
-//! An error this crate does not know (from a third-party layer) is retried.
-//!
-//! The budget ([`ConsumerConfig::max_deliver`](super::ConsumerConfig::max_deliver)) is counted here, from the
-//! delivery count JetStream reports; the server's own `max_deliver` is
-//! unlimited, so no message ever ends because the broker stopped redelivering
-//! it. A failure that is not the event's fault (no database) does not spend the
-//! budget's last delivery: such a message is tried again until it commits.
+//! [`decide`] turns a result into a [`Decision`], as the table in the
+//! [runtime docs](super) says: that table is the one home of the rule, and
+//! this module's tests go through it row by row.
 
 use std::time::Duration;
 

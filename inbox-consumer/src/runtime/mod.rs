@@ -13,12 +13,21 @@
 //!   | result | JetStream |
 //!   | --- | --- |
 //!   | `Ok(Handled / Duplicate / Stale)` (committed) | `+ACK`, confirmed (`double_ack`) |
-//!   | retryable error (rolled back) | `-NAK {delay}` |
-//!   | retryable error on the last allowed delivery | dead letter (`max_deliveries`), `+TERM` |
-//!   | the handler or a layer panicked (caught, rolled back) | `-NAK {delay}`, counted (`inbox_handler_panics_total`) |
-//!   | a panic on the last allowed delivery | dead letter (`panic`), `+TERM` |
-//!   | reject, undecodable payload, no route | dead letter, `+TERM` |
+//!   | the database unreachable, a lock wait timed out, or a privilege the role lacks (rolled back) | `-NAK {delay}`, whatever the delivery count: never dead-lettered |
+//!   | other retryable error (rolled back) | `-NAK {delay}`, delay from [`RetryPolicy`] or [`HandlerError::retry_after`](crate::HandlerError::retry_after) |
+//!   | other retryable error once the delivery budget is spent | dead letter (`max_deliveries`), then `+TERM` |
+//!   | the handler or a layer panicked (caught, rolled back) | `-NAK {delay}`, delay from [`RetryPolicy`], counted (`inbox_handler_panics_total`) |
+//!   | a panic once the delivery budget is spent | dead letter (`panic`), then `+TERM` |
+//!   | reject, undecodable payload | dead letter, then `+TERM` |
+//!   | no route for the event type | `+ACK`, counted (`inbox_unrouted_total`); or dead letter, by [`Unrouted`] |
+//!   | [`ErrorKind::LeaseLost`](crate::ErrorKind::LeaseLost) (an ordered consumer's deposed leader) | nothing: the new leader gets it |
 //!   | an error type this crate does not know (a third-party layer) | retried |
+//!
+//!   The budget ([`ConsumerConfig::max_deliver`]) is counted by the runtime,
+//!   from the delivery count JetStream reports; the server's own
+//!   `max_deliver` is unlimited, so no message ever ends because the broker
+//!   stopped redelivering it. A failure that is not the event's fault (no
+//!   database) does not spend the budget's last delivery.
 //!
 //!   An ordered consumer retries a nak'ed failure (a panic too) in place
 //!   instead, holding its subject; see [below](#a-panicking-handler).

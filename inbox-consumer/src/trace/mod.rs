@@ -34,7 +34,6 @@
 //! instruments the handler with it); the `inbox.batch` span around them is
 //! linked to each writer's span.
 
-mod batch;
 pub mod future;
 mod layer;
 
@@ -43,7 +42,7 @@ use std::task::{Context, Poll};
 use tower::Service;
 use tracing::field::Empty;
 
-use crate::delivery::{Delivery, Outcome};
+use crate::delivery::{Deliveries, Delivery};
 
 pub use layer::TraceLayer;
 
@@ -164,26 +163,36 @@ pub(crate) fn writer_context(delivery: &Delivery) -> Option<opentelemetry::Conte
     outbox_pg::trace_context::remote_parent(delivery.traceparent()?, delivery.tracestate())
 }
 
-impl<S> Service<Delivery> for Trace<S>
+impl<S, R> Service<R> for Trace<S>
 where
-    S: Service<Delivery, Response = Outcome>,
+    R: Deliveries,
+    S: Service<R, Response = R::Response>,
     S::Error: std::fmt::Display,
 {
-    type Response = Outcome;
+    type Response = R::Response;
     type Error = S::Error;
-    type Future = future::ResponseFuture<S::Future>;
+    type Future = future::ResponseFuture<S::Future, R>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, delivery: Delivery) -> Self::Future {
-        let span = delivery_span(&delivery);
+    fn call(&mut self, request: R) -> Self::Future {
+        // A batch's deliveries' spans are children of the batch's.
+        let batch = request.batch_span();
+        let spans: Vec<tracing::Span> = {
+            let _entered = batch.as_ref().map(tracing::Span::enter);
+            request.deliveries().iter().map(delivery_span).collect()
+        };
+        let span = match batch {
+            Some(batch) => batch,
+            None => spans.first().cloned().unwrap_or_else(tracing::Span::none),
+        };
         let inner = {
             let _entered = span.enter();
-            self.inner.call(delivery)
+            self.inner.call(request.in_spans(&spans))
         };
-        future::ResponseFuture::new(inner, span)
+        future::ResponseFuture::new(inner, span, spans)
     }
 }
 

@@ -4,7 +4,7 @@
 #![allow(dead_code, unreachable_pub)] // each test binary uses its own part
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -15,6 +15,7 @@ use inbox_consumer::{
     BatchHandler, Consumer, ConsumerConfig, Dedupe, DedupeLayer, Delivery, Handler, HandlerError,
     HandlerService, InTx, Metrics, MetricsLayer, Outcome, RetryPolicy, Router, Trace, TraceLayer,
 };
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use outbox_pg::{Envelope, Outbox};
 use outbox_testkit::{NatsHandle, TestDb, wait_until};
 use serde::{Deserialize, Serialize};
@@ -27,90 +28,53 @@ use tower::{Service, ServiceBuilder};
 pub(crate) const WAIT: Duration = Duration::from_secs(20);
 
 // ---------------------------------------------------------------------------
-// Metrics: a recorder that keeps counters by name and consumer, so parallel
-// tests (each with its own consumer name) read only their own.
+// Metrics: metrics-util's debugging recorder, its counters summed up by name
+// and label set (a snapshot drains them), so parallel tests (each with its
+// own consumer name) read only their own, as often as they like.
 
-#[derive(Default)]
-pub(crate) struct Count(AtomicU64);
+/// A counter series: its name and sorted `key=value` labels.
+type Series = (String, Vec<String>);
 
-impl metrics::CounterFn for Count {
-    fn increment(&self, value: u64) {
-        self.0.fetch_add(value, Ordering::SeqCst);
-    }
-    fn absolute(&self, value: u64) {
-        self.0.store(value, Ordering::SeqCst);
-    }
-}
+/// Counter totals by series.
+static TOTALS: LazyLock<Mutex<HashMap<Series, u64>>> = LazyLock::new(Default::default);
 
-pub(crate) static COUNTERS: LazyLock<Mutex<HashMap<String, Arc<Count>>>> =
-    LazyLock::new(Default::default);
-
-pub(crate) struct TestRecorder;
-
-impl metrics::Recorder for TestRecorder {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-
-    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        let mut labels: Vec<String> = key
-            .labels()
-            .map(|l| format!("{}={}", l.key(), l.value()))
-            .collect();
-        labels.sort();
-        let id = format!("{}|{}", key.name(), labels.join(","));
-        let count = COUNTERS.lock().unwrap().entry(id).or_default().clone();
-        metrics::Counter::from_arc(count)
-    }
-    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::noop()
-    }
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::noop()
-    }
+fn snapshotter() -> &'static Snapshotter {
+    static SNAPSHOTTER: OnceLock<Snapshotter> = OnceLock::new();
+    SNAPSHOTTER.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        // Another test of this binary may have set one first; then no
+        // counter of this module's is read.
+        let _ = metrics::set_global_recorder(recorder);
+        snapshotter
+    })
 }
 
 pub(crate) fn install_recorder() {
-    static ONCE: OnceLock<()> = OnceLock::new();
-    ONCE.get_or_init(|| {
-        let _ = metrics::set_global_recorder(TestRecorder);
-    });
+    snapshotter();
 }
 
 /// The sum of counter `name` over every label set with `consumer=<consumer>`.
 pub(crate) fn counter(name: &str, consumer: &str) -> u64 {
+    let mut totals = TOTALS.lock().unwrap();
+    for (key, _, _, value) in snapshotter().snapshot().into_vec() {
+        if let DebugValue::Counter(n) = value {
+            let mut labels: Vec<String> = key
+                .key()
+                .labels()
+                .map(|l| format!("{}={}", l.key(), l.value()))
+                .collect();
+            labels.sort();
+            *totals
+                .entry((key.key().name().to_owned(), labels))
+                .or_default() += n;
+        }
+    }
     let label = format!("consumer={consumer}");
-    COUNTERS
-        .lock()
-        .unwrap()
+    totals
         .iter()
-        .filter(|(id, _)| {
-            id.split_once('|')
-                .is_some_and(|(n, labels)| n == name && labels.split(',').any(|l| l == label))
-        })
-        .map(|(_, c)| c.0.load(Ordering::SeqCst))
+        .filter(|((n, labels), _)| n == name && labels.contains(&label))
+        .map(|(_, total)| total)
         .sum()
 }
 
