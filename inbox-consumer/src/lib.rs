@@ -163,6 +163,12 @@ pub mod dedupe;
 mod delivery;
 mod error;
 mod fence;
+/// The user guide's chapter on consuming, rendered here from the
+/// repository's `docs/`.
+pub mod guide {
+    #[doc = include_str!("../docs/consuming.md")]
+    pub mod consuming {}
+}
 mod handler;
 mod health;
 pub mod metrics;

@@ -114,6 +114,17 @@ mod signal;
 pub mod trace_context;
 mod validate;
 
+/// The user guide's chapters on writing events, rendered here from the
+/// repository's `docs/`.
+pub mod guide {
+    #[doc = include_str!("../docs/guarantees.md")]
+    pub mod guarantees {}
+    #[doc = include_str!("../docs/schema.md")]
+    pub mod schema {}
+    #[doc = include_str!("../docs/security.md")]
+    pub mod security {}
+}
+
 pub mod prelude;
 
 pub use envelope::{

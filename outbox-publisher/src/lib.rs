@@ -85,6 +85,18 @@ pub mod cli;
 mod config;
 mod error;
 mod health;
+/// The user guide's chapters on running the relay, rendered here from the
+/// repository's `docs/`.
+pub mod guide {
+    #[doc = include_str!("../docs/relay.md")]
+    pub mod relay {}
+    #[doc = include_str!("../docs/operations.md")]
+    pub mod operations {}
+    #[doc = include_str!("../docs/alerts.md")]
+    pub mod alerts {}
+    #[doc = include_str!("../docs/cluster.md")]
+    pub mod cluster {}
+}
 pub mod metrics;
 pub mod relay;
 mod sink;

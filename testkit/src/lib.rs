@@ -28,6 +28,13 @@
 //! through `PG_BIN_DIR` and `NATS_SERVER_BIN`; a missing one is an error that says
 //! how to install it.
 
+/// The user guide's chapter on testing, rendered here from the repository's
+/// `docs/`.
+pub mod guide {
+    #[doc = include_str!("../docs/testing.md")]
+    pub mod testing {}
+}
+
 mod error;
 mod nats;
 mod nats_auth;

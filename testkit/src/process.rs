@@ -47,7 +47,7 @@ where
 /// processes started together (their pids adjacent) start far apart. Two
 /// processes can still pick one port between probe and bind: the servers'
 /// start-ups take another port when theirs turns out taken
-/// ([`port_taken`]).
+/// (`port_taken`).
 ///
 /// # Errors
 /// If no port in the range is free.
@@ -94,7 +94,7 @@ pub(crate) fn port_taken(error: &Error) -> bool {
 pub(crate) const PORT_ATTEMPTS: usize = 4;
 
 /// `launch(server)`, and while it fails because its port was taken
-/// ([`port_taken`]), `new_port(server, port)` with another free port and
+/// (`port_taken`), `new_port(server, port)` with another free port and
 /// `launch` again, up to [`PORT_ATTEMPTS`] in all.
 pub(crate) fn launch_on_a_free_port<T>(
     server: &mut T,

@@ -35,7 +35,6 @@
 //! The binaries are built by `scripts/test` before the tests run.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-#[allow(dead_code)] // this file runs outbox-relay and outboxctl only
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -17,8 +17,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-#[allow(dead_code)] // this file runs the billing binary only
 mod support;
+
+use support::blocking;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -39,10 +40,6 @@ struct World {
     nats: NatsServer,
     js: jetstream::Context,
     log_dir: PathBuf,
-}
-
-fn blocking<T>(f: impl FnOnce() -> T) -> T {
-    tokio::task::block_in_place(f)
 }
 
 async fn world() -> World {
@@ -148,12 +145,7 @@ impl World {
 
     /// The end of `name`'s log, for a failure message.
     fn log_tail(&self, name: &str) -> String {
-        let text = self.log(name);
-        let lines: Vec<&str> = text
-            .lines()
-            .filter(|l| !l.contains("INFO async_nats"))
-            .collect();
-        lines[lines.len().saturating_sub(20)..].join("\n")
+        support::log_tail(&self.log_dir.join(format!("{name}.log")))
     }
 
     fn assert_running(&self, billing: &mut Program) {

@@ -4,7 +4,6 @@
 //! break the relay (`settings`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-#[allow(dead_code)] // this file runs the relay, billing and subscriptions only
 mod support;
 
 #[path = "deployments/once.rs"]

@@ -16,7 +16,6 @@
 //! The binaries are built by `scripts/test` before the tests run.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-#[allow(dead_code)] // this file runs outbox-relay and billing only
 mod support;
 
 use std::time::Duration;

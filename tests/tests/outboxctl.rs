@@ -22,8 +22,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-#[allow(dead_code)] // this file runs outboxctl and the relay only
 mod support;
+
+use support::count_where;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -296,15 +297,6 @@ async fn blocked_subject(pool: &PgPool, subject: &str, behind: i64) -> (Uuid, Ve
         followers.push(insert(pool, subject, n, None).await);
     }
     (head, followers)
-}
-
-async fn count(pool: &PgPool, condition: &str) -> i64 {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "select count(*) from outbox_events where {condition}"
-    )))
-    .fetch_one(pool)
-    .await
-    .unwrap()
 }
 
 async fn published(pool: &PgPool, ids: &[Uuid]) -> i64 {
@@ -608,12 +600,16 @@ async fn a_parked_head_is_reported_and_skipped_and_its_subject_moves_on() {
         .execute(pool)
         .await
         .unwrap();
-    let before = count(pool, "true").await;
+    let before = count_where(pool, "true").await;
 
     let dry = ctl(db.url(), &["--json", "prune", "--dry-run"]).await.ok();
     assert_eq!(i(&dry["deleted"]), old, "{dry:#}");
     assert_eq!(dry["dry_run"], true);
-    assert_eq!(count(pool, "true").await, before, "--dry-run deleted rows");
+    assert_eq!(
+        count_where(pool, "true").await,
+        before,
+        "--dry-run deleted rows"
+    );
 
     // Through a pipe: the JSON alone on stdout, no progress bar on stderr.
     let pruned = ctl(db.url(), &["--json", "prune", "--batch", "4"]).await;
@@ -621,7 +617,7 @@ async fn a_parked_head_is_reported_and_skipped_and_its_subject_moves_on() {
     let pruned = pruned.ok();
     assert_eq!(i(&pruned["deleted"]), old, "{pruned:#}");
     assert_eq!(pruned["dry_run"], false);
-    assert_eq!(count(pool, "true").await, before - old);
+    assert_eq!(count_where(pool, "true").await, before - old);
     let kept: Vec<Uuid> = sqlx::query_scalar("select id from outbox_events order by id")
         .fetch_all(pool)
         .await
@@ -642,7 +638,7 @@ async fn a_parked_head_is_reported_and_skipped_and_its_subject_moves_on() {
         1,
         "the row published a day ago: {wide:#}"
     );
-    assert_eq!(count(pool, &format!("id = '{head}'")).await, 1);
+    assert_eq!(count_where(pool, &format!("id = '{head}'")).await, 1);
 }
 
 // ---------------------------------------------------------------------------
@@ -725,7 +721,7 @@ async fn retried_rows_are_published_by_the_running_relay_in_order() {
     assert_eq!(kind, "not_found");
     assert!(message.contains(&unknown.to_string()), "{message}");
     assert_eq!(
-        count(
+        count_where(
             pool,
             &format!("id = '{head1}' and attempts = 3 and next_attempt_at = 'infinity'")
         )
@@ -764,7 +760,7 @@ async fn retried_rows_are_published_by_the_running_relay_in_order() {
         "the rows behind the retried head waited out their deferral"
     );
     assert_eq!(
-        count(pool, &format!("id = '{head1}' and last_error is null")).await,
+        count_where(pool, &format!("id = '{head1}' and last_error is null")).await,
         1,
         "the relay clears last_error on publish"
     );
@@ -824,7 +820,7 @@ async fn retried_rows_are_published_by_the_running_relay_in_order() {
     assert_eq!(ids(&r["retried"]), Vec::<Uuid>::new(), "{r:#}");
     assert_eq!(ids(&r["already_claimable_ids"]), vec![waiting], "{r:#}");
     assert_eq!(
-        count(
+        count_where(
             pool,
             &format!("id = '{waiting}' and next_attempt_at is null")
         )
@@ -951,9 +947,9 @@ async fn errors_are_one_line_exit_1_and_json_and_change_nothing() {
     .error();
     assert_eq!(kind, "config");
     assert!(message.contains("--reason"), "{message}");
-    assert_eq!(count(pool, "skipped_at is not null").await, 0);
+    assert_eq!(count_where(pool, "skipped_at is not null").await, 0);
     assert_eq!(
-        count(pool, "attempts = 3 and next_attempt_at = 'infinity'").await,
+        count_where(pool, "attempts = 3 and next_attempt_at = 'infinity'").await,
         1,
         "nothing was changed"
     );
@@ -1140,7 +1136,7 @@ async fn status_and_stuck_count_each_state_per_event_type() {
     assert_eq!(retried, expected, "{r:#}");
     assert_eq!(i(&r["already_claimable"]), 1, "the fresh row behind them");
     assert_eq!(
-        count(
+        count_where(
             pool,
             &format!("id = '{parked}' and attempts = 0 and next_attempt_at <= now() and last_error = 'bad row'")
         )
@@ -1213,5 +1209,5 @@ async fn prune_draws_a_progress_bar_on_a_terminal() {
     assert!(out.status.success(), "{text}");
     assert!(text.contains("pruning"), "no progress bar drawn: {text:?}");
     assert!(text.contains("deleted 3000 published rows"), "{text:?}");
-    assert_eq!(count(&db.pool, "true").await, 0);
+    assert_eq!(count_where(&db.pool, "true").await, 0);
 }

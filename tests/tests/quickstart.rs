@@ -7,7 +7,6 @@ use std::process::Command;
 
 use outbox_testkit::TestDb;
 
-#[allow(dead_code)] // this binary uses only bin_dir
 mod support;
 
 #[tokio::test]

@@ -20,14 +20,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-#[allow(dead_code)] // this file runs the relay binary only
 mod support;
+
+use support::{blocking, count, count_where, jetstream_client, stream_count};
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer};
+use async_nats::jetstream::consumer;
 use futures::StreamExt;
 use outbox_testkit::{NatsServer, Program, TestDb, nats, wait_until};
 use serde_json::Value;
@@ -105,20 +106,7 @@ impl Relays {
 
     /// The last lines `name` logged that say what it did.
     fn log_tail(&self, name: &str) -> String {
-        let text =
-            std::fs::read_to_string(self.log_dir.join(format!("{name}.log"))).unwrap_or_default();
-        let lines: Vec<&str> = text
-            .lines()
-            .filter(|line| {
-                let line = line.trim_start();
-                let frame = line
-                    .split_once(": ")
-                    .is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-                // Backtrace frames and the client's reconnect chatter.
-                !frame && !line.starts_with("at ") && !line.contains("INFO async_nats")
-            })
-            .collect();
-        lines[lines.len().saturating_sub(15)..].join("\n")
+        support::log_tail(&self.log_dir.join(format!("{name}.log")))
     }
 
     /// Panics with `error`, whether each relay still runs, and the end of
@@ -159,11 +147,6 @@ impl Drop for Relays {
     }
 }
 
-/// Runs a blocking broker operation (start, kill, restart) off the async workers.
-fn blocking<T>(f: impl FnOnce() -> T) -> T {
-    tokio::task::block_in_place(f)
-}
-
 // ---------------------------------------------------------------------------
 // Rows, written as any SQL client would.
 
@@ -202,21 +185,6 @@ fn rows_for(subject: &str, first: i64, n: i64) -> Vec<(Uuid, String, Value)> {
         .collect()
 }
 
-async fn scalar(pool: &PgPool, sql: &str) -> i64 {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
-
-async fn count_where(pool: &PgPool, condition: &str) -> i64 {
-    scalar(
-        pool,
-        &format!("select count(*) from outbox_events where {condition}"),
-    )
-    .await
-}
-
 // ---------------------------------------------------------------------------
 // The stream, read back in stream order.
 
@@ -244,24 +212,6 @@ impl Received {
             )
         })
     }
-}
-
-async fn jetstream_client(url: &str) -> jetstream::Context {
-    let client = async_nats::ConnectOptions::new()
-        .retry_on_initial_connect()
-        .connect(url)
-        .await
-        .unwrap();
-    jetstream::new(client)
-}
-
-/// Messages in `stream`, 0 if it does not exist (yet).
-async fn stream_count(url: &str, stream: &str) -> u64 {
-    let js = jetstream_client(url).await;
-    let Ok(mut stream) = js.get_stream(stream).await else {
-        return 0;
-    };
-    stream.info().await.map_or(0, |info| info.state.messages)
 }
 
 /// Every message of `stream`, in stream order, through an ordered consumer
@@ -1215,7 +1165,7 @@ async fn rows_written_after_the_seq_sequence_went_back_are_published_at_once() {
         .collect();
     insert_events(&db.pool, "seqback.charged", &after).await;
     assert!(
-        scalar(
+        count(
             &db.pool,
             "select max(seq) from outbox_events where subject like 'after-%'"
         )

@@ -36,7 +36,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-#[allow(dead_code)] // this file runs the service binaries only
 mod support;
 
 use std::path::{Path, PathBuf};

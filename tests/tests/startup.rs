@@ -16,7 +16,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-#[allow(dead_code)] // this file runs the service binaries only
 mod support;
 
 use std::path::{Path, PathBuf};
@@ -107,13 +106,6 @@ async fn assert_schema_complete(pool: &PgPool, app: &[&str], round: usize) {
     }
 }
 
-/// The last lines of a program's log, for failure messages.
-fn log_tail(log_dir: &Path, name: &str) -> String {
-    let text = std::fs::read_to_string(log_dir.join(format!("{name}.log"))).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(20)..].join("\n")
-}
-
 /// Starts both programs at the same instant (each spawns on its future's first
 /// poll, and `join!` polls both at once) and waits, bounded by
 /// `Program::start`'s 60 s, for both ready lines; a process that exits first
@@ -134,7 +126,7 @@ async fn assert_running_then_stop(pair: [&mut Program; 2], log_dir: &Path, round
             !p.died(),
             "round {round}: {} died after becoming ready:\n{}",
             p.name,
-            log_tail(log_dir, &p.name)
+            support::log_tail(&log_dir.join(format!("{}.log", &p.name)))
         );
         let code = p.terminate().await;
         assert_eq!(
@@ -142,7 +134,7 @@ async fn assert_running_then_stop(pair: [&mut Program; 2], log_dir: &Path, round
             Some(0),
             "round {round}: {} did not stop cleanly:\n{}",
             p.name,
-            log_tail(log_dir, &p.name)
+            support::log_tail(&log_dir.join(format!("{}.log", &p.name)))
         );
     }
 }
@@ -164,7 +156,12 @@ where
         if !not_ready.is_empty() {
             let logs: Vec<String> = not_ready
                 .iter()
-                .map(|name| format!("--- {name}:\n{}", log_tail(&dbs.log_dir, name)))
+                .map(|name| {
+                    format!(
+                        "--- {name}:\n{}",
+                        support::log_tail(&dbs.log_dir.join(format!("{}.log", name)))
+                    )
+                })
                 .collect();
             eprintln!(
                 "round {round}: not ready: {}\n{}",
@@ -310,8 +307,8 @@ async fn relay_replicas_started_together_with_the_migrating_services() {
         .unwrap_or_else(|e| {
             panic!(
                 "{e}\n--- relay-{round}-1:\n{}\n--- relay-{round}-2:\n{}",
-                log_tail(&dbs.log_dir, &a.name),
-                log_tail(&dbs.log_dir, &b.name)
+                support::log_tail(&dbs.log_dir.join(format!("{}.log", &a.name))),
+                support::log_tail(&dbs.log_dir.join(format!("{}.log", &b.name)))
             )
         });
         assert_running_then_stop([&mut a, &mut b], &dbs.log_dir, round).await;

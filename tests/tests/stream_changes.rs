@@ -26,7 +26,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-#[allow(dead_code)] // this file runs the relay binary only
 mod support;
 
 use std::path::PathBuf;
@@ -140,12 +139,7 @@ impl World {
     }
 
     async fn count(&self, condition: &str) -> i64 {
-        sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-            "select count(*) from outbox_events where {condition}"
-        )))
-        .fetch_one(self.pool())
-        .await
-        .unwrap()
+        support::count_where(self.pool(), condition).await
     }
 
     /// Rows not published: how many, and what the table says of them.

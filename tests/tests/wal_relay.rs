@@ -21,14 +21,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-#[allow(dead_code)] // this file runs the relay binary only
 mod support;
+
+use support::{count_where, jetstream_client, stream_count};
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer};
+use async_nats::jetstream::consumer;
 use futures::StreamExt;
 use outbox_testkit::{PgServer, Program, TestDb, nats, wait_until};
 use serde_json::Value;
@@ -194,32 +195,6 @@ async fn write_spread(
     for w in writers {
         w.await.unwrap();
     }
-}
-
-async fn count_where(pool: &PgPool, condition: &str) -> i64 {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "select count(*) from outbox_events where {condition}"
-    )))
-    .fetch_one(pool)
-    .await
-    .unwrap()
-}
-
-async fn jetstream_client(url: &str) -> jetstream::Context {
-    let client = async_nats::ConnectOptions::new()
-        .retry_on_initial_connect()
-        .connect(url)
-        .await
-        .unwrap();
-    jetstream::new(client)
-}
-
-async fn stream_count(url: &str, stream: &str) -> u64 {
-    let js = jetstream_client(url).await;
-    let Ok(mut stream) = js.get_stream(stream).await else {
-        return 0;
-    };
-    stream.info().await.map_or(0, |info| info.state.messages)
 }
 
 /// Every message of `stream` in stream order (its CloudEvents bodies).

@@ -1,4 +1,6 @@
-//! Runs the workspace's binaries as a user would.
+//! Runs the workspace's binaries as a user would, and the helpers the test
+//! binaries share (counts, the stream, logs).
+#![allow(dead_code)] // each test binary uses what it needs
 
 #[allow(dead_code)] // each test binary uses what it needs
 pub(crate) mod http;
@@ -46,4 +48,63 @@ pub(crate) fn demo(args: &[&str]) -> Output {
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
     }
+}
+
+/// The one number `sql` selects (a `count(*)`), on `pool`.
+pub(crate) async fn count(pool: &sqlx::PgPool, sql: &str) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Rows of `outbox_events` where `condition` holds.
+pub(crate) async fn count_where(pool: &sqlx::PgPool, condition: &str) -> i64 {
+    count(
+        pool,
+        &format!("select count(*) from outbox_events where {condition}"),
+    )
+    .await
+}
+
+/// A JetStream context on `url`, connecting however long the server takes
+/// to come (back).
+pub(crate) async fn jetstream_client(url: &str) -> async_nats::jetstream::Context {
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .connect(url)
+        .await
+        .unwrap();
+    async_nats::jetstream::new(client)
+}
+
+/// Messages in `stream` at `url`, 0 if it does not exist (yet).
+pub(crate) async fn stream_count(url: &str, stream: &str) -> u64 {
+    let js = jetstream_client(url).await;
+    let Ok(mut stream) = js.get_stream(stream).await else {
+        return 0;
+    };
+    stream.info().await.map_or(0, |info| info.state.messages)
+}
+
+/// The last 20 lines of the log at `path`, for a failure message, without
+/// backtrace frames and the NATS client's reconnect chatter.
+pub(crate) fn log_tail(path: &std::path::Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|line| {
+            let line = line.trim_start();
+            let frame = line
+                .split_once(": ")
+                .is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+            !frame && !line.starts_with("at ") && !line.contains("INFO async_nats")
+        })
+        .collect();
+    lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+/// Runs blocking `f` (a server's start or kill) on this runtime worker.
+pub(crate) fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    tokio::task::block_in_place(f)
 }
