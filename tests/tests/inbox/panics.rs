@@ -13,15 +13,13 @@
 //!   then shuts down cleanly.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-mod inbox_world;
-
 use std::time::Duration;
 
 use outbox_testkit::wait_until;
 use serde_json::json;
 use uuid::Uuid;
 
-use inbox_world::*;
+use super::world::*;
 
 /// The delivery budget of these tests.
 const BUDGET: u64 = 3;

@@ -10,8 +10,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-mod support;
-
 #[test]
 fn a_seeded_chaos_run_keeps_every_invariant() {
     chaos(&["--duration", "60"]);
@@ -44,7 +42,7 @@ fn chaos(extra: &[&str]) {
         "120",
     ];
     args.extend_from_slice(extra);
-    let out = support::demo(&args);
+    let out = super::support::demo(&args);
     assert!(
         out.status.success() && out.stdout.contains("RESULT: PASS"),
         "chaos run failed ({:?}):\n{}\n{}",

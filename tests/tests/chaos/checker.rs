@@ -5,11 +5,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-mod support;
-
 #[test]
 fn without_dedupe_the_checker_reports_double_invoices() {
-    let out = support::demo(&[
+    let out = super::support::demo(&[
         "--duration",
         "20",
         "--seed",

@@ -19,8 +19,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-mod support;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -55,10 +53,10 @@ impl Proc {
         env: &[(&str, &str)],
         args: &[&str],
     ) -> Self {
-        let metrics = support::http::free_addr();
+        let metrics = super::support::http::free_addr();
         let log = dir.join(format!("{name}.log"));
         let file = std::fs::File::create(&log).unwrap();
-        let child = Command::new(support::bin_dir().join(bin))
+        let child = Command::new(super::support::bin_dir().join(bin))
             .env_clear()
             .env("RUST_LOG", "info")
             .envs(env.iter().copied())
@@ -90,7 +88,7 @@ impl Proc {
 
     /// `GET path` on the metrics address: status and body.
     async fn get(&self, path: &str) -> Option<(u16, String)> {
-        support::http::get(self.metrics, path, Duration::from_secs(10)).await
+        super::support::http::get(self.metrics, path, Duration::from_secs(10)).await
     }
 
     /// Waits (bounded) until `GET path` satisfies `done`, failing early if

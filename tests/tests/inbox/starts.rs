@@ -12,15 +12,13 @@
 //!   anew) is refused at start, naming why.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-mod inbox_world;
-
 use inbox_consumer::{Consumer, ErrorKind, Start};
 use outbox_pg::Envelope;
 use outbox_testkit::wait_until;
 use serde_json::Value;
 use serde_json::json;
 
-use inbox_world::*;
+use super::world::*;
 
 async fn ack_floor(world: &World, consumer: &str) -> i64 {
     sqlx::query_scalar("select ack_floor from inbox_consumers where consumer = $1")

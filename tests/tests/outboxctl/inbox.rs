@@ -802,7 +802,7 @@ async fn consumer_names_are_claimed_beforehand_and_handed_over() {
     let db = TestDb::new().await.unwrap();
     let tag = &db.name()[db.name().len() - 8..];
     for _ in 0..2 {
-        execute(&db, include_str!("../../ops/sql/roles.sql")).await;
+        execute(&db, include_str!("../../../ops/sql/roles.sql")).await;
     }
     let (x, y) = (format!("octl_x_{tag}"), format!("octl_y_{tag}"));
     execute(

@@ -22,9 +22,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-mod support;
-
-use support::count_where;
+use super::support::count_where;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -106,7 +104,7 @@ impl Ctl {
 }
 
 fn ctl_path() -> PathBuf {
-    let path = support::bin_dir().join("outboxctl");
+    let path = super::support::bin_dir().join("outboxctl");
     assert!(
         path.is_file(),
         "{} is missing: build the binaries first with `cargo build --workspace --bins`",
@@ -186,13 +184,17 @@ impl Relay {
         let stream = format!("{name}_{unique}");
         let log_dir = std::env::temp_dir().join("outboxctl-tests").join(db.name());
         std::fs::create_dir_all(&log_dir).unwrap();
-        let mut program = Program::new(name, support::bin_dir().join("outbox-relay"), &log_dir)
-            .env("DATABASE_URL", db.url())
-            .env("NATS_URL", nats_url)
-            .args(["--stream", &stream, "--subjects", "ctl.>"])
-            .args(["--max-attempts", MAX_ATTEMPTS])
-            .args(["--backoff-base", "50ms", "--max-backoff", "10s"])
-            .args(["--retention", "0s"]);
+        let mut program = Program::new(
+            name,
+            super::support::bin_dir().join("outbox-relay"),
+            &log_dir,
+        )
+        .env("DATABASE_URL", db.url())
+        .env("NATS_URL", nats_url)
+        .args(["--stream", &stream, "--subjects", "ctl.>"])
+        .args(["--max-attempts", MAX_ATTEMPTS])
+        .args(["--backoff-base", "50ms", "--max-backoff", "10s"])
+        .args(["--retention", "0s"]);
         program.start().await.unwrap();
         Self {
             program,

@@ -13,8 +13,6 @@
 //! - a type no route handles is acked and counted, not dead-lettered.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-mod inbox_world;
-
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
@@ -32,7 +30,7 @@ use serde_json::json;
 use tokio::sync::Notify;
 use tower::{Service, ServiceBuilder};
 
-use inbox_world::*;
+use super::world::*;
 
 // ---------------------------------------------------------------------------
 // A batch service wrapper that records what it was given and answered, and

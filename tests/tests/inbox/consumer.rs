@@ -3,8 +3,6 @@
 //! consume → produce, stale events, shutdown and retention.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-mod inbox_world;
-
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,7 +24,7 @@ use sqlx::PgTransaction;
 use tokio::sync::oneshot;
 use tower::{Service, ServiceBuilder, ServiceExt};
 
-use inbox_world::*;
+use super::world::*;
 
 // ---------------------------------------------------------------------------
 
@@ -1029,7 +1027,7 @@ async fn last_applied_sequence_skips_the_event_itself_and_rows_without_one() {
         .unwrap();
     let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "explain {}",
-        include_str!("../../inbox-consumer/queries/last_applied_sequence.sql")
+        include_str!("../../../inbox-consumer/queries/last_applied_sequence.sql")
     )))
     .bind("c")
     .bind("s")
@@ -1049,7 +1047,7 @@ async fn the_inbox_sequence_migration_is_idempotent_and_keeps_sequences_unsigned
     let db = TestDb::new().await.unwrap();
     // Applied once by TestDb; again, as by hand, changes nothing.
     sqlx::raw_sql(include_str!(
-        "../../migrations/20260101000006_inbox_sequence.sql"
+        "../../../migrations/20260101000006_inbox_sequence.sql"
     ))
     .execute(&db.pool)
     .await

@@ -10,8 +10,6 @@
 //! - A window of `None` keeps every dead letter.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-mod inbox_world;
-
 use std::time::Duration;
 
 use inbox_consumer::Retention;
@@ -19,7 +17,7 @@ use inbox_consumer::retention::{DEFAULT_DEAD_LETTER_WINDOW, prune_dead_letters};
 use outbox_testkit::wait_until;
 use sqlx::PgPool;
 
-use inbox_world::*;
+use super::world::*;
 
 const DAY: Duration = Duration::from_secs(24 * 60 * 60);
 

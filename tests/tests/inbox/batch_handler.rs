@@ -18,13 +18,11 @@
 //!   each event reaches the handler alone, still several per transaction.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-mod inbox_world;
-
 use std::time::Duration;
 
 use serde_json::json;
 
-use inbox_world::*;
+use super::world::*;
 
 /// The delivery budget of these tests.
 const BUDGET: i64 = 3;

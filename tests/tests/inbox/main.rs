@@ -1,0 +1,14 @@
+//! The inbox against real PostgreSQL and nats-server, one test binary: the
+//! consumer's promises (dedupe, ack after commit, retries, dead letters,
+//! order, replicas, consume → produce), the runtime under load, set-based
+//! handlers, panics, where a new durable starts, and dead-letter retention.
+//! Each module says what it covers; `world` is what they share.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
+
+mod batch_handler;
+mod consumer;
+mod dead_letter_retention;
+mod panics;
+mod runtime;
+mod starts;
+mod world;
