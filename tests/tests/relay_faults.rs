@@ -28,8 +28,6 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use async_nats::jetstream::consumer;
-use futures::StreamExt;
 use outbox_testkit::{NatsServer, Program, TestDb, nats, wait_until};
 use serde_json::Value;
 use sqlx::PgPool;
@@ -217,43 +215,24 @@ impl Received {
 /// Every message of `stream`, in stream order, through an ordered consumer
 /// that starts at the first message.
 async fn read_stream(url: &str, stream: &str) -> Vec<Received> {
-    let js = jetstream_client(url).await;
-    let mut stream = js
-        .get_stream(stream)
-        .await
-        .unwrap_or_else(|e| panic!("stream {stream} is missing: {e}"));
-    let total = stream.info().await.unwrap().state.messages as usize;
-    if total == 0 {
-        return Vec::new();
-    }
-    let consumer = stream
-        .create_consumer(consumer::pull::OrderedConfig {
-            deliver_policy: consumer::DeliverPolicy::All,
-            ..Default::default()
+    let messages = support::stream_messages(url, stream).await;
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, message)| {
+            let event: Value = serde_json::from_slice(&message.payload).unwrap_or_else(|e| {
+                panic!(
+                    "message {} is not JSON ({e}): {}",
+                    i + 1,
+                    String::from_utf8_lossy(&message.payload)
+                )
+            });
+            Received {
+                nats_subject: message.subject.to_string(),
+                event,
+            }
         })
-        .await
-        .unwrap();
-    let mut messages = consumer.messages().await.unwrap();
-    let mut out = Vec::with_capacity(total);
-    while out.len() < total {
-        let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
-            .await
-            .expect("reading the stream timed out")
-            .unwrap()
-            .unwrap();
-        let event: Value = serde_json::from_slice(&message.payload).unwrap_or_else(|e| {
-            panic!(
-                "message {} is not JSON ({e}): {}",
-                out.len() + 1,
-                String::from_utf8_lossy(&message.payload)
-            )
-        });
-        out.push(Received {
-            nats_subject: message.subject.to_string(),
-            event,
-        });
-    }
-    out
+        .collect()
 }
 
 /// Every message appears once: returns the ids, panicking on a duplicate.

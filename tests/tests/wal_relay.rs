@@ -23,14 +23,12 @@
 
 mod support;
 
-use support::{count_where, jetstream_client, stream_count};
+use support::{count_where, stream_count};
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use async_nats::jetstream::consumer;
-use futures::StreamExt;
 use outbox_testkit::{PgServer, Program, TestDb, nats, wait_until};
 use serde_json::Value;
 use sqlx::PgPool;
@@ -199,27 +197,11 @@ async fn write_spread(
 
 /// Every message of `stream` in stream order (its CloudEvents bodies).
 async fn read_stream(url: &str, stream: &str) -> Vec<Value> {
-    let js = jetstream_client(url).await;
-    let mut stream = js.get_stream(stream).await.unwrap();
-    let total = stream.info().await.unwrap().state.messages as usize;
-    let consumer = stream
-        .create_consumer(consumer::pull::OrderedConfig {
-            deliver_policy: consumer::DeliverPolicy::All,
-            ..Default::default()
-        })
+    support::stream_messages(url, stream)
         .await
-        .unwrap();
-    let mut messages = consumer.messages().await.unwrap();
-    let mut out = Vec::with_capacity(total);
-    while out.len() < total {
-        let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
-            .await
-            .expect("reading the stream timed out")
-            .unwrap()
-            .unwrap();
-        out.push(serde_json::from_slice(&message.payload).unwrap());
-    }
-    out
+        .iter()
+        .map(|message| serde_json::from_slice(&message.payload).unwrap())
+        .collect()
 }
 
 /// Each event once, and per subject `data.n` rising by one from its first,

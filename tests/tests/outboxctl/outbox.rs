@@ -27,8 +27,6 @@ use super::support::count_where;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer};
-use futures::StreamExt;
 use outbox_testkit::{Program, TestDb, nats, wait_until};
 use serde_json::Value;
 use sqlx::PgPool;
@@ -228,36 +226,18 @@ impl Drop for Relay {
 
 /// Every message of `stream` in stream order: (id, subject, data.n).
 async fn read_stream(url: &str, stream: &str) -> Vec<(Uuid, String, i64)> {
-    let client = async_nats::connect(url).await.unwrap();
-    let js = jetstream::new(client);
-    let mut stream = js.get_stream(stream).await.unwrap();
-    let total = stream.info().await.unwrap().state.messages as usize;
-    if total == 0 {
-        return Vec::new();
-    }
-    let consumer = stream
-        .create_consumer(consumer::pull::OrderedConfig {
-            deliver_policy: consumer::DeliverPolicy::All,
-            ..Default::default()
-        })
+    super::support::stream_messages(url, stream)
         .await
-        .unwrap();
-    let mut messages = consumer.messages().await.unwrap();
-    let mut out = Vec::with_capacity(total);
-    while out.len() < total {
-        let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
-            .await
-            .expect("reading the stream timed out")
-            .unwrap()
-            .unwrap();
-        let event: Value = serde_json::from_slice(&message.payload).unwrap();
-        out.push((
-            event["id"].as_str().unwrap().parse().unwrap(),
-            event["subject"].as_str().unwrap().to_owned(),
-            event["data"]["n"].as_i64().unwrap(),
-        ));
-    }
-    out
+        .iter()
+        .map(|message| {
+            let event: Value = serde_json::from_slice(&message.payload).unwrap();
+            (
+                event["id"].as_str().unwrap().parse().unwrap(),
+                event["subject"].as_str().unwrap().to_owned(),
+                event["data"]["n"].as_i64().unwrap(),
+            )
+        })
+        .collect()
 }
 
 /// The `n`s of `subject`'s messages, in stream order.

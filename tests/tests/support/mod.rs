@@ -108,3 +108,41 @@ pub(crate) fn log_tail(path: &std::path::Path) -> String {
 pub(crate) fn blocking<T>(f: impl FnOnce() -> T) -> T {
     tokio::task::block_in_place(f)
 }
+
+/// Every message of `stream` at `url`, in stream order, read through an
+/// ordered consumer from the first; none if the stream is empty.
+pub(crate) async fn stream_messages(
+    url: &str,
+    stream: &str,
+) -> Vec<async_nats::jetstream::Message> {
+    use async_nats::jetstream::consumer;
+    use futures::StreamExt;
+
+    let js = jetstream_client(url).await;
+    let mut stream = js
+        .get_stream(stream)
+        .await
+        .unwrap_or_else(|e| panic!("stream {stream} is missing: {e}"));
+    let total = usize::try_from(stream.info().await.unwrap().state.messages).unwrap();
+    if total == 0 {
+        return Vec::new();
+    }
+    let consumer = stream
+        .create_consumer(consumer::pull::OrderedConfig {
+            deliver_policy: consumer::DeliverPolicy::All,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut messages = consumer.messages().await.unwrap();
+    let mut out = Vec::with_capacity(total);
+    while out.len() < total {
+        let message = tokio::time::timeout(std::time::Duration::from_secs(10), messages.next())
+            .await
+            .expect("reading the stream timed out")
+            .unwrap()
+            .unwrap();
+        out.push(message);
+    }
+    out
+}
