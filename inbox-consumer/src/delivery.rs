@@ -308,8 +308,8 @@ pub trait Deliveries: Send + 'static {
     /// The deliveries asked for, in order.
     fn deliveries(&self) -> &[Delivery];
 
-    /// Each delivery's result in `response`, in order: its outcome, or the
-    /// error of its own (`None`: it failed with the whole request's error).
+    /// Each delivery's result in `response`, in order: its outcome, or its
+    /// own error. (A request that fails as a whole fails every delivery.)
     fn results(
         response: &Self::Response,
     ) -> impl Iterator<Item = Result<Outcome, &crate::error::BoxError>>;
