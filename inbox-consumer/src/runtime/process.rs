@@ -453,7 +453,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_failure_is_told_apart_as_a_panic_or_an_error() {
-        // A refusal (SQLSTATE 42501) needs a server to raise it: tests/tests/roles.rs.
+        // A refusal (SQLSTATE 42501) needs a server to raise it: tests/tests/roles/grants.rs.
 
         let ok: Result<Outcome, BoxError> = Ok(Outcome::Handled);
         assert!(Failure::of(&ok).is_none());

@@ -36,7 +36,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tower::ServiceBuilder;
 
-const ROLES_SQL: &str = include_str!("../../ops/sql/roles.sql");
+const ROLES_SQL: &str = include_str!("../../../ops/sql/roles.sql");
 
 const WAIT: Duration = Duration::from_secs(60);
 

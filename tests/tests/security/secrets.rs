@@ -26,8 +26,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-mod support;
-
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
@@ -187,7 +185,7 @@ impl Proc {
         let metrics = SocketAddr::from(([127, 0, 0, 1], outbox_testkit::free_port().unwrap()));
         let log = dir.join(format!("{name}.log"));
         let file = std::fs::File::create(&log).unwrap();
-        let mut command = Command::new(support::bin_dir().join(bin));
+        let mut command = Command::new(super::support::bin_dir().join(bin));
         command
             .env_clear()
             .env("RUST_LOG", "debug")
@@ -243,7 +241,8 @@ impl Proc {
     async fn wait_for(&mut self, path: &str, status: u16) -> String {
         let deadline = Instant::now() + WAIT;
         loop {
-            let answer = support::http::get(self.metrics, path, Duration::from_secs(5)).await;
+            let answer =
+                super::support::http::get(self.metrics, path, Duration::from_secs(5)).await;
             if let Some((got, body)) = &answer
                 && *got == status
             {

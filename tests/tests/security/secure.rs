@@ -17,8 +17,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -52,7 +50,7 @@ impl Proc {
     fn spawn(bin: &str, dir: &Path, name: &str, env: &[(&str, &str)], args: &[&str]) -> Self {
         let log = dir.join(format!("{name}.log"));
         let file = std::fs::File::create(&log).unwrap();
-        let child = Command::new(support::bin_dir().join(bin))
+        let child = Command::new(super::support::bin_dir().join(bin))
             .env_clear()
             .env("RUST_LOG", "info")
             .envs(env.iter().copied())

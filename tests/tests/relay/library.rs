@@ -1039,7 +1039,7 @@ async fn mark_plan(db: &TestDb, n: usize) -> String {
     .fetch_all(&mut conn)
     .await
     .unwrap();
-    let mark = include_str!("../../outbox-publisher/queries/mark_published.sql");
+    let mark = include_str!("../../../outbox-publisher/queries/mark_published.sql");
     let prepare = format!("prepare mark(uuid[], text[], bigint[]) as {mark}");
     sqlx::raw_sql(sqlx::AssertSqlSafe(prepare))
         .execute(&mut conn)

@@ -36,8 +36,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -45,7 +43,7 @@ use outbox_testkit::{NatsServer, Program, TestDb, create_database, wait_until};
 use sqlx::PgPool;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const ROLES_SQL: &str = include_str!("../../ops/sql/roles.sql");
+const ROLES_SQL: &str = include_str!("../../../ops/sql/roles.sql");
 
 /// The stream's subjects: subscriptions' events and billing's.
 const SUBJECTS: &str = "subscription.>,invoice.>";
@@ -179,7 +177,7 @@ async fn count(pool: &PgPool, sql: &str, bind: &str) -> i64 {
 async fn run_to_exit(bin: &str, url: &str, nats: &str, args: &[&str]) -> (Option<i32>, String) {
     let out = tokio::time::timeout(
         Duration::from_secs(60),
-        tokio::process::Command::new(support::bin_dir().join(bin))
+        tokio::process::Command::new(super::support::bin_dir().join(bin))
             .args(args)
             .env("DATABASE_URL", url)
             .env("NATS_URL", nats)
@@ -211,14 +209,18 @@ async fn the_binaries_run_under_least_privilege_roles_and_a_missing_right_is_nam
     let dir = log_dir(db.name());
 
     // --- Everything under its own role.
-    let mut relay = Program::new("relay", support::bin_dir().join("outbox-relay"), &dir)
-        .env("DATABASE_URL", as_user(db.url(), &logins.relay))
-        .env("NATS_URL", nats.url())
-        .args(["--poll-interval", "100ms", "--subjects", SUBJECTS]);
+    let mut relay = Program::new(
+        "relay",
+        super::support::bin_dir().join("outbox-relay"),
+        &dir,
+    )
+    .env("DATABASE_URL", as_user(db.url(), &logins.relay))
+    .env("NATS_URL", nats.url())
+    .args(["--poll-interval", "100ms", "--subjects", SUBJECTS]);
     relay.start().await.unwrap();
     let mut subscriptions = Program::new(
         "subscriptions",
-        support::bin_dir().join("subscriptions"),
+        super::support::bin_dir().join("subscriptions"),
         &dir,
     )
     .env("DATABASE_URL", as_user(db.url(), &logins.writer))
@@ -233,7 +235,7 @@ async fn the_binaries_run_under_least_privilege_roles_and_a_missing_right_is_nam
         .trim()
         .trim_start_matches("listening on http://")
         .to_owned();
-    let mut billing = Program::new("billing", support::bin_dir().join("billing"), &dir)
+    let mut billing = Program::new("billing", super::support::bin_dir().join("billing"), &dir)
         .env("DATABASE_URL", as_user(db.url(), &logins.billing))
         .env("NATS_URL", nats.url())
         .args(["--no-relay", "--concurrency", "2", "--ack-wait", "5s"])
@@ -431,7 +433,7 @@ async fn the_binaries_run_under_least_privilege_roles_and_a_missing_right_is_nam
     assert!(out.contains("lacks DELETE on table outbox_events"), "{out}");
     let mut unordered = Program::new(
         "billing-unordered",
-        support::bin_dir().join("billing"),
+        super::support::bin_dir().join("billing"),
         &dir,
     )
     .env("DATABASE_URL", as_user(db.url(), &logins.billing))

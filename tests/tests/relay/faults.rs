@@ -20,9 +20,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-mod support;
-
-use support::{blocking, count, count_where, jetstream_client, stream_count};
+use super::support::{blocking, count, count_where, jetstream_client, stream_count};
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
@@ -66,11 +64,15 @@ impl Relays {
 
     /// A relay in run mode with the default flags plus `extra`; not started.
     fn program(&self, name: &str, extra: &[&str]) -> Program {
-        Program::new(name, support::bin_dir().join("outbox-relay"), &self.log_dir)
-            .env("DATABASE_URL", &self.database_url)
-            .env("NATS_URL", &self.nats_url)
-            .args(["--stream", &self.stream, "--subjects", &self.subjects])
-            .args(extra.iter().copied())
+        Program::new(
+            name,
+            super::support::bin_dir().join("outbox-relay"),
+            &self.log_dir,
+        )
+        .env("DATABASE_URL", &self.database_url)
+        .env("NATS_URL", &self.nats_url)
+        .args(["--stream", &self.stream, "--subjects", &self.subjects])
+        .args(extra.iter().copied())
     }
 
     /// Starts `n` replicas named `<prefix>-<i>`.
@@ -86,7 +88,7 @@ impl Relays {
 
     /// `outbox-relay --once` run to completion (bounded).
     async fn once(&self, extra: &[&str]) -> std::process::Output {
-        let run = tokio::process::Command::new(support::bin_dir().join("outbox-relay"))
+        let run = tokio::process::Command::new(super::support::bin_dir().join("outbox-relay"))
             .env("DATABASE_URL", &self.database_url)
             .env("NATS_URL", &self.nats_url)
             .env("RUST_LOG", "info")
@@ -104,7 +106,7 @@ impl Relays {
 
     /// The last lines `name` logged that say what it did.
     fn log_tail(&self, name: &str) -> String {
-        support::log_tail(&self.log_dir.join(format!("{name}.log")))
+        super::support::log_tail(&self.log_dir.join(format!("{name}.log")))
     }
 
     /// Panics with `error`, whether each relay still runs, and the end of
@@ -215,7 +217,7 @@ impl Received {
 /// Every message of `stream`, in stream order, through an ordered consumer
 /// that starts at the first message.
 async fn read_stream(url: &str, stream: &str) -> Vec<Received> {
-    let messages = support::stream_messages(url, stream).await;
+    let messages = super::support::stream_messages(url, stream).await;
     messages
         .iter()
         .enumerate()
@@ -787,7 +789,7 @@ async fn parks_unpublishable_rows(source: &[&str]) {
         for relay in &mut replicas {
             relay.terminate().await;
         }
-        support::wal::drop_slots(&db.pool).await;
+        super::support::wal::drop_slots(&db.pool).await;
     }
 }
 
