@@ -16,8 +16,6 @@
 //! The binaries are built by `scripts/test` before the tests run.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-mod support;
-
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
@@ -29,7 +27,7 @@ const WAIT: Duration = Duration::from_secs(30);
 async fn relay_exit(db: &TestDb, nats_url: &str, args: &[&str]) -> (Option<i32>, String) {
     let out = tokio::time::timeout(
         Duration::from_secs(60),
-        tokio::process::Command::new(support::bin_dir().join("outbox-relay"))
+        tokio::process::Command::new(super::support::bin_dir().join("outbox-relay"))
             .env("DATABASE_URL", db.url())
             .env("NATS_URL", nats_url)
             .env("RUST_LOG", "info")
@@ -128,13 +126,17 @@ async fn the_relay_states_its_durability_and_warns_on_each_risk() {
     let db = TestDb::new().await.unwrap();
     let nats = outbox_testkit::nats().unwrap();
     let dir = log_dir(&db);
-    let mut relay = Program::new("relay", support::bin_dir().join("outbox-relay"), &dir)
-        .env("DATABASE_URL", db.url())
-        .env("NATS_URL", nats.url())
-        .args(["--stream", "DUR_WARN", "--subjects", "durwarn.>"])
-        .args(["--stream-storage", "memory", "--audit-horizon", "0"])
-        .args(["--duplicate-window", "90s", "--lease", "20s"])
-        .args(["--publish-timeout", "4s"]);
+    let mut relay = Program::new(
+        "relay",
+        super::support::bin_dir().join("outbox-relay"),
+        &dir,
+    )
+    .env("DATABASE_URL", db.url())
+    .env("NATS_URL", nats.url())
+    .args(["--stream", "DUR_WARN", "--subjects", "durwarn.>"])
+    .args(["--stream-storage", "memory", "--audit-horizon", "0"])
+    .args(["--duplicate-window", "90s", "--lease", "20s"])
+    .args(["--publish-timeout", "4s"]);
     relay.start().await.unwrap();
     wait_until("the relay to start", WAIT, || async {
         read(&dir, "relay").contains("outbox relay started")
@@ -167,10 +169,14 @@ async fn the_relay_states_its_durability_and_warns_on_each_risk() {
     assert_eq!(relay.terminate().await, Some(0));
 
     // The audit on, on a file stream: its horizon is stated, no audit warning.
-    let mut relay = Program::new("relay-audit", support::bin_dir().join("outbox-relay"), &dir)
-        .env("DATABASE_URL", db.url())
-        .env("NATS_URL", nats.url())
-        .args(["--stream", "DUR_AUDIT", "--subjects", "duraudit.>"]);
+    let mut relay = Program::new(
+        "relay-audit",
+        super::support::bin_dir().join("outbox-relay"),
+        &dir,
+    )
+    .env("DATABASE_URL", db.url())
+    .env("NATS_URL", nats.url())
+    .args(["--stream", "DUR_AUDIT", "--subjects", "duraudit.>"]);
     relay.start().await.unwrap();
     wait_until("the second relay to start", WAIT, || async {
         read(&dir, "relay-audit").contains("outbox relay started")
@@ -237,7 +243,7 @@ async fn the_consumer_states_retention_against_redelivery_and_the_streams_replic
     .await
     .unwrap();
     let dir = log_dir(&db);
-    let mut billing = Program::new("billing", support::bin_dir().join("billing"), &dir)
+    let mut billing = Program::new("billing", super::support::bin_dir().join("billing"), &dir)
         .env("DATABASE_URL", db.url())
         .env("NATS_URL", nats.url())
         .args(["--stream", "OUTBOX", "--consumer", "billing", "--no-relay"])

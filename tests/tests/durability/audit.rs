@@ -35,8 +35,6 @@
 //! The binaries are built by `scripts/test` before the tests run.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-mod support;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -88,7 +86,7 @@ impl Handler for Apply {
 
 /// The body of `GET /metrics`.
 async fn scrape(addr: SocketAddr) -> Option<String> {
-    support::http::get(addr, "/metrics", Duration::from_secs(10))
+    super::support::http::get(addr, "/metrics", Duration::from_secs(10))
         .await
         .map(|(_, body)| body)
 }
@@ -112,8 +110,8 @@ impl Relay {
     async fn start(db: &TestDb, nats_url: &str, stream: &str, name: &str, audit: bool) -> Self {
         let dir = std::env::temp_dir().join("audit-tests").join(db.name());
         std::fs::create_dir_all(&dir).unwrap();
-        let metrics = support::http::free_addr();
-        let mut program = Program::new(name, support::bin_dir().join("outbox-relay"), &dir)
+        let metrics = super::support::http::free_addr();
+        let mut program = Program::new(name, super::support::bin_dir().join("outbox-relay"), &dir)
             .env("DATABASE_URL", db.url())
             .env("NATS_URL", nats_url)
             .args(["--stream", stream, "--subjects", "audit.>"])
@@ -723,7 +721,7 @@ async fn outboxctl_raw(
     nats_url: &str,
     args: &[&str],
 ) -> (Option<i32>, String, String) {
-    let bin = support::bin_dir().join("outboxctl");
+    let bin = super::support::bin_dir().join("outboxctl");
     let out = tokio::time::timeout(
         Duration::from_secs(60),
         tokio::process::Command::new(bin)
