@@ -149,12 +149,8 @@ impl World {
     }
 
     fn assert_running(&self, billing: &mut Program) {
-        assert!(
-            billing.is_running() && !billing.died(),
-            "{} exited; the end of its log:\n{}",
-            billing.name,
-            self.log_tail(&billing.name)
-        );
+        let log = self.log_dir.join(format!("{}.log", billing.name));
+        support::assert_running(billing, &log);
     }
 }
 

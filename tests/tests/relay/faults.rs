@@ -128,13 +128,8 @@ impl Relays {
 
     /// Panics, with its log, unless `relay` is still running.
     fn assert_running(&self, relay: &mut Program) {
-        assert!(
-            relay.is_running() && !relay.died(),
-            "{} exited; the end of its log ({}):\n{}",
-            relay.name,
-            self.log_dir.join(format!("{}.log", relay.name)).display(),
-            self.log_tail(&relay.name)
-        );
+        let log = self.log_dir.join(format!("{}.log", relay.name));
+        super::support::assert_running(relay, &log);
     }
 }
 

@@ -146,3 +146,14 @@ pub(crate) async fn stream_messages(
     }
     out
 }
+
+/// Panics, with the end of its log at `log`, unless `program` still runs.
+pub(crate) fn assert_running(program: &mut outbox_testkit::Program, log: &std::path::Path) {
+    assert!(
+        program.is_running() && !program.died(),
+        "{} exited; the end of its log ({}):\n{}",
+        program.name,
+        log.display(),
+        log_tail(log)
+    );
+}
