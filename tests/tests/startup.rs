@@ -471,8 +471,26 @@ async fn a_refusal_at_start_is_one_plain_line_with_humane_durations() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    let last = stderr.lines().last().unwrap_or_default();
+    // The error is the last line that is not a log record (a task's
+    // shutdown may still log after it, each record led by its timestamp).
+    let is_record = |line: &str| {
+        line.get(..4)
+            .is_some_and(|y| y.bytes().all(|b| b.is_ascii_digit()))
+    };
+    let last = stderr
+        .lines()
+        .rev()
+        .find(|line| !is_record(line))
+        .unwrap_or_default();
     assert!(last.starts_with("billing: "), "{stderr}");
+    assert_eq!(
+        stderr
+            .lines()
+            .filter(|l| l.starts_with("billing: "))
+            .count(),
+        1,
+        "{stderr}"
+    );
     assert!(last.contains("retention window 14d is shorter"), "{last}");
     for debug in ["Error(", "Error: \"", "\\\"", "1209600s"] {
         assert!(!last.contains(debug), "{debug} in {last}");

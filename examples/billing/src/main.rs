@@ -220,79 +220,91 @@ async fn run() -> Result<(), Box<dyn Error>> {
         })
     });
 
-    // Without the inbox (a test mode) deliveries go one at a time.
-    let batch = if args.no_dedupe {
-        1
-    } else {
-        usize::from(args.batch)
-    };
-    // Room for every slot to fill its batch, and for the next batches.
-    let buffered = (concurrency * batch * 2).max(256);
-    let config = consumer_config(&args.stream, &args.consumer)
-        .concurrency(concurrency)
-        .max_batch(batch)
-        .max_buffered(buffered)
-        .max_ack_pending(i64::try_from(buffered * 2).unwrap_or(i64::MAX).max(1_000))
-        .max_deliver(args.max_deliver)
-        .ack_wait(args.ack_wait)
-        .ordered(!args.unordered)
-        .lease_timeout(args.lease_timeout)
-        .start(args.start);
-    let js = async_nats::jetstream::new(nats);
-    let consumer = tokio::select! {
-        () = shutdown.cancelled() => None,
-        consumer = connect_consumer(js, pool.clone(), config, STREAM_PATIENCE) => Some(
-            consumer.map_err(|e| format!("creating consumer `{}` on stream `{}`: {e}", args.consumer, args.stream))?,
-        ),
-    };
-
-    // Billing also enqueues (invoice.created, in its handlers' transactions).
-    outbox_pg::check_privileges(&pool, outbox_pg::privilege::WRITER, "outbox_writer")
-        .await
-        .map_err(|e| e.to_string())?;
-
-    if let Some(consumer) = consumer {
-        let mut options = StackOptions::default();
-        if let Some(p) = args.crash_after_commit {
-            let seed = args.seed.unwrap_or_else(clock_seed);
-            tracing::warn!(
-                probability = p,
-                seed,
-                "TEST ONLY: crashing after commits, before acks"
-            );
-            options = options.crash_after_commit(CrashAfterCommitLayer::new(p, seed));
-        }
-        if args.no_dedupe {
-            tracing::warn!(
-                "TEST ONLY: running without the inbox; redeliveries will be handled again"
-            );
-            options = options.dedupe(false);
-        }
-        tracing::info!(
-            consumer = %args.consumer, stream = %args.stream, concurrency, batch,
-            ordered = !args.unordered, "billing consuming",
-        );
-        let stopped = shutdown.clone().cancelled_owned();
-        if batch > 1 {
-            let stack = batch_service(pool.clone(), outbox, options)?;
-            println!("billing ready");
-            consumer.run_batched(stack, stopped).await?;
+    // Whatever stops the consumer (shutdown or a refusal), the relay stops
+    // and is waited for first, so that the error, if any, is the last line.
+    let consumed: Result<(), Box<dyn Error>> = async {
+        // Without the inbox (a test mode) deliveries go one at a time.
+        let batch = if args.no_dedupe {
+            1
         } else {
-            let stack = service(pool.clone(), outbox, options);
-            println!("billing ready");
-            consumer.run(stack, stopped).await?;
+            usize::from(args.batch)
+        };
+        // Room for every slot to fill its batch, and for the next batches.
+        let buffered = (concurrency * batch * 2).max(256);
+        let config = consumer_config(&args.stream, &args.consumer)
+            .concurrency(concurrency)
+            .max_batch(batch)
+            .max_buffered(buffered)
+            .max_ack_pending(i64::try_from(buffered * 2).unwrap_or(i64::MAX).max(1_000))
+            .max_deliver(args.max_deliver)
+            .ack_wait(args.ack_wait)
+            .ordered(!args.unordered)
+            .lease_timeout(args.lease_timeout)
+            .start(args.start);
+        let js = async_nats::jetstream::new(nats);
+        let consumer = tokio::select! {
+            () = shutdown.cancelled() => None,
+            consumer = connect_consumer(js, pool.clone(), config, STREAM_PATIENCE) => Some(
+                consumer.map_err(|e| format!("creating consumer `{}` on stream `{}`: {e}", args.consumer, args.stream))?,
+            ),
+        };
+
+        // Billing also enqueues (invoice.created, in its handlers' transactions).
+        outbox_pg::check_privileges(&pool, outbox_pg::privilege::WRITER, "outbox_writer")
+            .await
+            .map_err(|e| e.to_string())?;
+
+        if let Some(consumer) = consumer {
+            let mut options = StackOptions::default();
+            if let Some(p) = args.crash_after_commit {
+                let seed = args.seed.unwrap_or_else(clock_seed);
+                tracing::warn!(
+                    probability = p,
+                    seed,
+                    "TEST ONLY: crashing after commits, before acks"
+                );
+                options = options.crash_after_commit(CrashAfterCommitLayer::new(p, seed));
+            }
+            if args.no_dedupe {
+                tracing::warn!(
+                    "TEST ONLY: running without the inbox; redeliveries will be handled again"
+                );
+                options = options.dedupe(false);
+            }
+            tracing::info!(
+                consumer = %args.consumer, stream = %args.stream, concurrency, batch,
+                ordered = !args.unordered, "billing consuming",
+            );
+            let stopped = shutdown.clone().cancelled_owned();
+            if batch > 1 {
+                let stack = batch_service(pool.clone(), outbox, options)?;
+                println!("billing ready");
+                consumer.run_batched(stack, stopped).await?;
+            } else {
+                let stack = service(pool.clone(), outbox, options);
+                println!("billing ready");
+                consumer.run(stack, stopped).await?;
+            }
         }
+        Ok(())
     }
+    .await;
 
     shutdown.cancel();
-    if let Some(relay) = relay {
-        relay.await??;
-    }
+    let relayed: Result<(), Box<dyn Error>> = match relay {
+        Some(relay) => match relay.await {
+            Ok(result) => result.map_err(Into::into),
+            Err(e) => Err(e.into()),
+        },
+        None => Ok(()),
+    };
     pool.close().await;
-    tracing::info!("billing stopped");
+    if consumed.is_ok() && relayed.is_ok() {
+        tracing::info!("billing stopped");
+    }
     // The spans not exported yet, before the process exits.
     telemetry.shutdown();
-    Ok(())
+    consumed.and(relayed)
 }
 
 fn clock_seed() -> u64 {
