@@ -170,24 +170,12 @@ impl Drop for World {
 /// Inserts one row per `(subject, data)` of `event_type`, in order, in one
 /// statement; returns their ids.
 async fn insert(pool: &PgPool, event_type: &str, rows: &[(String, Value)]) -> Vec<Uuid> {
-    let ids: Vec<Uuid> = rows.iter().map(|_| Uuid::now_v7()).collect();
-    let subjects: Vec<&str> = rows.iter().map(|r| r.0.as_str()).collect();
-    let data: Vec<String> = rows.iter().map(|r| r.1.to_string()).collect();
-    sqlx::query(
-        "insert into outbox_events (id, event_type, source, subject, time, data)
-         select r.id, $1, 'sql-writer', r.subject, now(), r.data::jsonb
-           from unnest($2::uuid[], $3::text[], $4::text[]) with ordinality
-                as r(id, subject, data, position)
-          order by r.position",
-    )
-    .bind(event_type)
-    .bind(&ids)
-    .bind(&subjects)
-    .bind(&data)
-    .execute(pool)
-    .await
-    .unwrap();
-    ids
+    let rows: Vec<(Uuid, String, Value)> = rows
+        .iter()
+        .map(|(subject, data)| (Uuid::now_v7(), subject.clone(), data.clone()))
+        .collect();
+    support::insert_events(pool, event_type, &rows).await;
+    rows.into_iter().map(|(id, ..)| id).collect()
 }
 
 /// `n` rows spread over `entities` subjects named `<prefix>-<i>`.

@@ -20,7 +20,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
-use super::support::{blocking, count, count_where, jetstream_client, stream_count};
+use super::support::{blocking, count, count_where, insert_events, jetstream_client, stream_count};
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
@@ -144,28 +144,6 @@ impl Drop for Relays {
 
 // ---------------------------------------------------------------------------
 // Rows, written as any SQL client would.
-
-/// Inserts valid events of `event_type`, one `(id, subject, data)` per row, in
-/// one statement, in the given order.
-async fn insert_events(pool: &PgPool, event_type: &str, rows: &[(Uuid, String, Value)]) {
-    let ids: Vec<Uuid> = rows.iter().map(|r| r.0).collect();
-    let subjects: Vec<&str> = rows.iter().map(|r| r.1.as_str()).collect();
-    let data: Vec<String> = rows.iter().map(|r| r.2.to_string()).collect();
-    sqlx::query(
-        "insert into outbox_events (id, event_type, source, subject, time, data)
-         select r.id, $1, 'sql-writer', r.subject, now(), r.data::jsonb
-           from unnest($2::uuid[], $3::text[], $4::text[]) with ordinality
-                as r(id, subject, data, position)
-          order by r.position",
-    )
-    .bind(event_type)
-    .bind(&ids)
-    .bind(&subjects)
-    .bind(&data)
-    .execute(pool)
-    .await
-    .unwrap();
-}
 
 /// `n` new valid rows for `subject`, with `data = {"n": <first + i>}`.
 fn rows_for(subject: &str, first: i64, n: i64) -> Vec<(Uuid, String, Value)> {

@@ -157,3 +157,29 @@ pub(crate) fn assert_running(program: &mut outbox_testkit::Program, log: &std::p
         log_tail(log)
     );
 }
+
+/// Inserts valid events as any SQL client would (source `sql-writer`) of `event_type`, one `(id, subject, data)` per row, in
+/// one statement, in the given order.
+pub(crate) async fn insert_events(
+    pool: &sqlx::PgPool,
+    event_type: &str,
+    rows: &[(uuid::Uuid, String, serde_json::Value)],
+) {
+    let ids: Vec<uuid::Uuid> = rows.iter().map(|r| r.0).collect();
+    let subjects: Vec<&str> = rows.iter().map(|r| r.1.as_str()).collect();
+    let data: Vec<String> = rows.iter().map(|r| r.2.to_string()).collect();
+    sqlx::query(
+        "insert into outbox_events (id, event_type, source, subject, time, data)
+         select r.id, $1, 'sql-writer', r.subject, now(), r.data::jsonb
+           from unnest($2::uuid[], $3::text[], $4::text[]) with ordinality
+                as r(id, subject, data, position)
+          order by r.position",
+    )
+    .bind(event_type)
+    .bind(&ids)
+    .bind(&subjects)
+    .bind(&data)
+    .execute(pool)
+    .await
+    .unwrap();
+}
