@@ -4,6 +4,8 @@
 //! dies, losing and repeating nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
+mod support;
+
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -12,7 +14,6 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use async_nats::HeaderMap;
 use async_nats::jetstream::{self, stream};
 use inbox_consumer::{
     BoxError, Consumer, ConsumerConfig, DedupeLayer, Delivery, Handler, HandlerError,
@@ -86,34 +87,11 @@ impl World {
     /// Publishes every event as the relay does (body = envelope, `Nats-Msg-Id` = id),
     /// then waits for all the acks.
     async fn publish_all(&self, events: &[Envelope<Value>]) {
-        let mut acks = Vec::new();
-        for event in events {
-            let mut headers = HeaderMap::new();
-            headers.insert("Nats-Msg-Id", event.id().to_string().as_str());
-            acks.push(
-                self.js
-                    .publish_with_headers(
-                        event.event_type().as_str().to_owned(),
-                        headers,
-                        event.to_json().unwrap().into(),
-                    )
-                    .await
-                    .unwrap(),
-            );
-        }
-        for ack in acks {
-            ack.await.unwrap();
-        }
+        support::publish_envelopes(&self.js, events).await;
     }
 
     async fn wait_settled(&self, stream: &str, durable: &str) {
-        wait_until("every message acked", WAIT, || async {
-            let stream = self.js.get_stream(stream).await.unwrap();
-            let info = stream.consumer_info(durable).await.unwrap();
-            info.num_pending == 0 && info.num_ack_pending == 0
-        })
-        .await
-        .unwrap();
+        support::wait_acked(&self.js, stream, durable, WAIT).await;
     }
 }
 

@@ -5,6 +5,9 @@
 //! Each module says what it covers; `world` is what they share.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
+#[path = "../support/mod.rs"]
+mod support;
+
 mod batch_handler;
 mod consumer;
 mod dead_letter_retention;

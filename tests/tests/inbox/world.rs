@@ -156,24 +156,7 @@ impl World {
     /// Publishes every event as [`publish`](Self::publish) does, all acks in
     /// flight at once, then waits for them.
     pub(crate) async fn publish_all(&self, events: &[Envelope<Value>]) {
-        let mut acks = Vec::new();
-        for e in events {
-            let mut headers = HeaderMap::new();
-            headers.insert("Nats-Msg-Id", e.id().to_string().as_str());
-            acks.push(
-                self.js
-                    .publish_with_headers(
-                        e.event_type().as_str().to_owned(),
-                        headers,
-                        e.to_json().unwrap().into(),
-                    )
-                    .await
-                    .unwrap(),
-            );
-        }
-        for ack in acks {
-            ack.await.unwrap();
-        }
+        super::support::publish_envelopes(&self.js, events).await;
     }
 
     /// Messages of `durable` neither acked nor terminated yet (pending + unacked).

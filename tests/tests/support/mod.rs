@@ -183,3 +183,49 @@ pub(crate) async fn insert_events(
     .await
     .unwrap();
 }
+
+/// Publishes every event as the relay does (body: the envelope,
+/// `Nats-Msg-Id`: its id), all acks in flight at once, then waits for them.
+pub(crate) async fn publish_envelopes(
+    js: &async_nats::jetstream::Context,
+    events: &[outbox_pg::Envelope<serde_json::Value>],
+) {
+    let mut acks = Vec::with_capacity(events.len());
+    for event in events {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", event.id().to_string().as_str());
+        acks.push(
+            js.publish_with_headers(
+                event.event_type().as_str().to_owned(),
+                headers,
+                event.to_json().unwrap().into(),
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    for ack in acks {
+        ack.await.unwrap();
+    }
+}
+
+/// Waits, up to `wait`, until `durable` of `stream` has nothing pending and
+/// nothing unacked (both must exist by then).
+pub(crate) async fn wait_acked(
+    js: &async_nats::jetstream::Context,
+    stream: &str,
+    durable: &str,
+    wait: std::time::Duration,
+) {
+    outbox_testkit::wait_until("every message acked", wait, || async {
+        let Ok(stream) = js.get_stream(stream).await else {
+            return false;
+        };
+        let Ok(info) = stream.consumer_info(durable).await else {
+            return false;
+        };
+        info.num_pending == 0 && info.num_ack_pending == 0
+    })
+    .await
+    .unwrap();
+}
