@@ -136,8 +136,9 @@ impl Relays {
                 .map(|n| format!("--- {n}:\n{}", self.tail(n)))
                 .collect();
             panic!(
-                "{e}: {published} of {total} marked, {stored} stored\n{}",
-                logs.join("\n")
+                "{e}: {published} of {total} marked, {stored} stored\n{}\n--- sessions:\n{}",
+                logs.join("\n"),
+                sessions(pool).await
             );
         }
     }
@@ -149,6 +150,31 @@ impl Drop for Relays {
             let _ = std::fs::remove_dir_all(&self.log_dir);
         }
     }
+}
+
+/// The database's sessions in a transaction, with their last statement: what
+/// a failed wait prints, so a session holding rows back names itself.
+async fn sessions(pool: &PgPool) -> String {
+    type Session = (
+        i32,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+    );
+    let rows: Vec<Session> = sqlx::query_as(
+        "select pid, state, backend_xid::text, (now() - xact_start)::text, left(query, 300)
+               from pg_stat_activity
+              where datname = current_database() and xact_start is not null
+                and pid <> pg_backend_pid()",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap_or_default();
+    rows.iter()
+        .map(|r| format!("{r:?}"))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// Inserts `n` events of `subject` with `data.n` from `first`, in one statement.
