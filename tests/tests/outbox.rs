@@ -673,3 +673,43 @@ async fn the_measured_size_of_data_is_that_of_the_stored_jsonb_text() {
         assert_eq!(measured, stored as usize, "{}", event.data());
     }
 }
+
+/// A transaction whose `begin` is cancelled in flight (a `select!` or a
+/// timeout dropping it: the relay's WAL monitor is dropped so when its
+/// session ends) leaves no session inside a transaction. With sqlx 0.9.0 the
+/// pool took such a connection back with the transaction open; the next
+/// statements ran in it, their row locks held for ever (the relay's marks
+/// waited behind them), and its transaction id kept every new replication
+/// slot on the server from being made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_begin_cancelled_in_flight_leaves_no_transaction_open() {
+    let db = TestDb::new().await.unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(db.url())
+        .await
+        .unwrap();
+    // Deadlines across the begin's round trip, some of which land inside it.
+    for micros in (0..400).map(|i| i % 200) {
+        let begun =
+            tokio::time::timeout(std::time::Duration::from_micros(micros), pool.begin()).await;
+        drop(begun);
+        // The one connection, back from the pool, as its next user gets it.
+        let mut conn = pool.acquire().await.unwrap();
+        let pid: i32 = sqlx::query_scalar("select pg_backend_pid()")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        let state: Option<String> =
+            sqlx::query_scalar("select state from pg_stat_activity where pid = $1")
+                .bind(pid)
+                .fetch_optional(&db.pool)
+                .await
+                .unwrap();
+        assert_eq!(
+            state.as_deref(),
+            Some("idle"),
+            "the pool handed out a session still in the transaction of a begin cancelled at {micros} µs"
+        );
+    }
+}
