@@ -655,6 +655,48 @@ async fn postgres_crashed_and_the_broker_down_mid_stream_store_each_event_once()
     assert_eq!(relay.terminate().await, Some(0), "{}", relays.tail("wal-1"));
 }
 
+/// A transaction left open in another database of the server holds a new
+/// slot back (PostgreSQL starts a slot only once every transaction running
+/// when it was asked for has ended): the relay names it, its database and
+/// pid, instead of waiting in silence, and reads the WAL once it ends. On a
+/// server of its own, so that nothing else here waits for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slot_held_back_by_a_transaction_elsewhere_names_it() {
+    let pg = tokio::task::spawn_blocking(PgServer::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let db = TestDb::on(&pg).await.unwrap();
+    let other = TestDb::on(&pg).await.unwrap();
+    let nats = nats().unwrap();
+    let relays = Relays::new(&db, nats.url());
+    let mut open = other.pool.begin().await.unwrap();
+    insert(&mut *open, "elsewhere", 0, 1).await;
+    let pid: i32 = sqlx::query_scalar("select pg_backend_pid()")
+        .fetch_one(&mut *open)
+        .await
+        .unwrap();
+    let mut relay = relays.start("wal-1").await;
+    relays
+        .wait_logged(
+            "wal-1",
+            "creating the replication slot waits for a transaction",
+        )
+        .await;
+    let log = relays.log("wal-1");
+    assert!(
+        log.contains(&format!("pid={pid}")) && log.contains(other.name()),
+        "{}",
+        relays.tail("wal-1")
+    );
+    assert!(!log.contains("reading the WAL"), "{}", relays.tail("wal-1"));
+    open.commit().await.unwrap();
+    relays.wait_logged("wal-1", "reading the WAL").await;
+    insert(&db.pool, "after", 0, 3).await;
+    relays.wait_all(&db.pool, 3, &["wal-1"]).await;
+    assert_eq!(relay.terminate().await, Some(0), "{}", relays.tail("wal-1"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_idle_outbox_does_not_hold_wal_back() {
     let db = TestDb::new().await.unwrap();

@@ -3,8 +3,11 @@
 
 use std::collections::HashMap;
 
+use std::time::Duration;
+
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool};
+use tracing::warn;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::store::Blocker;
@@ -185,16 +188,39 @@ pub(crate) async fn state(pool: &PgPool, slot: &str) -> Result<Option<SlotState>
     }))
 }
 
-/// Creates slot `slot` (pgoutput); `false` if it existed already.
+/// How long a slot's creation may wait before the relay names what it waits
+/// for, and then how often it names them again.
+const SLOT_WAIT_FIRST: Duration = Duration::from_secs(5);
+const SLOT_WAIT_EVERY: Duration = Duration::from_secs(30);
+
+/// Creates slot `slot` (pgoutput); `false` if it existed already. While the
+/// server holds the creation back for transactions still running (in any of
+/// its databases), says which, every [`SLOT_WAIT_EVERY`].
 ///
 /// # Errors
 /// [`ErrorKind::Privilege`] without the REPLICATION attribute;
 /// [`ErrorKind::Database`] otherwise.
 pub(crate) async fn create(pool: &PgPool, slot: &str) -> Result<bool> {
-    match sqlx::query_file_scalar!("queries/wal_slot_create.sql", slot)
-        .fetch_one(pool)
+    let failed = |e| Error::database("creating the WAL source's replication slot", e);
+    let mut conn = pool.acquire().await.map_err(failed)?;
+    let pid = sqlx::query_file_scalar!("queries/backend_pid.sql")
+        .fetch_one(&mut *conn)
         .await
-    {
+        .map_err(failed)?;
+    let creating =
+        sqlx::query_file_scalar!("queries/wal_slot_create.sql", slot).fetch_one(&mut *conn);
+    tokio::pin!(creating);
+    let mut report = tokio::time::Instant::now() + SLOT_WAIT_FIRST;
+    let created = loop {
+        tokio::select! {
+            created = &mut creating => break created,
+            () = tokio::time::sleep_until(report) => {
+                log_slot_waits(pool, pid, slot).await;
+                report += SLOT_WAIT_EVERY;
+            }
+        }
+    };
+    match created {
         Ok(_) => Ok(true),
         Err(e) if outbox_pg::sqlstate(&e).as_deref() == Some("42710") => Ok(false),
         Err(e) if outbox_pg::is_insufficient_privilege(&e) => Err(Error::new(
@@ -203,10 +229,46 @@ pub(crate) async fn create(pool: &PgPool, slot: &str) -> Result<bool> {
                 "the relay's role may not create replication slot `{slot}`: grant it REPLICATION"
             ),
         )),
-        Err(e) => Err(Error::database(
-            "creating the WAL source's replication slot",
-            e,
-        )),
+        Err(e) => Err(failed(e)),
+    }
+}
+
+/// Logs the sessions the creation of `slot` on backend `pid` waits for,
+/// one line each (`queries/wal_slot_waits.sql`).
+async fn log_slot_waits(pool: &PgPool, pid: i32, slot: &str) {
+    let waits = tokio::time::timeout(
+        SLOT_WAIT_FIRST,
+        sqlx::query_file!("queries/wal_slot_waits.sql", pid).fetch_all(pool),
+    )
+    .await;
+    let waits = match waits {
+        Ok(Ok(waits)) => waits,
+        Ok(Err(e)) => {
+            warn!(%slot, error = %e, "creating the replication slot takes long; could not read what it waits for");
+            return;
+        }
+        Err(_) => {
+            warn!(%slot, "creating the replication slot takes long; reading what it waits for timed out");
+            return;
+        }
+    };
+    if waits.is_empty() {
+        warn!(%slot, "creating the replication slot takes long, waiting for no session the server names");
+    }
+    for w in waits {
+        warn!(
+            %slot,
+            pid = w.pid,
+            database = w.database.as_deref().unwrap_or(""),
+            application = w.application.as_deref().unwrap_or(""),
+            client = w.client.as_deref().unwrap_or(""),
+            state = w.state.as_deref().unwrap_or(if w.pid == 0 { "prepared" } else { "" }),
+            age_secs = w.age_secs,
+            "creating the replication slot waits for a transaction still running on the server (in any \
+             database): PostgreSQL starts a slot only once every transaction running when it was asked \
+             for has ended, so the WAL source reads nothing until then (commit, roll back or end it; a \
+             prepared one, pid 0, with COMMIT PREPARED or ROLLBACK PREPARED)"
+        );
     }
 }
 
