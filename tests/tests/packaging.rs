@@ -220,7 +220,14 @@ async fn the_readme_programs_build_in_a_fresh_crate_and_run_against_real_servers
         // The versions this tree is tested with; what is not used drops out.
         std::fs::copy(root.join("Cargo.lock"), dir.path().join("Cargo.lock")).unwrap();
         let target = root.join("target/readme-snippets");
-        let out = Command::new(env!("CARGO"))
+        let mut cargo = Command::new(env!("CARGO"));
+        // The rustc beside this cargo, not the one a rustup proxy would pick
+        // in a dependency's directory (sqlx ships a rust-toolchain.toml).
+        let rustc = Path::new(env!("CARGO")).with_file_name("rustc");
+        if rustc.is_file() {
+            cargo.env("RUSTC", rustc);
+        }
+        let out = cargo
             .args(["build", "--offline", "--quiet"])
             .env("CARGO_TARGET_DIR", &target)
             .env("SQLX_OFFLINE", "true")
