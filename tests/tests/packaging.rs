@@ -1,8 +1,8 @@
 //! What publishing the library crates promises, checked from `cargo metadata`:
 //! the declared `rust-version` is true for the whole dependency tree, and each
 //! crate carries what crates.io shows (description, readme, licence files,
-//! keywords, categories). `cargo publish --workspace --dry-run` in CI checks
-//! that each packages and builds from its package alone.
+//! keywords, categories). `scripts/package-check` in CI checks that each
+//! packages and compiles from its package alone.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 use std::collections::{HashMap, HashSet, VecDeque};
