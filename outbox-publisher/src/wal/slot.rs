@@ -2,7 +2,6 @@
 //! with sqlx on the relay's pool (the SQL is in `queries/wal_*.sql`).
 
 use std::collections::HashMap;
-
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -192,6 +191,8 @@ pub(crate) async fn state(pool: &PgPool, slot: &str) -> Result<Option<SlotState>
 /// for, and then how often it names them again.
 const SLOT_WAIT_FIRST: Duration = Duration::from_secs(5);
 const SLOT_WAIT_EVERY: Duration = Duration::from_secs(30);
+/// How long reading what a slot's creation waits for may take.
+const SLOT_WAITS_READ: Duration = Duration::from_secs(5);
 
 /// Creates slot `slot` (pgoutput); `false` if it existed already. While the
 /// server holds the creation back for transactions still running (in any of
@@ -237,7 +238,7 @@ pub(crate) async fn create(pool: &PgPool, slot: &str) -> Result<bool> {
 /// one line each (`queries/wal_slot_waits.sql`).
 async fn log_slot_waits(pool: &PgPool, pid: i32, slot: &str) {
     let waits = tokio::time::timeout(
-        SLOT_WAIT_FIRST,
+        SLOT_WAITS_READ,
         sqlx::query_file!("queries/wal_slot_waits.sql", pid).fetch_all(pool),
     )
     .await;
