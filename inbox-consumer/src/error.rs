@@ -43,6 +43,12 @@ pub enum ErrorKind {
     /// the refused statement's object, and the group role of
     /// `ops/sql/roles.sql` that grants it (`outbox_consumer`).
     Privilege,
+    /// The NATS client was closed under the consumer (drained, or its
+    /// connection task ended): it will never deliver again, so the runtime
+    /// stops instead of retrying on it. Build a new client and run again (the
+    /// shipped binaries do), or exit non-zero and let a supervisor restart
+    /// the process. Nothing is lost: what was not acked comes back.
+    ClientClosed,
 }
 
 impl fmt::Display for ErrorKind {
@@ -57,6 +63,7 @@ impl fmt::Display for ErrorKind {
             Self::StreamUnavailable => "stream unavailable",
             Self::LeaseLost => "leadership lost",
             Self::Privilege => "insufficient privilege",
+            Self::ClientClosed => "NATS client closed",
         })
     }
 }

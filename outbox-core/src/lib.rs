@@ -102,6 +102,8 @@ mod layout;
 #[cfg(feature = "migrate")]
 mod migrate;
 mod namespace;
+#[cfg(feature = "nats")]
+pub mod nats;
 mod outbox;
 pub mod pooler;
 pub mod privilege;

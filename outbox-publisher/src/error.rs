@@ -38,6 +38,12 @@ pub enum ErrorKind {
     /// gave up on rows left in other relays' shards: none of them was
     /// published for a minute. The message counts them and names the shards.
     Stalled,
+    /// The NATS client was closed under the relay (drained, or its
+    /// connection task ended): nothing can be published on it again, so the
+    /// relay stops instead of retrying on it. Build a new client and run
+    /// again (`outbox-relay` does), or exit non-zero and let a supervisor
+    /// restart the process. Nothing is lost: unmarked rows stay in the table.
+    ClientClosed,
 }
 
 impl fmt::Display for ErrorKind {
@@ -49,6 +55,7 @@ impl fmt::Display for ErrorKind {
             Self::Stream => "stream error",
             Self::Privilege => "insufficient privilege",
             Self::Stalled => "stalled",
+            Self::ClientClosed => "NATS client closed",
         })
     }
 }

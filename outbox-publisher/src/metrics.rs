@@ -72,6 +72,7 @@ pub(crate) const WAL_LAG_SECONDS: &str = "outbox_relay_wal_lag_seconds";
 pub(crate) const WAL_SLOT_LOST_TOTAL: &str = "outbox_relay_wal_slot_lost_total";
 pub(crate) const WAL_STRANDED_TOTAL: &str = "outbox_relay_wal_stranded_total";
 pub(crate) const WAL_SLOT_AT_RISK: &str = "outbox_relay_wal_slot_lost";
+pub(crate) const CLIENT_CLOSED: &str = "outbox_relay_nats_client_closed_total";
 
 /// Every metric name the relay records.
 pub const NAMES: &[&str] = &[
@@ -97,6 +98,7 @@ pub const NAMES: &[&str] = &[
     WAL_SLOT_LOST_TOTAL,
     WAL_STRANDED_TOTAL,
     WAL_SLOT_AT_RISK,
+    CLIENT_CLOSED,
     AUDIT_CHECKED,
     AUDIT_REPUBLISHED,
     AUDIT_LAG,
@@ -193,6 +195,10 @@ pub fn describe() {
     describe_counter!(
         WAL_STRANDED_TOTAL,
         "Rows the WAL source had read and confirmed that were still fresh afterwards (published through the polling path)"
+    );
+    describe_counter!(
+        CLIENT_CLOSED,
+        "NATS clients found closed under the relay (the run ends; a new client is needed)"
     );
     describe_gauge!(
         WAL_SLOT_AT_RISK,
@@ -363,6 +369,11 @@ pub(crate) fn wal_lag(lag: Duration) {
 /// Counts a slot found lost and made again.
 pub(crate) fn wal_slot_lost() {
     counter!(WAL_SLOT_LOST_TOTAL).increment(1);
+}
+
+/// Counts a NATS client found closed under the relay.
+pub(crate) fn client_closed() {
+    counter!(CLIENT_CLOSED).increment(1);
 }
 
 /// Counts rows found left behind by the WAL source.

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, ErrorCode, context::PublishErrorKind};
-use async_nats::{HeaderMap, connection::State};
+use async_nats::{HeaderMap, HeaderValue, connection::State};
 use bytes::Bytes;
 use outbox_pg::EventId;
 use tokio::sync::Semaphore;
@@ -189,6 +189,15 @@ pub trait Sink: Send + Sync + 'static {
     /// claim rows it could not publish.
     fn is_available(&self) -> bool {
         true
+    }
+
+    /// Whether the sink's connection is closed for good, so that no publish
+    /// can ever succeed on it again (not merely down: a broker that comes
+    /// back is waited for). Asked after publishes failed; a relay that gets
+    /// `true` stops with [`ErrorKind::ClientClosed`](crate::ErrorKind::ClientClosed).
+    /// Default: never.
+    fn is_closed(&self) -> bool {
+        false
     }
 
     /// The largest message (payload and headers) the broker accepts; larger
@@ -423,11 +432,21 @@ impl JetStreamSink {
         if let Some(stream) = &self.expected_stream {
             headers.insert("Nats-Expected-Stream", stream.as_str());
         }
-        if let Some(tp) = &message.traceparent {
-            headers.insert("traceparent", tp.as_str());
-        }
-        if let Some(ts) = &message.tracestate {
-            headers.insert("tracestate", ts.as_str());
+        // The trace context comes from the row: checked when the row was
+        // read (a CR or LF parks it), and again here, strictly, so no value
+        // is ever sent altered.
+        for (name, value) in [
+            ("traceparent", &message.traceparent),
+            ("tracestate", &message.tracestate),
+        ] {
+            let Some(value) = value else { continue };
+            match HeaderValue::try_from(value.as_str()) {
+                Ok(value) => headers.insert(name, value),
+                Err(e) => tracing::warn!(
+                    event_id = %message.id, header = name, error = %e,
+                    "a trace header of the row cannot travel in NATS headers; published without it",
+                ),
+            }
         }
         headers
     }
@@ -656,6 +675,10 @@ impl Sink for JetStreamSink {
 
     fn is_available(&self) -> bool {
         self.client.connection_state() == State::Connected
+    }
+
+    fn is_closed(&self) -> bool {
+        outbox_pg::nats::is_closed(&self.client)
     }
 
     fn max_payload(&self) -> usize {

@@ -191,15 +191,58 @@ async fn run() -> Result<(), Box<dyn Error>> {
         .await?;
     example_billing::migrate(&pool).await?;
 
-    let nats = args.nats.connect("billing").await?;
-    readiness.set(Readiness::new(
-        pool.clone(),
-        nats.clone(),
-        args.stream.clone(),
-        args.consumer.clone(),
-    ));
+    // One round per NATS client: a client closed under the consumer or the
+    // relay (drained, or its connection task gone) never works again, so
+    // both stop, a new client is built from the same flags, and both start
+    // again on it. What was not acked comes back; the inbox drops what was
+    // already applied.
+    let served = loop {
+        let nats = args.nats.connect("billing").await?;
+        readiness.set(Readiness::new(
+            pool.clone(),
+            nats.clone(),
+            args.stream.clone(),
+            args.consumer.clone(),
+        ));
+        match serve(&args, &pool, &outbox, nats, &shutdown).await {
+            Err(Round::ClientClosed(why)) if !shutdown.is_cancelled() => {
+                tracing::warn!(error = %why, "building a new NATS client from the same flags");
+            }
+            Err(Round::ClientClosed(_)) => break Ok(()),
+            Err(Round::Failed(e)) => break Err(e),
+            Ok(()) => break Ok(()),
+        }
+    };
+    pool.close().await;
+    if served.is_ok() {
+        tracing::info!("billing stopped");
+    }
+    // The spans not exported yet, before the process exits.
+    telemetry.shutdown();
+    served
+}
+
+/// How a round on one NATS client ended, if not by shutdown.
+enum Round {
+    /// The client was closed under the consumer or the relay: start again
+    /// on a new one.
+    ClientClosed(String),
+    /// Anything else stops billing.
+    Failed(Box<dyn Error>),
+}
+
+/// The in-process relay and the consumer on `nats`, until shutdown or until
+/// either stops; then the other is stopped and waited for.
+async fn serve(
+    args: &Args,
+    pool: &sqlx::PgPool,
+    outbox: &Outbox,
+    nats: async_nats::Client,
+    shutdown: &CancellationToken,
+) -> Result<(), Round> {
+    let round = shutdown.child_token();
     let relay = (!args.no_relay).then(|| {
-        let (pool, nats, stop) = (pool.clone(), nats.clone(), shutdown.clone());
+        let (pool, nats, stop) = (pool.clone(), nats.clone(), round.clone());
         let stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());
         tokio::spawn(async move {
             // Rows a crashed replica had claimed are taken over after 10 s.
@@ -213,98 +256,115 @@ async fn run() -> Result<(), Box<dyn Error>> {
                 // A relay that cannot run (its role lacks a privilege, the
                 // stream differs) stops billing rather than leaving its
                 // events unpublished unnoticed.
-                tracing::error!(error = %e, "the in-process relay stopped; shutting down");
+                tracing::error!(error = %e, "the in-process relay stopped");
                 stop.cancel();
             }
             result
         })
     });
-
     // Whatever stops the consumer (shutdown or a refusal), the relay stops
     // and is waited for first, so that the error, if any, is the last line.
-    let consumed: Result<(), Box<dyn Error>> = async {
-        // Without the inbox (a test mode) deliveries go one at a time.
-        let batch = if args.no_dedupe {
-            1
-        } else {
-            usize::from(args.batch)
-        };
-        // Room for every slot to fill its batch, and for the next batches.
-        let buffered = (concurrency * batch * 2).max(256);
-        let config = consumer_config(&args.stream, &args.consumer)
-            .concurrency(concurrency)
-            .max_batch(batch)
-            .max_buffered(buffered)
-            .max_ack_pending(i64::try_from(buffered * 2).unwrap_or(i64::MAX).max(1_000))
-            .max_deliver(args.max_deliver)
-            .ack_wait(args.ack_wait)
-            .ordered(!args.unordered)
-            .lease_timeout(args.lease_timeout)
-            .start(args.start);
-        let js = async_nats::jetstream::new(nats);
-        let consumer = tokio::select! {
-            () = shutdown.cancelled() => None,
-            consumer = connect_consumer(js, pool.clone(), config, STREAM_PATIENCE) => Some(
-                consumer.map_err(|e| format!("creating consumer `{}` on stream `{}`: {e}", args.consumer, args.stream))?,
-            ),
-        };
-
-        // Billing also enqueues (invoice.created, in its handlers' transactions).
-        outbox_pg::check_privileges(&pool, outbox_pg::privilege::WRITER, "outbox_writer")
-            .await
-            .map_err(|e| e.to_string())?;
-
-        if let Some(consumer) = consumer {
-            let mut options = StackOptions::default();
-            if let Some(p) = args.crash_after_commit {
-                let seed = args.seed.unwrap_or_else(clock_seed);
-                tracing::warn!(
-                    probability = p,
-                    seed,
-                    "TEST ONLY: crashing after commits, before acks"
-                );
-                options = options.crash_after_commit(CrashAfterCommitLayer::new(p, seed));
-            }
-            if args.no_dedupe {
-                tracing::warn!(
-                    "TEST ONLY: running without the inbox; redeliveries will be handled again"
-                );
-                options = options.dedupe(false);
-            }
-            tracing::info!(
-                consumer = %args.consumer, stream = %args.stream, concurrency, batch,
-                ordered = !args.unordered, "billing consuming",
-            );
-            let stopped = shutdown.clone().cancelled_owned();
-            if batch > 1 {
-                let stack = batch_service(pool.clone(), outbox, options)?;
-                println!("billing ready");
-                consumer.run_batched(stack, stopped).await?;
-            } else {
-                let stack = service(pool.clone(), outbox, options);
-                println!("billing ready");
-                consumer.run(stack, stopped).await?;
-            }
-        }
-        Ok(())
-    }
-    .await;
-
-    shutdown.cancel();
-    let relayed: Result<(), Box<dyn Error>> = match relay {
+    let consumed = consume(args, pool, outbox, nats, &round).await;
+    round.cancel();
+    let relayed = match relay {
         Some(relay) => match relay.await {
-            Ok(result) => result.map_err(Into::into),
-            Err(e) => Err(e.into()),
+            Ok(Err(e)) if e.kind() == outbox_publisher::ErrorKind::ClientClosed => {
+                Err(Round::ClientClosed(e.to_string()))
+            }
+            Ok(result) => result.map_err(|e| Round::Failed(e.into())),
+            Err(e) => Err(Round::Failed(e.into())),
         },
         None => Ok(()),
     };
-    pool.close().await;
-    if consumed.is_ok() && relayed.is_ok() {
-        tracing::info!("billing stopped");
+    match (consumed, relayed) {
+        (Err(Round::Failed(e)), _) | (_, Err(Round::Failed(e))) => {
+            shutdown.cancel();
+            Err(Round::Failed(e))
+        }
+        (Err(closed), _) | (_, Err(closed)) => Err(closed),
+        (Ok(()), Ok(())) => Ok(()),
     }
-    // The spans not exported yet, before the process exits.
-    telemetry.shutdown();
-    consumed.and(relayed)
+}
+
+/// Creates the durable consumer on `nats` and consumes until `round` is
+/// cancelled.
+async fn consume(
+    args: &Args,
+    pool: &sqlx::PgPool,
+    outbox: &Outbox,
+    nats: async_nats::Client,
+    round: &CancellationToken,
+) -> Result<(), Round> {
+    let concurrency = args.concurrency.max(1);
+    // Without the inbox (a test mode) deliveries go one at a time.
+    let batch = if args.no_dedupe {
+        1
+    } else {
+        usize::from(args.batch)
+    };
+    // Room for every slot to fill its batch, and for the next batches.
+    let buffered = (concurrency * batch * 2).max(256);
+    let config = consumer_config(&args.stream, &args.consumer)
+        .concurrency(concurrency)
+        .max_batch(batch)
+        .max_buffered(buffered)
+        .max_ack_pending(i64::try_from(buffered * 2).unwrap_or(i64::MAX).max(1_000))
+        .max_deliver(args.max_deliver)
+        .ack_wait(args.ack_wait)
+        .ordered(!args.unordered)
+        .lease_timeout(args.lease_timeout)
+        .start(args.start);
+    let js = async_nats::jetstream::new(nats);
+    let consumer = tokio::select! {
+        () = round.cancelled() => return Ok(()),
+        consumer = connect_consumer(js, pool.clone(), config, STREAM_PATIENCE) => consumer.map_err(|e| {
+            let why = format!("creating consumer `{}` on stream `{}`: {e}", args.consumer, args.stream);
+            if e.kind() == inbox_consumer::ErrorKind::ClientClosed {
+                Round::ClientClosed(why)
+            } else {
+                Round::Failed(why.into())
+            }
+        })?,
+    };
+    // Billing also enqueues (invoice.created, in its handlers' transactions).
+    outbox_pg::check_privileges(pool, outbox_pg::privilege::WRITER, "outbox_writer")
+        .await
+        .map_err(|e| Round::Failed(e.to_string().into()))?;
+    let mut options = StackOptions::default();
+    if let Some(p) = args.crash_after_commit {
+        let seed = args.seed.unwrap_or_else(clock_seed);
+        tracing::warn!(
+            probability = p,
+            seed,
+            "TEST ONLY: crashing after commits, before acks"
+        );
+        options = options.crash_after_commit(CrashAfterCommitLayer::new(p, seed));
+    }
+    if args.no_dedupe {
+        tracing::warn!("TEST ONLY: running without the inbox; redeliveries will be handled again");
+        options = options.dedupe(false);
+    }
+    tracing::info!(
+        consumer = %args.consumer, stream = %args.stream, concurrency, batch,
+        ordered = !args.unordered, "billing consuming",
+    );
+    let stopped = round.clone().cancelled_owned();
+    let ran = if batch > 1 {
+        let stack = batch_service(pool.clone(), outbox.clone(), options)
+            .map_err(|e| Round::Failed(e.into()))?;
+        println!("billing ready");
+        consumer.run_batched(stack, stopped).await
+    } else {
+        let stack = service(pool.clone(), outbox.clone(), options);
+        println!("billing ready");
+        consumer.run(stack, stopped).await
+    };
+    match ran {
+        Err(e) if e.kind() == inbox_consumer::ErrorKind::ClientClosed => {
+            Err(Round::ClientClosed(e.to_string()))
+        }
+        ran => ran.map_err(|e| Round::Failed(e.into())),
+    }
 }
 
 fn clock_seed() -> u64 {

@@ -131,28 +131,56 @@ async fn run() -> Result<(), Box<dyn Error>> {
         None
     } else {
         let nats = args.nats.connect("subscriptions").await?;
-        readiness.set(Readiness::Relay(Box::new(
-            outbox_publisher::Readiness::new(pool.clone(), nats.clone(), args.stream.clone()),
-        )));
+        let set_ready = {
+            let (readiness, pool, stream) = (readiness.clone(), pool.clone(), args.stream.clone());
+            move |nats: &async_nats::Client| {
+                readiness.set(Readiness::Relay(Box::new(
+                    outbox_publisher::Readiness::new(pool.clone(), nats.clone(), stream.clone()),
+                )));
+            }
+        };
+        set_ready(&nats);
         let stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());
-        let (pool, stop) = (pool.clone(), shutdown.clone());
+        let (pool, stop, nats_args) = (pool.clone(), shutdown.clone(), args.nats.clone());
         Some(tokio::spawn(async move {
-            let result = Relay::run_jetstream(
-                pool,
-                nats,
-                stream,
-                RelayConfig::default(),
-                stop.clone().cancelled_owned(),
-            )
-            .await;
-            if let Err(e) = &result {
+            let mut nats = nats;
+            loop {
+                let result = Relay::run_jetstream(
+                    pool.clone(),
+                    nats,
+                    stream.clone(),
+                    RelayConfig::default(),
+                    stop.clone().cancelled_owned(),
+                )
+                .await;
+                let e = match result {
+                    Ok(()) => return Ok(()),
+                    Err(e) => e,
+                };
+                if e.kind() == outbox_publisher::ErrorKind::ClientClosed && !stop.is_cancelled() {
+                    // A closed client never publishes again: a new one,
+                    // from the same flags.
+                    tracing::warn!(error = %e, "building a new NATS client from the same flags");
+                    match nats_args.connect("subscriptions").await {
+                        Ok(client) => {
+                            set_ready(&client);
+                            nats = client;
+                            continue;
+                        }
+                        Err(e) => {
+                            tracing::error!(error = %e, "the in-process relay stopped; shutting down");
+                            stop.cancel();
+                            return Err(Box::<dyn Error + Send + Sync>::from(e));
+                        }
+                    }
+                }
                 // A relay that cannot run (its role lacks a privilege, the
                 // stream differs) stops the service rather than leaving its
                 // events unpublished unnoticed.
                 tracing::error!(error = %e, "the in-process relay stopped; shutting down");
                 stop.cancel();
+                return Err(e.into());
             }
-            result
         }))
     };
 
@@ -167,7 +195,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
 
     shutdown.cancel();
     if let Some(relay) = relay {
-        relay.await??;
+        relay.await?.map_err(|e| -> Box<dyn Error> { e })?;
     }
     pool.close().await;
     tracing::info!("subscriptions service stopped");

@@ -68,6 +68,10 @@ pub mod names {
     /// Counter: replayed dead letters meant for another consumer, acked
     /// without being handled (label `consumer` only).
     pub const REPLAYS_IGNORED: &str = "inbox_replays_ignored_total";
+    /// Counter: NATS clients found closed under the consumer (label
+    /// `consumer` only); each ends [`Consumer::run`](crate::Consumer::run)
+    /// with [`ErrorKind::ClientClosed`](crate::ErrorKind::ClientClosed).
+    pub const CLIENT_CLOSED: &str = "inbox_nats_client_closed_total";
     /// Counter: attempts of a delivery whose handler (or a layer) panicked,
     /// caught by the runtime and rolled back (see
     /// [`runtime`](crate::runtime#a-panicking-handler)).
@@ -88,6 +92,7 @@ pub mod names {
         DEAD_LETTERED,
         UNROUTED,
         REPLAYS_IGNORED,
+        CLIENT_CLOSED,
         HANDLER_PANICS,
         HANDLER_DURATION,
         PENDING,
@@ -117,6 +122,10 @@ pub fn describe() {
     describe_counter!(
         names::REPLAYS_IGNORED,
         "Replayed dead letters meant for another consumer, acked without being handled"
+    );
+    describe_counter!(
+        names::CLIENT_CLOSED,
+        "NATS clients found closed under the consumer (the run ends; a new client is needed)"
     );
     describe_counter!(
         names::HANDLER_PANICS,

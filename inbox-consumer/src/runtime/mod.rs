@@ -524,6 +524,7 @@ impl Consumer {
         pool: PgPool,
         config: ConsumerConfig,
     ) -> Result<Self> {
+        check_client(&js, &config)?;
         let mut stream = js
             .get_stream(&config.stream)
             .await
@@ -685,7 +686,9 @@ impl Consumer {
                 Backlog::default(),
                 None,
             );
-            session.run(shutdown.as_mut()).await;
+            if let Served::ClientClosed = session.run(shutdown.as_mut()).await {
+                return Err(client_closed(config));
+            }
             lag::record_floor(&self.consumer, &shared).await;
             tracing::info!(consumer = %config.durable, "inbox consumer stopped");
             return Ok(());
@@ -704,6 +707,9 @@ impl Consumer {
                     break;
                 }
                 Served::Deposed => {}
+                // The tenure was dropped with the session: the lock goes
+                // with its connection, without a clean handover.
+                Served::ClientClosed => return Err(client_closed(config)),
             }
         }
         lag::record_floor(&self.consumer, &shared).await;
@@ -735,6 +741,9 @@ impl Consumer {
                 () = tenure.lost() => return Served::Deposed,
                 scanned = takeover::scan(shared, &self.consumer) => match scanned {
                     Ok(found) => break found,
+                    Err(_) if outbox_pg::nats::is_closed(&shared.js.client()) => {
+                        return Served::ClientClosed;
+                    }
                     Err(e) => {
                         tracing::warn!(consumer = %shared.config.durable, error = %e, "cannot read what earlier leaders left; retrying");
                     }
@@ -754,6 +763,26 @@ impl Consumer {
         .run(shutdown)
         .await
     }
+}
+
+/// The error that ends a run whose NATS client was closed under it.
+fn client_closed(config: &ConsumerConfig) -> Error {
+    Error::new(
+        ErrorKind::ClientClosed,
+        format!(
+            "the NATS client was closed under consumer `{}` (drained, or its connection task \
+             ended); nothing was acked after that: build a new client and run again",
+            config.durable
+        ),
+    )
+}
+
+/// [`client_closed`] before a consumer is created on a closed client.
+fn check_client(js: &jetstream::Context, config: &ConsumerConfig) -> Result<()> {
+    if outbox_pg::nats::is_closed(&js.client()) {
+        return Err(client_closed(config));
+    }
+    Ok(())
 }
 
 async fn prune_periodically(shared: Arc<Shared>) {

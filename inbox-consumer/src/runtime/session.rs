@@ -57,6 +57,10 @@ pub(crate) enum Served {
     Shutdown(Option<Tenure>),
     /// The lead was lost: stand by again.
     Deposed,
+    /// The NATS client is closed: nothing more can be pulled or acked. Every
+    /// held message was dropped unacked (running deliveries rolled back);
+    /// they come back after `ack_wait` to whoever pulls next.
+    ClientClosed,
 }
 
 /// What a running task holds: one entry per job (subject, event), in order,
@@ -101,6 +105,8 @@ pub(crate) struct Session<'a, R> {
     pull_at: Instant,
     progress_at: Instant,
     stopping: bool,
+    /// A failed pull found the NATS client closed.
+    client_closed: bool,
     /// Tells in-place retries to give up at shutdown.
     stop: watch::Sender<bool>,
 }
@@ -137,6 +143,7 @@ impl<'a, R: Runner> Session<'a, R> {
             pull_at: now,
             progress_at: now + shared.config.progress_every(),
             stopping: false,
+            client_closed: false,
             stop: watch::channel(false).0,
         }
     }
@@ -144,6 +151,9 @@ impl<'a, R: Runner> Session<'a, R> {
     /// Serves until `shutdown` resolves (then drains) or the lead is lost.
     pub(crate) async fn run<F: Future<Output = ()>>(mut self, mut shutdown: Pin<&mut F>) -> Served {
         loop {
+            if self.client_closed {
+                return self.client_gone().await;
+            }
             self.start_jobs();
             if self.stopping && self.tasks.is_empty() && self.pull.is_none() {
                 self.record_last_checkpoint().await;
@@ -275,9 +285,55 @@ impl<'a, R: Runner> Session<'a, R> {
             Ok(Err(e)) => e.to_string(),
             Err(elapsed) => elapsed.to_string(),
         };
+        if self.note_client_closed() {
+            return false;
+        }
         tracing::warn!(consumer = %config.durable, %error, "cannot pull messages; retrying");
         self.pull_at = Instant::now() + REPULL_DELAY;
         true
+    }
+
+    /// After a failed pull: whether the NATS client is closed for good
+    /// (then the session ends at the top of its loop) rather than
+    /// disconnected (then pulling again is right).
+    fn note_client_closed(&mut self) -> bool {
+        self.client_closed = outbox_pg::nats::is_closed(&self.shared.js.client());
+        self.client_closed
+    }
+
+    /// Ends the session on a closed NATS client: every running delivery is
+    /// aborted (its transaction rolls back) and every held message dropped
+    /// unacked, as in a crash: JetStream redelivers them after `ack_wait`,
+    /// and the inbox turns any effect already committed into a duplicate. A
+    /// leader records its checkpoint first (the dropped messages stay
+    /// unfinished in it) and lets go without a clean handover, so the next
+    /// leader waits for them in stream order.
+    async fn client_gone(mut self) -> Served {
+        let consumer = &self.shared.config.durable;
+        tracing::error!(
+            consumer = %consumer, running = self.tasks.len(), held = self.held,
+            "the NATS client was closed under the consumer: nothing can be pulled or acked on it; \
+             stopping (held messages come back after ack_wait)",
+        );
+        metrics::counter!(names::CLIENT_CLOSED, "consumer" => consumer.clone()).increment(1);
+        self.tasks.abort_all();
+        while self.tasks.join_next().await.is_some() {}
+        if let Some(running) = self.catching_up.take() {
+            running.abort();
+        }
+        if let Some(recording) = self.recording.take() {
+            let _ = tokio::time::timeout(checkpoint::SAVE_TIMEOUT, recording).await;
+        }
+        if let (Some(checkpoint), Some(tenure)) = (&self.checkpoint, &self.tenure) {
+            record(
+                &self.shared.pool,
+                consumer,
+                tenure.epoch(),
+                checkpoint.current(),
+            )
+            .await;
+        }
+        Served::ClientClosed
     }
 
     /// Takes in what a pull yielded, and whatever else it has already buffered.
@@ -288,13 +344,17 @@ impl<'a, R: Runner> Session<'a, R> {
                 Some(Ok(message)) if self.stopping => self.hand_back(message),
                 Some(Ok(message)) => self.admit(message),
                 Some(Err(e)) => {
-                    tracing::warn!(consumer = %self.shared.config.durable, error = %e, "pull failed; pulling again");
                     self.pull = None;
+                    if self.note_client_closed() {
+                        return;
+                    }
+                    tracing::warn!(consumer = %self.shared.config.durable, error = %e, "pull failed; pulling again");
                     self.pull_at = Instant::now() + REPULL_DELAY;
                     return;
                 }
                 None => {
-                    // The pull is complete or expired: the next one goes out at once.
+                    // The pull is complete or expired: the next one goes out
+                    // at once (and finds out if the client is closed).
                     self.pull = None;
                     return;
                 }

@@ -2,6 +2,8 @@
 
 use std::fmt;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use async_nats::ConnectErrorKind;
 
@@ -101,6 +103,20 @@ pub struct NatsArgs {
     /// Client key (PEM) for TLS client authentication.
     #[arg(long, env = "NATS_TLS_KEY", value_name = "PATH")]
     pub nats_tls_key: Option<PathBuf>,
+
+    /// Prefix of the reply subjects the client listens on (default `_INBOX`).
+    /// JetStream answers on them, pulled messages included: give each NATS
+    /// user a prefix of its own (`_INBOX_billing`) and allow it only
+    /// `<prefix>.>` in `subscribe`, so no other user can listen in on its
+    /// deliveries (docs/security.md, "NATS").
+    #[arg(long, env = "NATS_INBOX_PREFIX", value_name = "PREFIX")]
+    pub nats_inbox_prefix: Option<String>,
+
+    /// TEST ONLY: drain (close for good) the first NATS client this process
+    /// connects, this long after it connected, as a fault in the client
+    /// would; shows how the process recovers.
+    #[arg(long, env = "OUTBOX_TEST_CLOSE_NATS_AFTER", hide = true, value_parser = humantime::parse_duration)]
+    pub nats_test_close_after: Option<Duration>,
 }
 
 impl Default for NatsArgs {
@@ -127,6 +143,39 @@ impl NatsArgs {
             nats_tls_ca: None,
             nats_tls_cert: None,
             nats_tls_key: None,
+            nats_inbox_prefix: None,
+            nats_test_close_after: None,
+        }
+    }
+
+    /// The inbox prefix of `--nats-inbox-prefix`, checked: a subject of
+    /// tokens without wildcards, spaces or an empty token.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] naming the prefix and what is wrong with it.
+    pub fn inbox_prefix(&self) -> Result<Option<&str>> {
+        let Some(prefix) = self.nats_inbox_prefix.as_deref() else {
+            return Ok(None);
+        };
+        let problem = if prefix.is_empty() {
+            Some("is empty")
+        } else if prefix.split('.').any(str::is_empty) {
+            Some("has an empty token (a leading, trailing or doubled `.`)")
+        } else if prefix.contains(['*', '>']) {
+            Some("holds a wildcard (`*` or `>`)")
+        } else if prefix.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            Some("holds white space or a control character")
+        } else {
+            None
+        };
+        match problem {
+            None => Ok(Some(prefix)),
+            Some(problem) => Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "--nats-inbox-prefix (NATS_INBOX_PREFIX) `{prefix}` {problem}: give a subject such as `_INBOX_billing`"
+                ),
+            )),
         }
     }
 
@@ -232,6 +281,9 @@ impl NatsArgs {
         let mut options = async_nats::ConnectOptions::new()
             .name(name)
             .max_reconnects(None);
+        if let Some(prefix) = self.inbox_prefix()? {
+            options = options.custom_inbox_prefix(prefix);
+        }
         if let Some(credentials) = self.servers()?.credentials {
             if self.nats_user.is_some()
                 || self.password()?.is_some()
@@ -339,6 +391,7 @@ impl NatsArgs {
         let error = match first {
             Ok(client) => {
                 tracing::info!(nats = %shown, "connected to NATS");
+                self.close_for_test(&client);
                 return Ok(client);
             }
             Err(e) => e,
@@ -372,6 +425,7 @@ impl NatsArgs {
             .retry_on_initial_connect()
             .connect(urls.as_slice())
             .await
+            .inspect(|client| self.close_for_test(client))
             .map_err(|e| {
                 Error::new(
                     ErrorKind::Broker,
@@ -379,6 +433,26 @@ impl NatsArgs {
                 )
                 .with_source(e)
             })
+    }
+
+    /// `--nats-test-close-after`: drains the process's first client after
+    /// the delay, once.
+    fn close_for_test(&self, client: &async_nats::Client) {
+        static CLOSED_ONCE: AtomicBool = AtomicBool::new(false);
+        let Some(after) = self.nats_test_close_after else {
+            return;
+        };
+        if CLOSED_ONCE.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let client = client.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            tracing::warn!("TEST ONLY: closing the NATS client (--nats-test-close-after)");
+            if let Err(e) = client.drain().await {
+                tracing::warn!(error = %e, "TEST ONLY: draining the NATS client failed");
+            }
+        });
     }
 }
 
@@ -422,6 +496,8 @@ impl fmt::Debug for NatsArgs {
             .field("nats_tls_ca", &self.nats_tls_ca)
             .field("nats_tls_cert", &self.nats_tls_cert)
             .field("nats_tls_key", &self.nats_tls_key)
+            .field("nats_inbox_prefix", &self.nats_inbox_prefix)
+            .field("nats_test_close_after", &self.nats_test_close_after)
             .finish()
     }
 }

@@ -61,10 +61,12 @@ use outbox_publisher::cli::{
     DatabaseArgs, ExposeSecret, NatsArgs, Secret, TelemetryArgs, cancel_on_signal, parse_ops_addr,
     serve_ops,
 };
-use outbox_publisher::{Readiness, Relay, RelayConfig, StorageType, StreamSpec, WalSource};
+use outbox_publisher::{
+    ErrorKind, Readiness, Relay, RelayConfig, StorageType, StreamSpec, WalSource,
+};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 /// mimalloc in place of glibc's malloc, whose arena locks the relay's
 /// threads queued on for a fifth of its CPU time under load.
@@ -319,13 +321,6 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 .acquire_timeout(Duration::from_secs(10)),
         )
         .await?;
-    let nats = args.nats.connect("outbox-relay").await?;
-    readiness.set(Readiness::new(
-        pool.clone(),
-        nats.clone(),
-        args.stream.clone(),
-    ));
-
     let mut stream =
         StreamSpec::new(args.stream.clone(), args.subjects.clone()).add_subjects(args.add_subjects);
     if let Some(storage) = args.stream_storage {
@@ -345,28 +340,51 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         shutdown.clone(),
         "finishing the current batch",
     ));
-    // A broker that is down at start is waited for, not an error.
-    let Some(relay) =
-        Relay::connect_jetstream(pool, nats, stream, config, shutdown.cancelled()).await?
-    else {
-        return Ok(ExitCode::SUCCESS);
-    };
-
-    if args.once {
-        let report = relay.drain().await?;
-        info!(
-            published = report.published,
-            duplicates = report.duplicates,
-            failed = report.failed,
-            "drained outbox"
-        );
-        return Ok(if report.failed == 0 {
-            ExitCode::SUCCESS
-        } else {
-            ExitCode::from(1)
-        });
+    // A NATS client closed under the relay (drained, or its connection task
+    // gone) never publishes again: a new one is built from the same flags,
+    // and the relay set up on it again. Rows wait in the table meanwhile.
+    loop {
+        let nats = args.nats.connect("outbox-relay").await?;
+        readiness.set(Readiness::new(
+            pool.clone(),
+            nats.clone(),
+            args.stream.clone(),
+        ));
+        let ran = async {
+            // A broker that is down at start is waited for, not an error.
+            let Some(relay) = Relay::connect_jetstream(
+                pool.clone(),
+                nats,
+                stream.clone(),
+                config.clone(),
+                shutdown.cancelled(),
+            )
+            .await?
+            else {
+                return Ok(ExitCode::SUCCESS);
+            };
+            if args.once {
+                let report = relay.drain().await?;
+                info!(
+                    published = report.published,
+                    duplicates = report.duplicates,
+                    failed = report.failed,
+                    "drained outbox"
+                );
+                return Ok(if report.failed == 0 {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::from(1)
+                });
+            }
+            relay.run(shutdown.cancelled()).await?;
+            Ok::<_, outbox_publisher::Error>(ExitCode::SUCCESS)
+        };
+        match ran.await {
+            Err(e) if e.kind() == ErrorKind::ClientClosed && !shutdown.is_cancelled() => {
+                warn!(error = %e, "building a new NATS client from the same flags");
+            }
+            ran => return Ok(ran?),
+        }
     }
-
-    relay.run(shutdown.cancelled_owned()).await?;
-    Ok(ExitCode::SUCCESS)
 }

@@ -294,6 +294,13 @@ impl Relay<JetStreamSink> {
         stream: &StreamSpec,
         config: RelayConfig,
     ) -> Result<Self> {
+        if outbox_pg::nats::is_closed(&client) {
+            return Err(crate::Error::new(
+                ErrorKind::ClientClosed,
+                "the NATS client given to the relay is closed (drained, or its connection task \
+                 ended): build a new client",
+            ));
+        }
         let sink = JetStreamSink::new(client, config.publish_timeout).expect_stream(stream.name());
         let existing = stream.ensure(sink.context()).await?;
         // The sink and the audit follow the stream as it is edited.
@@ -389,7 +396,10 @@ impl Relay<JetStreamSink> {
             |e: &crate::Error| {
                 !matches!(
                     e.kind(),
-                    ErrorKind::Config | ErrorKind::Stream | ErrorKind::Privilege
+                    ErrorKind::Config
+                        | ErrorKind::Stream
+                        | ErrorKind::Privilege
+                        | ErrorKind::ClientClosed
                 )
             },
             |e, _| {
@@ -523,6 +533,7 @@ impl<S: Sink> Relay<S> {
         let (wake, wake_rx) = watch::channel(0_u64);
         self.log_start(if wal.is_some() { "wal" } else { "poll" });
         let wal_failure = std::sync::Mutex::new(None);
+        let client_failure = std::sync::Mutex::new(None);
         let workers_done = CancellationToken::new();
         // Cancelled by `shutdown`, or when the relay finds it cannot run here
         // (its shard session leads to a transaction pooler).
@@ -559,6 +570,14 @@ impl<S: Sink> Relay<S> {
                     stop.cancel();
                 }
             },
+            async {
+                if let Some(e) = self.client_watch(&stop).await {
+                    if let Ok(mut failure) = client_failure.lock() {
+                        *failure = Some(e);
+                    }
+                    stop.cancel();
+                }
+            },
             self.stats_loop(&stop),
             self.progress_loop(&stop),
             self.prune_loop(&stop),
@@ -567,6 +586,9 @@ impl<S: Sink> Relay<S> {
         );
         if let Some(e) = wal_failure.into_inner().ok().flatten() {
             error!(error = %e, "outbox relay stopped: its WAL source cannot run here");
+            return Err(e);
+        }
+        if let Some(e) = client_failure.into_inner().ok().flatten() {
             return Err(e);
         }
         if let Some(e) = self.shards.take_failure() {

@@ -14,15 +14,18 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use tracing::{info, warn};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
 
 use super::{BatchReport, Relay};
-use crate::error::Result;
+use crate::error::{ErrorKind, Result};
 use crate::metrics;
 use crate::sink::Sink;
 
 /// Bound on the database ping of an idle relay.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often a relay whose broker is down asks whether its client is closed.
+const CLOSED_CHECK: Duration = Duration::from_secs(1);
 
 impl<S: Sink> Relay<S> {
     /// After a batch: an empty one while connected means the broker is fine.
@@ -47,6 +50,33 @@ impl<S: Sink> Relay<S> {
             match check.error() {
                 None => info!("outbox database available again"),
                 Some(e) => warn!(error = %e, "outbox database unavailable; retrying with backoff"),
+            }
+        }
+    }
+
+    /// Resolves with [`ErrorKind::ClientClosed`] once the sink's client is
+    /// found closed for good ([`Sink::is_closed`]), which is asked every
+    /// [`CLOSED_CHECK`] while the broker counts as down (publishes failed,
+    /// or not connected); never before `shutdown`.
+    pub(super) async fn client_watch(&self, shutdown: &CancellationToken) -> Option<crate::Error> {
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(CLOSED_CHECK) => {}
+                () = shutdown.cancelled() => return None,
+            }
+            let down = !self.broker_up.load(Ordering::Relaxed) || !self.sink.is_available();
+            if down && self.sink.is_closed() {
+                metrics::client_closed();
+                metrics::broker_up(false);
+                error!(
+                    "the NATS client was closed under the relay: nothing can be published on it; \
+                     stopping (unpublished rows stay in the table)"
+                );
+                return Some(crate::Error::new(
+                    ErrorKind::ClientClosed,
+                    "the NATS client was closed under the relay (drained, or its connection task \
+                     ended): build a new client and run again",
+                ));
             }
         }
     }
