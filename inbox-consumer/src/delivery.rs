@@ -119,6 +119,12 @@ impl Delivery {
     /// [`from_message`](Self::from_message) with the JetStream metadata
     /// already read.
     pub(crate) fn decode(message: &jetstream::Message, info: DeliveryInfo) -> Result<Self, Poison> {
+        Self::decode_nats(&message.message, info)
+    }
+
+    /// [`decode`](Self::decode) of the NATS message a JetStream message wraps:
+    /// the body and the trace headers are all it reads.
+    fn decode_nats(message: &async_nats::Message, info: DeliveryInfo) -> Result<Self, Poison> {
         let envelope = decode_envelope(&message.payload)?;
         let header = |name: &str| {
             message
@@ -475,5 +481,268 @@ mod tests {
         let env = Envelope::new("a.b", "svc", "s1", serde_json::json!({"x": 1})).unwrap();
         let back = decode_envelope(&env.to_json().unwrap()).unwrap();
         assert_eq!(back.id(), env.id());
+    }
+}
+
+/// Property tests: a message body or header of any shape decodes to a
+/// [`Delivery`] or is [`Poison`] with a reason, never a panic.
+#[cfg(test)]
+mod proptests {
+    use std::str::FromStr;
+
+    use async_nats::header::{HeaderMap, HeaderName, HeaderValue};
+    use async_nats::{StatusCode, Subject};
+    use proptest::prelude::*;
+    use proptest::test_runner::TestCaseError;
+    use serde_json::{Map, json};
+
+    use super::*;
+
+    fn config() -> ProptestConfig {
+        ProptestConfig {
+            failure_persistence: None,
+            ..ProptestConfig::with_cases(512)
+        }
+    }
+
+    const ID: &str = "0190a5f2-7c3e-7000-8000-000000000000";
+
+    const ATTRIBUTES: &[&str] = &[
+        "specversion",
+        "id",
+        "source",
+        "type",
+        "subject",
+        "time",
+        "datacontenttype",
+        "traceparent",
+        "tracestate",
+        "sequence",
+        "data",
+    ];
+
+    fn valid() -> Map<String, Value> {
+        let Value::Object(object) = json!({
+            "specversion": "1.0",
+            "id": ID,
+            "source": "subscriptions",
+            "type": "subscription.created",
+            "subject": "sub_1",
+            "time": "2026-11-30T10:00:00Z",
+            "datacontenttype": "application/json",
+            "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "sequence": "42",
+            "data": {"plan": "pro"},
+        }) else {
+            unreachable!()
+        };
+        object
+    }
+
+    fn arb_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<f64>().prop_map(Value::from),
+            any::<String>().prop_map(Value::String),
+        ];
+        leaf.prop_recursive(6, 64, 8, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..8).prop_map(Value::Array),
+                prop::collection::btree_map(any::<String>(), inner, 0..8)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    fn attribute_value() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            any::<String>().prop_map(Value::String),
+            "[0-9a-fA-F-]{0,40}".prop_map(Value::String),
+            "[+-]?[0-9]{1,6}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\\.[0-9]{0,12})?Z"
+                .prop_map(Value::String),
+            arb_json(),
+        ]
+    }
+
+    /// The valid envelope with each named attribute replaced (`Some`) or
+    /// removed (`None`).
+    fn near_valid() -> impl Strategy<Value = Vec<u8>> {
+        prop::collection::vec(
+            (
+                prop::sample::select(ATTRIBUTES),
+                prop::option::of(attribute_value()),
+            ),
+            1..4,
+        )
+        .prop_map(|changes| {
+            let mut object = valid();
+            for (name, value) in changes {
+                match value {
+                    Some(value) => object.insert(name.to_owned(), value),
+                    None => object.remove(name),
+                };
+            }
+            serde_json::to_vec(&Value::Object(object)).unwrap()
+        })
+    }
+
+    /// A body: any bytes, any JSON, or an envelope with attributes changed.
+    fn body() -> impl Strategy<Value = Vec<u8>> {
+        prop_oneof![
+            prop::collection::vec(any::<u8>(), 0..256),
+            arb_json().prop_map(|v| serde_json::to_vec(&v).unwrap()),
+            near_valid(),
+        ]
+    }
+
+    /// `decode_envelope`'s answer agrees with `Envelope::from_json`, and a
+    /// poison's reason and id with what the body holds.
+    fn decodes_or_is_poison(bytes: &[u8]) -> Result<(), TestCaseError> {
+        let decoded = decode_envelope(bytes);
+        match (&decoded, Envelope::<Value>::from_json(bytes)) {
+            (Ok(env), Ok(expected)) => prop_assert_eq!(env, &expected),
+            (Err(_), Err(_)) => {}
+            (d, e) => prop_assert!(false, "decode_envelope {:?}, from_json {:?}", d, e),
+        }
+        let Err(poison) = decoded else {
+            return Ok(());
+        };
+        prop_assert!(!poison.to_string().is_empty());
+        let json = serde_json::from_slice::<Value>(bytes).ok();
+        let object = json.as_ref().and_then(Value::as_object);
+        let id = object
+            .and_then(|o| o.get("id"))
+            .and_then(Value::as_str)
+            .and_then(|s| s.parse::<EventId>().ok());
+        match poison.reason() {
+            Reason::NotJson => prop_assert!(json.is_none()),
+            Reason::InvalidId => {
+                prop_assert!(object.is_some_and(|o| o.contains_key("specversion")));
+                prop_assert!(id.is_none());
+            }
+            Reason::NotCloudEvent => prop_assert!(json.is_some()),
+            other => prop_assert!(false, "reason {other}"),
+        }
+        prop_assert_eq!(
+            poison.event_id(),
+            id.filter(|_| object.is_some_and(|o| o.contains_key("specversion")))
+        );
+        Ok(())
+    }
+
+    fn headers() -> impl Strategy<Value = Option<HeaderMap>> {
+        let name = prop_oneof![
+            Just(TRACEPARENT_HEADER.to_owned()),
+            Just(TRACESTATE_HEADER.to_owned()),
+            "[!-~]{1,16}",
+            any::<String>(),
+        ];
+        prop::option::of(prop::collection::vec((name, any::<String>()), 0..6)).prop_map(|pairs| {
+            pairs.map(|pairs| {
+                let mut map = HeaderMap::new();
+                for (name, value) in pairs {
+                    // Names the client could not have read are left out.
+                    if let Ok(name) = HeaderName::from_str(&name) {
+                        map.append(name, HeaderValue::from_lossy(&value));
+                    }
+                }
+                map
+            })
+        })
+    }
+
+    fn message() -> impl Strategy<Value = async_nats::Message> {
+        (
+            any::<String>(),
+            prop::option::of(any::<String>()),
+            body(),
+            headers(),
+            prop::option::of(any::<u16>()),
+            prop::option::of(any::<String>()),
+            any::<usize>(),
+        )
+            .prop_map(
+                |(subject, reply, payload, headers, status, description, length)| {
+                    async_nats::Message {
+                        subject: Subject::from(subject),
+                        reply: reply.map(Subject::from),
+                        payload: payload.into(),
+                        headers,
+                        status: status.and_then(|s| StatusCode::from_u16(s).ok()),
+                        description,
+                        length,
+                    }
+                },
+            )
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        #[test]
+        fn any_bytes_decode_or_are_poison(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+            decodes_or_is_poison(&bytes)?;
+        }
+
+        #[test]
+        fn any_json_value_decodes_or_is_poison(value in arb_json()) {
+            let bytes = serde_json::to_vec(&value).unwrap();
+            decodes_or_is_poison(&bytes)?;
+            prop_assert!(decode_envelope(&bytes).err().is_none_or(|p| p.reason() != Reason::NotJson));
+        }
+
+        #[test]
+        fn an_envelope_with_attributes_replaced_or_removed_decodes_or_is_poison(
+            bytes in near_valid(),
+        ) {
+            decodes_or_is_poison(&bytes)?;
+        }
+
+        #[test]
+        fn an_envelope_with_any_id_keeps_the_id_when_it_is_a_uuid(
+            id in prop_oneof![any::<String>(), "[0-9a-fA-F-]{0,40}"],
+            break_type in any::<bool>(),
+        ) {
+            let mut object = valid();
+            object.insert("id".into(), Value::String(id.clone()));
+            if break_type {
+                object.insert("type".into(), json!("a b"));
+            }
+            let bytes = serde_json::to_vec(&Value::Object(object)).unwrap();
+            decodes_or_is_poison(&bytes)?;
+            let uuid = id.parse::<EventId>().ok();
+            match decode_envelope(&bytes) {
+                Ok(env) => prop_assert_eq!(Some(env.id()), uuid),
+                Err(poison) => {
+                    prop_assert_eq!(poison.event_id(), uuid);
+                    let reason = if uuid.is_some() { Reason::NotCloudEvent } else { Reason::InvalidId };
+                    prop_assert_eq!(poison.reason(), reason);
+                }
+            }
+        }
+
+        #[test]
+        fn a_message_of_any_shape_decodes_or_is_poison(message in message()) {
+            match Delivery::decode_nats(&message, DeliveryInfo::new("c")) {
+                Ok(delivery) => {
+                    let header = |name: &str| {
+                        message.headers.as_ref().and_then(|h| h.get(name)).map(HeaderValue::as_str)
+                    };
+                    prop_assert_eq!(
+                        delivery.traceparent(),
+                        header(TRACEPARENT_HEADER).or(delivery.envelope().traceparent())
+                    );
+                    prop_assert_eq!(
+                        delivery.tracestate(),
+                        header(TRACESTATE_HEADER).or(delivery.envelope().tracestate())
+                    );
+                    prop_assert_eq!(delivery.consumer(), "c");
+                }
+                Err(_) => decodes_or_is_poison(&message.payload)?,
+            }
+        }
     }
 }

@@ -951,3 +951,300 @@ mod tests {
         assert_eq!(err.event_type(), Some("a.b"));
     }
 }
+
+/// Property tests: [`Envelope::from_json`] answers every input, however far
+/// from an envelope, with an envelope or an error, never a panic.
+#[cfg(test)]
+mod proptests {
+    use proptest::prelude::*;
+    use proptest::test_runner::TestCaseError;
+    use serde_json::{Map, Value, json};
+
+    use super::*;
+
+    fn config() -> ProptestConfig {
+        ProptestConfig {
+            failure_persistence: None,
+            ..ProptestConfig::with_cases(512)
+        }
+    }
+
+    const ID: &str = "0190a5f2-7c3e-7000-8000-000000000000";
+
+    /// Every attribute the decoder reads.
+    const ATTRIBUTES: &[&str] = &[
+        "specversion",
+        "id",
+        "source",
+        "type",
+        "subject",
+        "time",
+        "datacontenttype",
+        "traceparent",
+        "tracestate",
+        "sequence",
+        "data",
+    ];
+
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    struct Typed {
+        plan: String,
+        amount_cents: i64,
+    }
+
+    /// A valid structured-mode envelope with every attribute set.
+    fn valid() -> Map<String, Value> {
+        let Value::Object(object) = json!({
+            "specversion": "1.0",
+            "id": ID,
+            "source": "subscriptions",
+            "type": "subscription.created",
+            "subject": "sub_1",
+            "time": "2026-11-30T10:00:00.123456Z",
+            "datacontenttype": "application/json",
+            "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "tracestate": "k=v",
+            "sequence": "00000000000000000042",
+            "data": {"plan": "pro", "amount_cents": 1234},
+        }) else {
+            unreachable!()
+        };
+        object
+    }
+
+    /// Any JSON value: numbers at their extremes and any string, nested in
+    /// arrays and objects.
+    fn arb_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            // NaN and the infinities become `null`, as JSON has no such numbers.
+            any::<f64>().prop_map(Value::from),
+            any::<String>().prop_map(Value::String),
+        ];
+        leaf.prop_recursive(6, 64, 8, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..8).prop_map(Value::Array),
+                prop::collection::btree_map(any::<String>(), inner, 0..8)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// Strings near what an attribute holds: UUID-like, RFC 3339-like with
+    /// any year and fraction, digit runs, content types, and any string.
+    fn near_string() -> impl Strategy<Value = String> {
+        prop_oneof![
+            any::<String>(),
+            "[0-9a-fA-F-]{0,40}",
+            "[+-]?[0-9]{1,7}-[0-9]{1,2}-[0-9]{1,2}[Tt ][0-9]{1,2}:[0-9]{1,2}:[0-9]{1,2}(\\.[0-9]{0,20})?([Zz]|[+-][0-9]{1,2}:[0-9]{1,2})?",
+            "[0-9]{0,40}",
+            "[-+ ]?[0-9]{0,25}",
+            "(application/(json|cloudevents\\+json|xml)|text/plain)( *;.{0,10})?",
+            "[a-z$_>*. ]{0,12}",
+        ]
+    }
+
+    /// A value to put in place of an attribute.
+    fn attribute_value() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            2 => near_string().prop_map(Value::String),
+            1 => arb_json(),
+            1 => prop_oneof![
+                Just(json!(f64::MAX)),
+                Just(json!(f64::MIN_POSITIVE)),
+                Just(json!(u64::MAX)),
+                Just(json!(i64::MIN)),
+            ],
+        ]
+    }
+
+    #[derive(Debug, Clone)]
+    enum Mutation {
+        Replace(&'static str, Value),
+        Remove(&'static str),
+        Add(String, Value),
+    }
+
+    fn mutation() -> impl Strategy<Value = Mutation> {
+        let attribute = prop::sample::select(ATTRIBUTES);
+        prop_oneof![
+            3 => (attribute.clone(), attribute_value())
+                .prop_map(|(name, value)| Mutation::Replace(name, value)),
+            1 => attribute.prop_map(Mutation::Remove),
+            1 => (any::<String>(), arb_json()).prop_map(|(name, value)| Mutation::Add(name, value)),
+        ]
+    }
+
+    fn mutated(mutations: &[Mutation]) -> Vec<u8> {
+        let mut object = valid();
+        for m in mutations {
+            match m {
+                Mutation::Replace(name, value) => {
+                    object.insert((*name).to_owned(), value.clone());
+                }
+                Mutation::Remove(name) => {
+                    object.remove(*name);
+                }
+                Mutation::Add(name, value) => {
+                    object.insert(name.clone(), value.clone());
+                }
+            }
+        }
+        serde_json::to_vec(&Value::Object(object)).unwrap()
+    }
+
+    /// The valid envelope's text with attribute `name` written as `raw`, JSON
+    /// text that a `serde_json::Value` cannot hold (a number beyond `f64`,
+    /// nesting past the parser's limit).
+    fn with_raw(name: &str, raw: &str) -> Vec<u8> {
+        let mut object = valid();
+        object.remove(name);
+        let mut text = serde_json::to_string(&Value::Object(object)).unwrap();
+        text.pop();
+        text.push_str(&format!(",{}:{raw}}}", Value::from(name)));
+        text.into_bytes()
+    }
+
+    /// JSON text nested `depth` deep: arrays, objects, or both in turn.
+    fn nested(depth: usize, shape: u8) -> String {
+        let mut text = String::new();
+        for level in 0..depth {
+            let object = match shape {
+                0 => false,
+                1 => true,
+                _ => level % 2 == 1,
+            };
+            text.push_str(if object { "{\"k\":" } else { "[" });
+        }
+        text.push('1');
+        for level in (0..depth).rev() {
+            let object = match shape {
+                0 => false,
+                1 => true,
+                _ => level % 2 == 1,
+            };
+            text.push(if object { '}' } else { ']' });
+        }
+        text
+    }
+
+    /// `from_json` as the untyped and a typed payload returns: an error of
+    /// the kinds it documents, or an envelope that encodes and decodes back
+    /// to itself.
+    fn decodes_or_errs(bytes: &[u8]) -> std::result::Result<(), TestCaseError> {
+        match Envelope::<Value>::from_json(bytes) {
+            Ok(env) => {
+                let again = Envelope::<Value>::from_json(&env.to_json().unwrap()).unwrap();
+                prop_assert_eq!(&again, &env);
+            }
+            Err(e) => {
+                prop_assert_eq!(e.kind(), ErrorKind::InvalidEnvelope, "{}", e);
+                prop_assert!(!e.to_string().is_empty());
+            }
+        }
+        match Envelope::<Typed>::from_json(bytes) {
+            Ok(_) => {}
+            Err(e) => prop_assert!(
+                matches!(
+                    e.kind(),
+                    ErrorKind::InvalidEnvelope | ErrorKind::Serialization
+                ),
+                "{e}"
+            ),
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_base_envelope_is_valid() {
+        let bytes = mutated(&[]);
+        let env = Envelope::<Typed>::from_json(&bytes).unwrap();
+        assert_eq!(env.sequence(), Some(42));
+        assert_eq!(env.id().to_string(), ID);
+    }
+
+    #[test]
+    fn every_truncation_of_a_valid_envelope_is_an_error() {
+        let bytes = mutated(&[]);
+        for cut in 0..bytes.len() {
+            let err = Envelope::<Value>::from_json(&bytes[..cut]).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidEnvelope, "cut at {cut}");
+        }
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        #[test]
+        fn any_bytes_decode_or_err(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+            decodes_or_errs(&bytes)?;
+        }
+
+        #[test]
+        fn any_json_value_decodes_or_errs(value in arb_json()) {
+            decodes_or_errs(&serde_json::to_vec(&value).unwrap())?;
+        }
+
+        #[test]
+        fn an_envelope_with_attributes_replaced_or_removed_decodes_or_errs(
+            mutations in prop::collection::vec(mutation(), 1..4),
+        ) {
+            decodes_or_errs(&mutated(&mutations))?;
+        }
+
+        #[test]
+        fn an_id_of_any_string_decodes_only_as_a_uuid(id in near_string()) {
+            let bytes = mutated(&[Mutation::Replace("id", Value::String(id.clone()))]);
+            decodes_or_errs(&bytes)?;
+            match Envelope::<Value>::from_json(&bytes) {
+                Ok(env) => prop_assert_eq!(Some(*env.id().as_uuid()), Uuid::parse_str(&id).ok()),
+                Err(e) => {
+                    prop_assert!(Uuid::parse_str(&id).is_err());
+                    prop_assert!(e.to_string().contains("not a UUID"), "{}", e);
+                }
+            }
+        }
+
+        #[test]
+        fn a_huge_number_in_any_attribute_decodes_or_errs(
+            name in prop::sample::select(ATTRIBUTES),
+            number in "-?[0-9]{1,400}(\\.[0-9]{1,40})?([eE][+-]?[0-9]{1,6})?",
+        ) {
+            decodes_or_errs(&with_raw(name, &number))?;
+        }
+
+        #[test]
+        fn deeply_nested_data_decodes_or_errs(
+            name in prop::sample::select(ATTRIBUTES),
+            depth in 0_usize..2_000,
+            shape in 0_u8..3,
+        ) {
+            let bytes = with_raw(name, &nested(depth, shape));
+            decodes_or_errs(&bytes)?;
+            if name == "data" {
+                // The parser's recursion limit (128, the envelope included)
+                // refuses the deepest; anything shallower is data like any.
+                let decoded = Envelope::<Value>::from_json(&bytes);
+                if depth < 100 {
+                    prop_assert!(decoded.is_ok(), "{:?}", decoded.err());
+                } else if depth > 200 {
+                    prop_assert!(decoded.is_err());
+                }
+            }
+        }
+
+        #[test]
+        fn a_valid_envelope_with_one_byte_changed_decodes_or_errs(
+            at in any::<prop::sample::Index>(),
+            byte in any::<u8>(),
+        ) {
+            let mut bytes = mutated(&[]);
+            let i = at.index(bytes.len());
+            bytes[i] = byte;
+            decodes_or_errs(&bytes)?;
+        }
+    }
+}

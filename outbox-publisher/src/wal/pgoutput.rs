@@ -250,3 +250,210 @@ mod tests {
         assert_eq!(decode(b"U\0\0"), Ok(Message::Other(b'U')));
     }
 }
+
+/// Property tests: [`decode`] answers any bytes with a message or a
+/// [`DecodeError`], never a panic.
+#[cfg(test)]
+mod proptests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn config() -> ProptestConfig {
+        ProptestConfig {
+            failure_persistence: None,
+            ..ProptestConfig::with_cases(512)
+        }
+    }
+
+    /// The tag of every pgoutput message of protocol versions 1 to 4.
+    const TAGS: &[u8] = b"BCORYIUDTMSEcAbPKrps";
+
+    fn cstr(out: &mut Vec<u8>, s: &str) {
+        out.extend_from_slice(s.as_bytes());
+        out.push(0);
+    }
+
+    /// A string a Relation can carry: no NUL.
+    fn name() -> impl Strategy<Value = String> {
+        any::<String>().prop_map(|s| s.replace('\0', ""))
+    }
+
+    fn relation() -> impl Strategy<Value = Relation> {
+        (
+            any::<u32>(),
+            name(),
+            name(),
+            prop::collection::vec(name(), 0..12),
+        )
+            .prop_map(|(id, namespace, name, columns)| Relation {
+                id,
+                namespace,
+                name,
+                columns,
+            })
+    }
+
+    fn relation_bytes(r: &Relation, identity: u8, types: &[(u8, u32, u32)]) -> Vec<u8> {
+        let mut m = vec![b'R'];
+        m.extend_from_slice(&r.id.to_be_bytes());
+        cstr(&mut m, &r.namespace);
+        cstr(&mut m, &r.name);
+        m.push(identity);
+        m.extend_from_slice(&u16::try_from(r.columns.len()).unwrap().to_be_bytes());
+        for (i, column) in r.columns.iter().enumerate() {
+            let (flags, oid, modifier) = types.get(i).copied().unwrap_or((0, 25, u32::MAX));
+            m.push(flags);
+            cstr(&mut m, column);
+            m.extend_from_slice(&oid.to_be_bytes());
+            m.extend_from_slice(&modifier.to_be_bytes());
+        }
+        m
+    }
+
+    /// A value and the bytes it is sent as.
+    fn value() -> impl Strategy<Value = (Value, Vec<u8>)> {
+        fn sized(kind: u8, bytes: &[u8]) -> Vec<u8> {
+            let mut out = vec![kind];
+            out.extend_from_slice(&u32::try_from(bytes.len()).unwrap().to_be_bytes());
+            out.extend_from_slice(bytes);
+            out
+        }
+        prop_oneof![
+            Just((Value::Null, vec![b'n'])),
+            Just((Value::Unchanged, vec![b'u'])),
+            any::<String>().prop_map(|s| {
+                let bytes = sized(b't', s.as_bytes());
+                (Value::Text(s), bytes)
+            }),
+            // 0xFF is never in UTF-8.
+            prop::collection::vec(any::<u8>(), 0..32).prop_map(|mut b| {
+                b.insert(0, 0xFF);
+                (Value::NotUtf8, sized(b't', &b))
+            }),
+            prop::collection::vec(any::<u8>(), 0..32)
+                .prop_map(|b| (Value::Binary(b.clone()), sized(b'b', &b))),
+        ]
+    }
+
+    fn insert() -> impl Strategy<Value = (Message, Vec<u8>)> {
+        (any::<u32>(), prop::collection::vec(value(), 0..12)).prop_map(|(relation, values)| {
+            let mut m = vec![b'I'];
+            m.extend_from_slice(&relation.to_be_bytes());
+            m.push(b'N');
+            m.extend_from_slice(&u16::try_from(values.len()).unwrap().to_be_bytes());
+            for (_, bytes) in &values {
+                m.extend_from_slice(bytes);
+            }
+            let values = values.into_iter().map(|(v, _)| v).collect();
+            (Message::Insert { relation, values }, m)
+        })
+    }
+
+    /// A Relation or an Insert built by hand, and the message it decodes to.
+    fn valid() -> impl Strategy<Value = (Message, Vec<u8>)> {
+        prop_oneof![
+            (
+                relation(),
+                any::<u8>(),
+                prop::collection::vec(any::<(u8, u32, u32)>(), 0..12)
+            )
+                .prop_map(|(r, identity, types)| {
+                    let bytes = relation_bytes(&r, identity, &types);
+                    (Message::Relation(r), bytes)
+                }),
+            insert(),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        #[test]
+        fn any_bytes_decode_or_err(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode(&bytes);
+        }
+
+        #[test]
+        fn any_tag_with_any_body_decodes_or_errs(
+            tag in prop::sample::select(TAGS),
+            body in prop::collection::vec(any::<u8>(), 0..512),
+        ) {
+            let mut m = vec![tag];
+            m.extend_from_slice(&body);
+            match decode(&m) {
+                Ok(Message::Other(other)) => prop_assert_eq!(other, tag),
+                Ok(Message::Relation(_)) => prop_assert_eq!(tag, b'R'),
+                Ok(Message::Insert { .. }) => prop_assert_eq!(tag, b'I'),
+                Err(e) => prop_assert!(tag == b'R' || tag == b'I', "{}", e),
+            }
+        }
+
+        #[test]
+        fn an_insert_header_with_any_tuple_decodes_or_errs(
+            relation in any::<u32>(),
+            count in prop_oneof![0_u16..16, any::<u16>()],
+            tuple in prop::collection::vec(any::<u8>(), 0..256),
+        ) {
+            // Mostly the bytes of value kinds and short lengths.
+            let tuple = tuple.iter().map(|&b| match b {
+                0..=159 => b"nutb\0\xFF\0\x01"[usize::from(b % 8)],
+                _ => b,
+            });
+            let mut m = vec![b'I'];
+            m.extend_from_slice(&relation.to_be_bytes());
+            m.push(b'N');
+            m.extend_from_slice(&count.to_be_bytes());
+            m.extend(tuple);
+            if let Ok(Message::Insert { values, .. }) = decode(&m) {
+                prop_assert_eq!(values.len(), usize::from(count));
+            }
+        }
+
+        #[test]
+        fn a_message_built_by_hand_decodes_and_every_truncation_errs(
+            (message, bytes) in valid(),
+        ) {
+            prop_assert_eq!(decode(&bytes), Ok(message));
+            for cut in 0..bytes.len() {
+                prop_assert!(decode(&bytes[..cut]).is_err(), "cut at {}", cut);
+            }
+        }
+
+        #[test]
+        fn a_message_built_by_hand_with_bytes_changed_decodes_or_errs(
+            (_, mut bytes) in valid(),
+            changes in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4),
+            tail in prop::collection::vec(any::<u8>(), 0..16),
+        ) {
+            for (at, byte) in changes {
+                let i = at.index(bytes.len());
+                bytes[i] = byte;
+            }
+            let _ = decode(&bytes);
+            bytes.extend_from_slice(&tail);
+            let _ = decode(&bytes);
+        }
+
+        #[test]
+        fn a_length_past_the_end_is_an_error(
+            kind in prop::sample::select(&b"tb"[..]),
+            len in any::<u32>(),
+            body in prop::collection::vec(any::<u8>(), 0..64),
+        ) {
+            let mut m = vec![b'I'];
+            m.extend_from_slice(&1_u32.to_be_bytes());
+            m.push(b'N');
+            m.extend_from_slice(&1_u16.to_be_bytes());
+            m.push(kind);
+            m.extend_from_slice(&len.to_be_bytes());
+            m.extend_from_slice(&body);
+            let decoded = decode(&m);
+            if usize::try_from(len).unwrap() > body.len() {
+                prop_assert!(decoded.is_err());
+            } else {
+                prop_assert!(decoded.is_ok(), "{:?}", decoded);
+            }
+        }
+    }
+}

@@ -314,3 +314,154 @@ mod tests {
         assert!(err.to_string().contains("`seq`"), "{err}");
     }
 }
+
+/// Property tests: any relation and any tuple make a layout or an error and
+/// a row or none, and any text a time or none, never a panic.
+#[cfg(test)]
+mod proptests {
+    use chrono::{Datelike, TimeZone, Timelike};
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn config() -> ProptestConfig {
+        ProptestConfig {
+            failure_persistence: None,
+            ..ProptestConfig::with_cases(512)
+        }
+    }
+
+    const COLUMNS: &[&str] = &[
+        "id",
+        "seq",
+        "shard",
+        "event_type",
+        "source",
+        "subject",
+        "time",
+        "data",
+        "created_at",
+        "attempts",
+        "traceparent",
+        "tracestate",
+        "published_at",
+        "next_attempt_at",
+    ];
+
+    /// Text near what a UTC session writes for a `timestamptz`, with any year,
+    /// fraction and offset.
+    const TIMESTAMPTZ: &str = "[+-]?[0-9]{1,6}-[0-9]{1,2}-[0-9]{1,2}[ T][0-9]{1,2}:[0-9]{1,2}:[0-9]{1,2}(\\.[0-9]{0,12})?([+-][0-9]{1,2}(:[0-9]{1,2}(:[0-9]{1,2})?)?)?( BC)?";
+
+    fn text() -> impl Strategy<Value = String> {
+        prop_oneof![
+            any::<String>(),
+            TIMESTAMPTZ,
+            "-?[0-9]{1,25}",
+            "[0-9a-fA-F-]{0,40}",
+            Just("0190f5c4-9a3e-7c3e-8a7b-2f1e4d5c6b7a".to_owned()),
+            Just("infinity".to_owned()),
+        ]
+    }
+
+    fn value() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            1 => Just(Value::Null),
+            1 => Just(Value::Unchanged),
+            1 => Just(Value::NotUtf8),
+            1 => prop::collection::vec(any::<u8>(), 0..16).prop_map(Value::Binary),
+            4 => text().prop_map(Value::Text),
+        ]
+    }
+
+    /// Columns of `outbox_events`, most of them, with other names among
+    /// them, in any order.
+    fn relation() -> impl Strategy<Value = Relation> {
+        (
+            prop::collection::vec(prop::bool::weighted(0.9), COLUMNS.len()),
+            prop::collection::vec(any::<String>(), 0..3),
+        )
+            .prop_flat_map(|(keep, other)| {
+                let mut columns: Vec<String> = COLUMNS
+                    .iter()
+                    .zip(keep)
+                    .filter(|(_, keep)| *keep)
+                    .map(|(c, _)| (*c).to_owned())
+                    .collect();
+                columns.extend(other);
+                Just(columns).prop_shuffle()
+            })
+            .prop_map(|columns| Relation {
+                id: 1,
+                namespace: "public".into(),
+                name: "outbox_events".into(),
+                columns,
+            })
+    }
+
+    /// A tuple for `relation`: a value of its kind for each column it has,
+    /// and now and then too few or too many.
+    fn tuple(relation: &Relation) -> impl Strategy<Value = Vec<Value>> + use<> {
+        let n = relation.columns.len();
+        prop_oneof![
+            4 => prop::collection::vec(value(), n),
+            1 => prop::collection::vec(value(), 0..n + 4),
+        ]
+    }
+
+    /// How a UTC session writes `t`: microseconds with trailing zeros cut.
+    fn written(t: DateTime<Utc>) -> String {
+        let mut s = t.format("%Y-%m-%d %H:%M:%S").to_string();
+        let micros = t.nanosecond() / 1_000;
+        if micros != 0 {
+            s.push_str(format!(".{micros:06}").trim_end_matches('0'));
+        }
+        s.push_str("+00");
+        s
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        #[test]
+        fn any_text_is_a_time_or_none(s in prop_oneof![any::<String>(), TIMESTAMPTZ]) {
+            let _ = timestamp(&s);
+        }
+
+        #[test]
+        fn every_time_a_utc_session_writes_reads_back(
+            micros in Utc.with_ymd_and_hms(1, 1, 1, 0, 0, 0).unwrap().timestamp_micros()
+                ..=Utc.with_ymd_and_hms(9999, 12, 31, 23, 59, 59).unwrap().timestamp_micros() + 999_999,
+        ) {
+            let t = DateTime::from_timestamp_micros(micros).unwrap();
+            prop_assert!((1..=9999).contains(&t.year()));
+            prop_assert_eq!(timestamp(&written(t)), Some(t), "{}", written(t));
+        }
+
+        #[test]
+        fn any_relation_and_tuple_make_a_row_or_none(
+            (relation, values) in relation().prop_flat_map(|r| {
+                let tuple = tuple(&r);
+                (Just(r), tuple)
+            }),
+            max_payload in prop_oneof![0_usize..64, any::<usize>()],
+        ) {
+            let Ok(layout) = Layout::of(&relation) else {
+                return Ok(());
+            };
+            let data = relation
+                .columns
+                .iter()
+                .position(|c| c == "data")
+                .and_then(|i| values.get(i).cloned());
+            if let Inserted::Fresh(row) = layout.row(values, max_payload) {
+                prop_assert!(row.data.as_ref().is_none_or(|d| d.len() <= max_payload));
+                let len = match data {
+                    Some(Value::Text(d)) => i64::try_from(d.len()).unwrap(),
+                    _ => 0,
+                };
+                prop_assert_eq!(row.data_len, len);
+                prop_assert!(row.decode_error.as_ref().is_none_or(|e| !e.is_empty()));
+            }
+        }
+    }
+}
