@@ -7,7 +7,9 @@
 //! - [`NatsArgs`]: `--nats-url` and credentials (user/password, token, nkey
 //!   seed, creds file) and TLS (CA, client certificate); every secret from
 //!   an environment variable or a `--*-file` instead of argv, where `ps`
-//!   would show it.
+//!   would show it. Its clients log the server's errors, and a permission
+//!   the NATS user lacks is named
+//!   ([`NatsArgs::permission_denied`]).
 //! - [`Secret`] (`secrecy::SecretString`): a string whose `Debug` prints `[REDACTED]`;
 //!   [`redact_url`] masks a URL's password for logs, found by parsing the
 //!   URL, so a password holding `,` `#` `/` `?` `@` `%` `:` never shows, nor
@@ -46,6 +48,7 @@ mod nats;
 mod redact;
 mod secret;
 mod signal;
+mod violations;
 
 pub use database::DatabaseArgs;
 pub use nats::NatsArgs;

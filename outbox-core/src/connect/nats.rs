@@ -9,6 +9,7 @@ use async_nats::ConnectErrorKind;
 
 use super::redact::{self, UrlCredentials, UrlProblem};
 use super::secret::{ExposeSecret, Secret, inline_or_file};
+use super::violations::{self, Violations};
 use crate::error::{Error, ErrorKind, Result};
 
 /// How to reach NATS: the URL, credentials and TLS, as flags and environment
@@ -31,6 +32,12 @@ use crate::error::{Error, ErrorKind, Result};
 /// to the client as `--nats-user`/`--nats-password` or `--nats-token` would
 /// be, so the client never holds, nor logs, a URL with a secret. In a list,
 /// every URL carries the same credentials or none does.
+///
+/// A server error the client is told of (`-ERR`) is logged at error level
+/// with the server's text: a missing permission (`Permissions Violation for
+/// Publish to "$JS.API.CONSUMER.MSG.NEXT.OUTBOX.billing"`) names the subject,
+/// where the request itself would only time out. See
+/// [`permission_denied`](Self::permission_denied).
 ///
 /// `Debug` redacts every secret, and a password or token in the URL.
 #[derive(Clone, clap::Args)]
@@ -117,6 +124,11 @@ pub struct NatsArgs {
     /// would; shows how the process recovers.
     #[arg(long, env = "OUTBOX_TEST_CLOSE_NATS_AFTER", hide = true, value_parser = humantime::parse_duration)]
     pub nats_test_close_after: Option<Duration>,
+
+    /// The server errors of the clients connected with these arguments (and
+    /// their clones).
+    #[arg(skip)]
+    violations: Violations,
 }
 
 impl Default for NatsArgs {
@@ -145,6 +157,7 @@ impl NatsArgs {
             nats_tls_key: None,
             nats_inbox_prefix: None,
             nats_test_close_after: None,
+            violations: Violations::default(),
         }
     }
 
@@ -269,7 +282,10 @@ impl NatsArgs {
 
     /// The client options these arguments describe, named `name`: secrets
     /// read, pairs checked, TLS set up. The client reconnects forever after
-    /// a disconnect.
+    /// a disconnect. Its event callback logs every server error at error
+    /// level, with the server's text, and keeps the last permissions
+    /// violation for [`permission_violation`](Self::permission_violation)
+    /// (an `event_callback` set on the options afterwards replaces it).
     ///
     /// # Errors
     /// [`ErrorKind::Config`] if a secret file or the credentials file cannot
@@ -284,6 +300,15 @@ impl NatsArgs {
         if let Some(prefix) = self.inbox_prefix()? {
             options = options.custom_inbox_prefix(prefix);
         }
+        let (seen, client) = (self.violations.clone(), name.to_owned());
+        let inbox = self
+            .inbox_prefix()?
+            .unwrap_or(DEFAULT_INBOX_PREFIX)
+            .to_owned();
+        options = options.event_callback(move |event| {
+            seen.observe(&event, &client, &inbox);
+            std::future::ready(())
+        });
         if let Some(credentials) = self.servers()?.credentials {
             if self.nats_user.is_some()
                 || self.password()?.is_some()
@@ -375,6 +400,8 @@ impl NatsArgs {
     /// refuses the credentials (authorization violation) or the TLS handshake
     /// fails, or the URL is invalid.
     pub async fn connect(&self, name: &str) -> Result<async_nats::Client> {
+        // What an earlier client was refused is not this one's.
+        self.violations.clear();
         let shown = self.redacted_url();
         let urls = self.server_urls()?;
         if urls.is_empty() {
@@ -435,6 +462,48 @@ impl NatsArgs {
             })
     }
 
+    /// The last permissions violation the server reported to a client
+    /// connected with these arguments (or a clone of them) since the last
+    /// [`connect`](Self::connect), in the server's words, which name the
+    /// operation and the subject: `Permissions Violation for Publish to
+    /// "$JS.API.STREAM.INFO.OUTBOX"`.
+    pub fn permission_violation(&self) -> Option<String> {
+        self.violations.last()
+    }
+
+    /// Resolves once the server reports a permissions violation to a client
+    /// connected with these arguments (or a clone of them), at once if it
+    /// did since the last [`connect`](Self::connect): an error naming the
+    /// subject and the permission to add it to.
+    ///
+    /// A request the user may not publish, or whose reply it may not
+    /// receive, gets no answer: it times out, and a start-up that waits for
+    /// a broker would wait for ever. Race the start-up against this instead,
+    /// so that it stops at once naming what is missing:
+    ///
+    /// ```no_run
+    /// # #[tokio::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let nats = outbox_pg::connect::NatsArgs::new("nats://127.0.0.1:4222");
+    /// let client = nats.connect("my-service").await?;
+    /// let js = async_nats::jetstream::new(client);
+    /// let stream = tokio::select! {
+    ///     stream = js.get_stream("OUTBOX") => stream?,
+    ///     denied = nats.permission_denied() => return Err(denied.into()),
+    /// };
+    /// # let _ = stream; Ok(()) }
+    /// ```
+    ///
+    /// The error is of kind [`ErrorKind::Broker`].
+    pub async fn permission_denied(&self) -> Error {
+        let text = self.violations.next().await;
+        let prefix = self
+            .nats_inbox_prefix
+            .as_deref()
+            .unwrap_or(DEFAULT_INBOX_PREFIX);
+        violations::denied(&text, &self.redacted_url(), prefix)
+    }
+
     /// `--nats-test-close-after`: drains the process's first client after
     /// the delay, once.
     fn close_for_test(&self, client: &async_nats::Client) {
@@ -455,6 +524,9 @@ impl NatsArgs {
         });
     }
 }
+
+/// async-nats' inbox prefix when none is given.
+const DEFAULT_INBOX_PREFIX: &str = "_INBOX";
 
 /// Whether the connection failed in the TLS handshake: a certificate not
 /// trusted, a client certificate the server requires and did not get. These
