@@ -53,7 +53,10 @@
 //! stream) is read back through one ephemeral consumer from its lowest
 //! sequence, headers only and without acks, in fetches of up to 1,000
 //! messages, and the consumer deleted after; a sparse page is read one
-//! message at a time (headers and payload), `concurrency` at a time. The relay's audit runs on a task, a
+//! message at a time (headers and payload), `concurrency` at a time. That
+//! consumer is always named [`RANGE_CONSUMER`] (`outbox-audit`), so a NATS
+//! user can be allowed it and no other consumer; a page read while another
+//! audit of the stream holds the name is read one message at a time. The relay's audit runs on a task, a
 //! database connection and a page budget of its own, so it never delays a
 //! batch; it reads each row once per relay start (a keyset mark per shard).
 
@@ -62,12 +65,12 @@ use std::time::Duration;
 
 use async_nats::jetstream::{
     self,
-    stream::{LastRawMessageErrorKind, RetentionPolicy},
+    stream::{ConsumerCreateStrictErrorKind, LastRawMessageErrorKind, RetentionPolicy},
 };
 use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use sqlx::PgPool;
-use tracing::warn;
+use tracing::{debug, warn};
 use uuid::Uuid;
 
 use crate::error::{Error, ErrorKind, Result};
@@ -103,6 +106,14 @@ const RANGE_BATCH: u64 = 1_000;
 /// A range read's consumer, if its deletion failed, is removed by the server
 /// after this long idle.
 const RANGE_CONSUMER_IDLE: Duration = Duration::from_secs(10);
+
+/// The name of the consumer a dense page is read through, the same for every
+/// audit of a stream (the relay's, `outboxctl audit`'s), so that a NATS user
+/// can be allowed it (`$JS.API.CONSUMER.CREATE.<stream>.outbox-audit`, and
+/// `MSG.NEXT`, `DELETE`) without being allowed any other consumer of the
+/// stream. An audit that finds it taken by another one reading at the same
+/// moment reads its page one message at a time instead.
+pub const RANGE_CONSUMER: &str = "outbox-audit";
 
 /// What the stream holds at a sequence: the message's id and subject.
 #[derive(Debug, Clone)]
@@ -519,11 +530,17 @@ impl Audit {
         if let (Some(&lo), Some(&hi)) = (wanted.iter().min(), wanted.iter().max()) {
             let last = stream.cached_info().state.last_sequence;
             let span = hi.min(last).saturating_sub(lo).saturating_add(1);
-            let found = if span <= RANGE_DENSITY * wanted.len() as u64 + RANGE_SLACK {
-                // Dense: the range's headers, in one consumer's fetches.
+            let dense = span <= RANGE_DENSITY * wanted.len() as u64 + RANGE_SLACK;
+            // Dense: the range's headers, in one consumer's fetches, unless
+            // another audit reads through that consumer now.
+            let ranged = if dense {
                 self.read_range(stream, lo, hi.min(last)).await?
             } else {
-                self.read_each(stream, &wanted).await?
+                None
+            };
+            let found = match ranged {
+                Some(found) => found,
+                None => self.read_each(stream, &wanted).await?,
             };
             for (row, finding) in rows.iter().zip(findings.iter_mut()) {
                 if finding.is_none() {
@@ -597,35 +614,44 @@ impl Audit {
     /// ephemeral consumer (headers only, no acks) from `lo`, deleted after;
     /// deleted sequences are absent from the map. The consumer's pending
     /// count says when the stream has no more, so a deleted tail is not
-    /// waited for.
+    /// waited for. `None` if another audit reads through
+    /// [`RANGE_CONSUMER`] now.
     async fn read_range(
         &self,
         stream: &jetstream::stream::Stream,
         lo: u64,
         hi: u64,
-    ) -> Result<HashMap<u64, Stored>> {
+    ) -> Result<Option<HashMap<u64, Stored>>> {
         let mut out = HashMap::new();
         if lo > hi {
-            return Ok(out);
+            return Ok(Some(out));
         }
-        let consumer = self.range_consumer(stream, lo, hi).await?;
+        let Some(consumer) = self.range_consumer(stream, lo, hi).await? else {
+            return Ok(None);
+        };
         let name = consumer.cached_info().name.clone();
         let read = self.read_headers(&consumer, lo, hi, &mut out).await;
         // Best effort: an ephemeral consumer left behind goes by itself
         // once idle.
         let _ = tokio::time::timeout(self.read_timeout, stream.delete_consumer(&name)).await;
-        read.map(|()| out)
+        read.map(|()| Some(out))
     }
 
-    /// An ephemeral consumer reading headers only from `lo` on, unacked, in
-    /// memory, gone by itself once idle.
+    /// An ephemeral consumer named [`RANGE_CONSUMER`] reading headers only
+    /// from `lo` on, unacked, in memory, gone by itself once idle; `None` if
+    /// one of that name exists (another audit's, reading now, or left
+    /// behind for a few seconds by one that died).
     async fn range_consumer(
         &self,
         stream: &jetstream::stream::Stream,
         lo: u64,
         hi: u64,
-    ) -> Result<jetstream::consumer::PullConsumer> {
+    ) -> Result<Option<jetstream::consumer::PullConsumer>> {
         let config = jetstream::consumer::pull::Config {
+            name: Some(RANGE_CONSUMER.to_owned()),
+            // Never the same config twice, so that creating it finds any
+            // other audit's in the way instead of sharing it.
+            description: Some(format!("outbox audit read {}", Uuid::now_v7())),
             deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
                 start_sequence: lo,
             },
@@ -635,12 +661,23 @@ impl Audit {
             inactive_threshold: RANGE_CONSUMER_IDLE,
             ..Default::default()
         };
-        tokio::time::timeout(self.read_timeout, stream.create_consumer(config))
-            .await
-            .map_err(|_| self.range_failed(lo, hi, "no answer creating a consumer", None))?
-            .map_err(|e| {
-                self.range_failed(lo, hi, &format!("creating a consumer: {e}"), Some(e.into()))
-            })
+        match tokio::time::timeout(self.read_timeout, stream.create_consumer_strict(config)).await {
+            Err(_) => Err(self.range_failed(lo, hi, "no answer creating a consumer", None)),
+            Ok(Ok(consumer)) => Ok(Some(consumer)),
+            Ok(Err(e)) if e.kind() == ConsumerCreateStrictErrorKind::AlreadyExists => {
+                debug!(
+                    stream = %self.stream, consumer = RANGE_CONSUMER,
+                    "another audit reads through the range consumer; reading one message at a time",
+                );
+                Ok(None)
+            }
+            Ok(Err(e)) => Err(self.range_failed(
+                lo,
+                hi,
+                &format!("creating consumer `{RANGE_CONSUMER}`: {e}"),
+                Some(e.into()),
+            )),
+        }
     }
 
     /// Reads what `consumer` delivers up to sequence `hi` into `out`, by
