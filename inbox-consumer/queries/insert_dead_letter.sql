@@ -12,8 +12,8 @@ with earlier as (
    limit 1
 ), written as (
   insert into inbox_dead_letters
-    (consumer, stream, stream_sequence, subject, event_id, delivery_count, reason, error, headers, payload)
-  select $1, $2, $3, $4, $5, $6, $7, $8, $9, $10
+    (consumer, stream, stream_sequence, subject, event_id, delivery_count, reason, error, headers, payload, raw_headers)
+  select $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11
    where not exists (select 1 from earlier)
   returning id
 )

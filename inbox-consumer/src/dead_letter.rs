@@ -86,6 +86,8 @@ pub(crate) struct DeadLetter<'a> {
     pub(crate) error: String,
     pub(crate) headers: Option<&'a HeaderMap>,
     pub(crate) payload: &'a [u8],
+    /// The header block as stored, when no client could read it.
+    pub(crate) raw_headers: Option<&'a [u8]>,
 }
 
 impl DeadLetter<'_> {
@@ -106,6 +108,7 @@ impl DeadLetter<'_> {
             &self.error,
             headers_json(self.headers),
             self.payload,
+            self.raw_headers,
         )
         .fetch_one(pool)
         .await

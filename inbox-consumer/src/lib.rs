@@ -170,6 +170,7 @@ pub mod guide {
     pub mod consuming {}
 }
 mod handler;
+mod header_block;
 mod health;
 pub mod metrics;
 pub mod ordering;

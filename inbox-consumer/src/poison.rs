@@ -29,6 +29,13 @@ pub enum Reason {
     /// attempt before rolled back and was retried like a failure (see
     /// [`runtime`](crate::runtime#a-panicking-handler)).
     Panic,
+    /// The message's header block, as stored in the stream, is one no NATS
+    /// client of this crate can read (a line without a colon, a bare LF, bytes
+    /// that are not UTF-8, a status line): the client never hands such a
+    /// message over, so the runtime reads it back by its stream sequence,
+    /// records it with its raw header bytes, and terminates it (see
+    /// [`runtime`](crate::runtime#messages-no-client-can-read)).
+    UndecodableHeaders,
 }
 
 impl Reason {
@@ -43,6 +50,7 @@ impl Reason {
             Self::Rejected => "rejected",
             Self::MaxDeliveries => "max_deliveries",
             Self::Panic => "panic",
+            Self::UndecodableHeaders => "undecodable_headers",
         }
     }
 }

@@ -250,6 +250,7 @@ mod batch;
 mod checkpoint;
 mod config;
 mod dispatch;
+mod ghosts;
 mod lag;
 pub(crate) mod lease;
 mod lock_holder;
@@ -678,6 +679,10 @@ impl Consumer {
         );
         panics::register(config);
         if !config.ordered {
+            let _ghosts = AbortOnDropHandle::new(tokio::spawn(ghosts::sweep_periodically(
+                Arc::clone(&shared),
+                self.consumer.clone(),
+            )));
             let session = Session::new(
                 &shared,
                 &self.consumer,
@@ -726,6 +731,11 @@ impl Consumer {
         mut tenure: Tenure,
     ) -> Served {
         let shared = &self.shared;
+        // Only the leader settles what no client can read.
+        let _ghosts = AbortOnDropHandle::new(tokio::spawn(ghosts::sweep_periodically(
+            Arc::clone(shared),
+            self.consumer.clone(),
+        )));
         if !tenure.clean_handover() {
             tokio::select! {
                 biased;

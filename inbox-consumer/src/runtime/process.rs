@@ -154,7 +154,16 @@ async fn settle(
                 .err()
                 .map(|e| error_chain(e.as_ref()))
                 .unwrap_or_default();
-            dead_letter(shared, message, info, Some(delivery.id()), reason, error).await
+            dead_letter(
+                shared,
+                message,
+                info,
+                Some(delivery.id()),
+                reason,
+                error,
+                None,
+            )
+            .await
         }
         Decision::Abandon => {
             tracing::info!(
@@ -203,20 +212,22 @@ pub(crate) async fn poison(
         poison.event_id(),
         poison.reason(),
         error,
+        None,
     )
     .await
 }
 
-/// Records a dead letter, then terminates the message; if recording fails,
-/// naks it so that dead-lettering is tried again. Returns whether it was
-/// recorded.
-async fn dead_letter(
+/// Records a dead letter (with the header block as stored, when no client
+/// could read it), then terminates the message; if recording fails, naks it
+/// so that dead-lettering is tried again. Returns whether it was recorded.
+pub(crate) async fn dead_letter(
     shared: &Shared,
     message: &jetstream::Message,
     info: &DeliveryInfo,
     event_id: Option<EventId>,
     reason: Reason,
     error: String,
+    raw_headers: Option<&[u8]>,
 ) -> bool {
     let letter = DeadLetter {
         info,
@@ -225,6 +236,7 @@ async fn dead_letter(
         error,
         headers: message.headers.as_ref(),
         payload: &message.payload,
+        raw_headers,
     };
     let recorded = async {
         let id = letter.insert(&shared.pool).await?;

@@ -76,6 +76,7 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::checkpoint::{self, Checkpoint};
+use super::ghosts;
 use super::process::Shared;
 use crate::error::{Error, ErrorKind};
 
@@ -270,6 +271,10 @@ enum Ended {
     Complete,
     /// A bound was hit: messages after this sequence are not classified.
     Bounded { classified_to: u64, why: String },
+    /// The reader stopped at a message no client can read, settled now as a
+    /// dead letter ([`ghosts`]): [`read_stream`] reads on after it. Messages
+    /// after it are not classified yet.
+    Ghost { at: u64 },
 }
 
 /// The scan's limits (see the [module docs](self)).
@@ -352,7 +357,7 @@ pub(crate) async fn scan<J: Pending>(
 
     // 2. The range from the checkpoint on, in bulk, within the bounds.
     let (ended, scanned) = if start < delivered {
-        scan_range(
+        read_stream(
             shared,
             &stream,
             &filters,
@@ -368,6 +373,7 @@ pub(crate) async fn scan<J: Pending>(
     let (classified_to, next_delivery) = match &ended {
         Ended::Complete => (delivered, Some(next_delivery)),
         Ended::Bounded { classified_to, .. } => (*classified_to, None),
+        Ended::Ghost { at } => (*at, None),
     };
     found.sort_by_key(|f| f.sequence);
     let open: Vec<u64> = found.iter().map(|f| f.sequence).collect();
@@ -425,6 +431,8 @@ impl Scanned {
                     "taking over: earlier leaders left events unfinished; later events of their subjects wait for them",
                 );
             }
+            // Never: `read_stream` reads on after a ghost.
+            Ended::Ghost { .. } => {}
             Ended::Bounded { classified_to, why } => {
                 tracing::warn!(
                     consumer = %durable, events = backlog.unfinished(), ack_floor = self.floor,
@@ -562,9 +570,11 @@ pub(crate) async fn catch_up(
     })?;
     let mut found = Vec::new();
     let range = (after, delivered);
-    let (ended, _) = scan_range(shared, &stream, &filters, range, &bounds, &mut found).await?;
-    if let Ended::Bounded { classified_to, .. } = ended {
-        caught.classified_to = classified_to;
+    let (ended, _) = read_stream(shared, &stream, &filters, range, &bounds, &mut found).await?;
+    match ended {
+        Ended::Bounded { classified_to, .. } => caught.classified_to = classified_to,
+        Ended::Ghost { at } => caught.classified_to = at,
+        Ended::Complete => {}
     }
     caught.unfinished = found.into_iter().map(|f| f.sequence).collect();
     Ok(caught)
@@ -579,6 +589,55 @@ fn max_unfinished(max_ack_pending: i64) -> usize {
         .unwrap_or(1_000);
     pending.saturating_mul(4).max(4 * CHUNK)
 }
+
+/// [`scan_range`] over `(after, to]`, and again after each message no client
+/// can read ([`Ended::Ghost`]): the client drops its connection on such a
+/// message, so a reader that met one would never get past it; it is settled
+/// as a dead letter ([`ghosts::settle_next`]) and a new reader starts after
+/// it. At most [`MOST_GHOSTS`] in one read; past that it ends as a bound.
+async fn read_stream(
+    shared: &Shared,
+    stream: &Stream,
+    filters: &[String],
+    (after, to): (u64, u64),
+    bounds: &Bounds,
+    found: &mut Vec<Found>,
+) -> Result<(Ended, usize), Error> {
+    let (mut start, mut scanned) = (after, 0);
+    for _ in 0..MOST_GHOSTS {
+        let (ended, read) = scan_range(shared, stream, filters, (start, to), bounds, found).await?;
+        scanned += read;
+        match ended {
+            // The ghost was the last message of the range.
+            Ended::Ghost { at } if at >= to => return Ok((Ended::Complete, scanned)),
+            Ended::Ghost { at } if Instant::now() < bounds.deadline => start = at,
+            Ended::Ghost { at } => {
+                return Ok((
+                    Ended::Bounded {
+                        classified_to: at,
+                        why: "a message no client can read, settled".to_owned(),
+                    },
+                    scanned,
+                ));
+            }
+            ended => return Ok((ended, scanned)),
+        }
+    }
+    Ok((
+        Ended::Bounded {
+            classified_to: start,
+            why: format!("{MOST_GHOSTS} messages no client can read"),
+        },
+        scanned,
+    ))
+}
+
+/// The most unreadable messages one read of the stream steps over.
+const MOST_GHOSTS: usize = 64;
+
+/// How long a stream reader may deliver nothing while more is due before the
+/// next stored message is looked at ([`ghosts::settle_next`]).
+const READ_STALL: Duration = Duration::from_secs(1);
 
 /// Reads the stream over `(after, to]`, headers only, classifying a chunk at
 /// a time into `found`, until `to` or a bound. Returns how it ended and how
@@ -639,22 +698,34 @@ async fn read_range(
             bound = Some(format!("{} messages", bounds.max_messages));
             break;
         }
-        let next = match tokio::time::timeout_at(bounds.deadline, messages.next()).await {
-            Ok(Some(next)) => next,
+        let stall = (Instant::now() + READ_STALL).min(bounds.deadline);
+        let next = match tokio::time::timeout_at(stall, messages.next()).await {
+            Ok(Some(Ok(next))) => Some(next),
+            Ok(Some(Err(e))) => {
+                tracing::debug!(consumer = %durable, error = %e, after = read_to, "the takeover's stream reader failed");
+                None
+            }
             Ok(None) => {
                 return Err(Error::new(
                     crate::ErrorKind::Nats,
                     "the takeover's stream reader ended early",
                 ));
             }
-            Err(_) => {
+            Err(_) if Instant::now() >= bounds.deadline => {
                 bound = Some(format!("time, after {scanned} messages"));
                 break;
             }
+            Err(_) => None,
         };
-        let message = next.map_err(|e| {
-            Error::caused(ErrorKind::Nats, "reading the stream for the takeover", e)
-        })?;
+        // Nothing came while more is due: if the next stored message is one
+        // no client can read, it is settled and the read goes on after it.
+        let Some(message) = next else {
+            if let Some(at) = ghosts::settle_next(shared, filters, read_to).await? {
+                classify(shared, stream, filters, &mut chunk, found).await?;
+                return Ok((Ended::Ghost { at }, scanned));
+            }
+            continue;
+        };
         let meta = message.info().map_err(|e| {
             Error::caused(
                 ErrorKind::Nats,
