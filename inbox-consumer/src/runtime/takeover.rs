@@ -650,8 +650,20 @@ async fn scan_range(
     bounds: &Bounds,
     found: &mut Vec<Found>,
 ) -> Result<(Ended, usize), Error> {
+    // Named after the durable (`billing-takeover`), not by the server: a NATS
+    // user can then be allowed to create, pull and delete this reader
+    // (`$JS.API.CONSUMER.*.<stream>.billing-takeover`) without being allowed
+    // any other consumer's, another durable's above all (docs/security.md,
+    // "NATS").
+    let name = format!("{}-takeover", shared.config.durable);
+    // One left by a leader that died while it read would be taken up where
+    // it stopped, not at `after`: it goes first (usually there is none).
+    if let Err(e) = stream.delete_consumer(&name).await {
+        tracing::trace!(consumer = %shared.config.durable, error = %e, "no takeover reader left to delete");
+    }
     let reader = stream
         .create_consumer(pull::OrderedConfig {
+            name: Some(name),
             filter_subjects: filters.to_vec(),
             deliver_policy: DeliverPolicy::ByStartSequence {
                 start_sequence: after.saturating_add(1),
