@@ -192,32 +192,35 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
     check_window(args)?;
     let pool = db.connect(&["outbox_events"]).await?;
     let js = crate::nats::jetstream(&args.nats, args.timeout).await?;
-    let audit = Audit::new(pool, js, &args.stream)
-        .await
-        .map_err(publisher_error)?
-        .concurrency(args.concurrency)
-        .read_timeout(args.timeout);
-    if let Some(why) = audit.unauditable() {
-        return Err(Error::new(
-            ErrorKind::InvalidState,
-            format!("cannot audit: {why}"),
-        ));
-    }
-    // By the database's clock, which set published_at.
-    let now = audit.now().await.map_err(publisher_error)?;
-    let from = chrono::Duration::from_std(args.since)
-        .ok()
-        .and_then(|d| now.checked_sub_signed(d))
-        .ok_or_else(|| {
-            Error::new(
-                ErrorKind::Config,
-                "--since reaches out of the calendar".to_owned(),
-            )
-        })?;
-    let report = audit
-        .run(from, now, args.republish, 500)
-        .await
-        .map_err(publisher_error)?;
+    let auditing = async {
+        let audit = Audit::new(pool, js, &args.stream)
+            .await
+            .map_err(publisher_error)?
+            .concurrency(args.concurrency)
+            .read_timeout(args.timeout);
+        if let Some(why) = audit.unauditable() {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!("cannot audit: {why}"),
+            ));
+        }
+        // By the database's clock, which set published_at.
+        let now = audit.now().await.map_err(publisher_error)?;
+        let from = chrono::Duration::from_std(args.since)
+            .ok()
+            .and_then(|d| now.checked_sub_signed(d))
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Config,
+                    "--since reaches out of the calendar".to_owned(),
+                )
+            })?;
+        audit
+            .run(from, now, args.republish, 500)
+            .await
+            .map_err(publisher_error)
+    };
+    let report = crate::nats::unless_denied(&args.nats, auditing).await?;
     let out = Audited {
         stream: args.stream.clone(),
         from: report.from,

@@ -1,6 +1,7 @@
 //! The NATS connection of the commands that publish or read the stream
 //! (`dead-letters replay`, `audit`), with the binaries' own flags.
 
+use std::future::Future;
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -38,4 +39,20 @@ pub(crate) async fn jetstream(nats: &NatsArgs, timeout: Duration) -> Result<jets
     let mut js = jetstream::new(client);
     js.set_timeout(timeout);
     Ok(js)
+}
+
+/// `work` on a client of `nats`, unless the server refuses its user
+/// something first (a permissions violation: the request would only time
+/// out): then an error naming the subject and the permission to add it to.
+///
+/// # Errors
+/// `work`'s; [`ErrorKind::Nats`] for a permissions violation.
+pub(crate) async fn unless_denied<T>(
+    nats: &NatsArgs,
+    work: impl Future<Output = Result<T>>,
+) -> Result<T> {
+    tokio::select! {
+        done = work => done,
+        denied = nats.permission_denied() => Err(denied.into()),
+    }
 }

@@ -315,16 +315,24 @@ async fn consume(
         .lease_timeout(args.lease_timeout)
         .start(args.start);
     let js = async_nats::jetstream::new(nats);
+    let creating = |e: &dyn std::fmt::Display| {
+        format!(
+            "creating consumer `{}` on stream `{}`: {e}",
+            args.consumer, args.stream
+        )
+    };
+    // A permission the NATS user lacks stops the start, naming the subject,
+    // rather than a wait for a stream that does not answer.
     let consumer = tokio::select! {
         () = round.cancelled() => return Ok(()),
         consumer = connect_consumer(js, pool.clone(), config, STREAM_PATIENCE) => consumer.map_err(|e| {
-            let why = format!("creating consumer `{}` on stream `{}`: {e}", args.consumer, args.stream);
             if e.kind() == inbox_consumer::ErrorKind::ClientClosed {
-                Round::ClientClosed(why)
+                Round::ClientClosed(creating(&e))
             } else {
-                Round::Failed(why.into())
+                Round::Failed(creating(&e).into())
             }
         })?,
+        denied = args.nats.permission_denied() => return Err(Round::Failed(creating(&denied).into())),
     };
     // Billing also enqueues (invoice.created, in its handlers' transactions).
     outbox_pg::check_privileges(pool, outbox_pg::privilege::WRITER, "outbox_writer")

@@ -351,16 +351,20 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
             args.stream.clone(),
         ));
         let ran = async {
-            // A broker that is down at start is waited for, not an error.
-            let Some(relay) = Relay::connect_jetstream(
-                pool.clone(),
-                nats,
-                stream.clone(),
-                config.clone(),
-                shutdown.cancelled(),
-            )
-            .await?
-            else {
+            // A broker that is down at start is waited for, not an error; a
+            // permission the NATS user lacks (its request is never answered)
+            // stops the start, naming the subject.
+            let connected = tokio::select! {
+                connected = Relay::connect_jetstream(
+                    pool.clone(),
+                    nats,
+                    stream.clone(),
+                    config.clone(),
+                    shutdown.cancelled(),
+                ) => connected?,
+                denied = args.nats.permission_denied() => return Err(denied.into()),
+            };
+            let Some(relay) = connected else {
                 return Ok(ExitCode::SUCCESS);
             };
             if args.once {

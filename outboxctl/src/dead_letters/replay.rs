@@ -106,16 +106,19 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
     for p in prepared {
         let done: Vec<String> = report.replayed.iter().map(|r| r.id.to_string()).collect();
         let id = p.row.id;
-        let replayed = replay(&pool, &js, p, args.timeout).await.map_err(|e| {
-            if done.is_empty() {
-                e
-            } else {
-                Error::new(
-                    e.kind(),
-                    format!("{e} (replayed before it: {})", done.join(", ")),
-                )
-            }
-        })?;
+        let replaying = replay(&pool, &js, p, args.timeout);
+        let replayed = crate::nats::unless_denied(&args.nats, replaying)
+            .await
+            .map_err(|e| {
+                if done.is_empty() {
+                    e
+                } else {
+                    Error::new(
+                        e.kind(),
+                        format!("{e} (replayed before it: {})", done.join(", ")),
+                    )
+                }
+            })?;
         debug_assert_eq!(replayed.id, id);
         report.replayed.push(replayed);
     }
