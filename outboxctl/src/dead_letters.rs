@@ -63,6 +63,8 @@ struct Row {
     error: String,
     headers: serde_json::Value,
     payload: Vec<u8>,
+    /// The header block as stored, when no client could read it.
+    raw_headers: Option<Vec<u8>>,
     created_at: DateTime<Utc>,
     replay_count: i32,
     replayed_at: Option<DateTime<Utc>>,

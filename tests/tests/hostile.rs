@@ -462,6 +462,84 @@ async fn billing_ordered_and_batched_by_default_settles_every_hostile_message() 
     billing_settles_everything("ordered", &[]).await;
 }
 
+/// `outboxctl --json <args>` against `world`, to completion.
+async fn outboxctl(world: &World, args: &[&str]) -> serde_json::Value {
+    let out = tokio::process::Command::new(support::bin_dir().join("outboxctl"))
+        .arg("--json")
+        .args(args)
+        .env("DATABASE_URL", world.db.url())
+        .env_remove("NATS_URL")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(60), out)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "outboxctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// A message no client could read is a dead letter like any other:
+/// `outboxctl dead-letters show` gives its header block as stored, and
+/// `replay` puts its body back in front of the consumer (with the header
+/// lines that could be read), which handles it.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unreadable_message_is_shown_and_replayed_with_outboxctl() {
+    let world = world("replay").await;
+    let mut billing = world.billing(&[]);
+    billing.start().await.unwrap();
+    let mut raw = Raw::connect(&world.nats.url()).await;
+    let headers = block(&[b"Nats-Msg-Id: m-1", b"X-Note: a\nb"]);
+    let seq = raw
+        .publish("subscription.created", &headers, &created("replayed").1)
+        .await;
+    let id: i64 = {
+        let pool = &world.db.pool;
+        wait_until("the dead letter", WAIT, || async {
+            count(pool, "select count(*) from inbox_dead_letters").await == 1
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", world.log()));
+        sqlx::query_scalar("select id from inbox_dead_letters where stream_sequence = $1")
+            .bind(i64::try_from(seq).unwrap())
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    };
+    let shown = outboxctl(&world, &["dead-letters", "show", &id.to_string()]).await;
+    assert_eq!(shown["reason"], "undecodable_headers", "{shown}");
+    assert_eq!(shown["raw_headers"]["encoding"], "text", "{shown}");
+    assert_eq!(
+        shown["raw_headers"]["value"],
+        String::from_utf8(headers.clone()).unwrap(),
+        "{shown}"
+    );
+    assert_eq!(shown["headers"]["Nats-Msg-Id"][0], "m-1", "{shown}");
+    let nats_url = format!("--nats-url={}", world.nats.url());
+    let replayed = outboxctl(
+        &world,
+        &["dead-letters", "replay", &id.to_string(), &nats_url],
+    )
+    .await;
+    assert_eq!(replayed["replayed"][0]["id"], id, "{replayed}");
+    wait_until("the replayed event handled", WAIT, || async {
+        count(
+            &world.db.pool,
+            "select count(*) from invoices where subscription_id = 'replayed'",
+        )
+        .await
+            == 1
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", world.log()));
+    assert_eq!(billing.terminate().await, Some(0), "{}", world.log());
+    let _ = std::fs::remove_dir_all(&world.log_dir);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn billing_unordered_one_at_a_time_settles_every_hostile_message() {
     billing_settles_everything("unordered", &["--unordered", "--batch", "1"]).await;

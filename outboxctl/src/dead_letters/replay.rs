@@ -344,6 +344,7 @@ mod tests {
             error: "no".into(),
             headers,
             payload: b"{}".to_vec(),
+            raw_headers: None,
             created_at: Utc::now(),
             replay_count: 1,
             replayed_at: None,

@@ -4,7 +4,9 @@
 //! (`{"name": ["value", …]}`) and the payload as
 //! `{"encoding": "json" | "text" | "base64", "bytes": N, "value": …}`: the
 //! parsed document when the bytes are JSON, the string when they are UTF-8
-//! text, else their standard base64.
+//! text, else their standard base64. `raw_headers`: the header block as
+//! the stream stored it, in the same form, for a message no client could
+//! read (reason `undecodable_headers`; else null).
 
 use std::io::Write;
 
@@ -41,6 +43,7 @@ struct Show {
     replayed_at: Option<DateTime<Utc>>,
     headers: Value,
     payload: Payload,
+    raw_headers: Option<Payload>,
 }
 
 /// The payload in the most readable form its bytes allow.
@@ -80,6 +83,7 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
 
 impl From<Row> for Show {
     fn from(r: Row) -> Self {
+        let raw = r.raw_headers.clone();
         Self {
             payload: Payload::of(&r.payload),
             id: r.id,
@@ -95,6 +99,7 @@ impl From<Row> for Show {
             replay_count: r.replay_count,
             replayed_at: r.replayed_at,
             headers: r.headers,
+            raw_headers: raw.as_deref().map(Payload::of),
         }
     }
 }
@@ -139,6 +144,16 @@ impl Report for Show {
                 }
             }
         }
+        if let Some(raw) = &self.raw_headers {
+            writeln!(
+                out,
+                "raw header block (as stored; no client can read it; {} bytes, escaped):",
+                raw.bytes
+            )?;
+            for line in escaped_lines(raw) {
+                writeln!(out, "  {line}")?;
+            }
+        }
         writeln!(
             out,
             "payload ({}, {} bytes):",
@@ -150,6 +165,34 @@ impl Report for Show {
         };
         writeln!(out, "{text}")
     }
+}
+
+/// A header block shown line by line (split at CRLF only, so a bare CR or
+/// LF shows where it stands), each byte that is not printable ASCII escaped
+/// (`\n`, `\xff`); `raw` holds it as [`Payload::of`] put it.
+fn escaped_lines(raw: &Payload) -> Vec<String> {
+    use base64::Engine as _;
+    let bytes = match (&raw.value, raw.encoding) {
+        (Value::String(s), "base64") => base64::engine::general_purpose::STANDARD
+            .decode(s)
+            .unwrap_or_default(),
+        (Value::String(s), _) => s.clone().into_bytes(),
+        (other, _) => other.to_string().into_bytes(),
+    };
+    let mut lines = Vec::new();
+    let mut rest = bytes.as_slice();
+    while !rest.is_empty() {
+        let end = rest
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .unwrap_or(rest.len());
+        let (line, after) = rest.split_at(end);
+        if !line.is_empty() {
+            lines.push(line.escape_ascii().to_string());
+        }
+        rest = after.get(2..).unwrap_or_default();
+    }
+    lines
 }
 
 /// Standard base64 (RFC 4648, padded).
@@ -181,6 +224,12 @@ mod tests {
         assert_eq!(text.encoding, "text");
         assert_eq!(text.value, Value::String("not json".into()));
         let binary = Payload::of(&[0xff, 0xfe, 0x00]);
+        assert_eq!(
+            escaped_lines(&Payload::of(
+                b"NATS/1.0\r\nX-Note: a\nb\r\nX-\xffN: v\r\n\r\n"
+            )),
+            ["NATS/1.0", "X-Note: a\\nb", "X-\\xffN: v"]
+        );
         assert_eq!(binary.encoding, "base64");
         assert_eq!(binary.value, Value::String("//4A".into()));
         assert_eq!(binary.bytes, 3);
