@@ -1,10 +1,12 @@
 //! The shipped binaries with production connections, against servers set up
 //! that way: TLS, credentials from files and the environment, secrets never
-//! logged. Each module says what it covers.
+//! logged, each NATS user allowed what its component does and no more. Each
+//! module says what it covers.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 #[path = "../support/mod.rs"]
 mod support;
 
+mod nats_permissions;
 mod secrets;
 mod secure;
