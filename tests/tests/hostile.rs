@@ -650,3 +650,132 @@ async fn a_builder_consumer_unordered_settles_every_hostile_message() {
 async fn a_builder_consumer_batched_settles_every_hostile_message() {
     the_builder_settles_everything("builder-batched", false, Some(32)).await;
 }
+
+/// Records each event applied, with its entity and when.
+#[derive(Clone)]
+struct Record;
+
+impl inbox_consumer::Handler for Record {
+    type Message = serde_json::Value;
+
+    async fn handle(
+        &self,
+        event: outbox_pg::Envelope<serde_json::Value>,
+        tx: &mut sqlx::PgTransaction<'static>,
+    ) -> Result<(), inbox_consumer::HandlerError> {
+        sqlx::query("insert into applied (event_id, entity, kind) values ($1, $2, $3)")
+            .bind(uuid::Uuid::from(event.id()))
+            .bind(event.subject())
+            .bind(event.event_type().as_str())
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+/// An ordered consumer applies no later event of an entity before the
+/// entity's earlier event is settled, even when the client never handed the
+/// earlier one over: each hostile `subscription.created` is followed, a
+/// moment later (in another pull), by a valid `subscription.renewed` of the
+/// same entity, which must be applied after the hostile one is applied or
+/// dead-lettered.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_ordered_consumer_applies_no_later_event_of_an_entity_before_an_unreadable_one_is_settled()
+ {
+    let world = world("order").await;
+    outbox_pg::migrate_with(
+        &world.db.pool,
+        "create table applied (event_id uuid primary key, entity text not null, kind text not null,
+                               applied_at timestamptz not null default clock_timestamp())",
+    )
+    .await
+    .unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let consumer = tokio::spawn(
+        inbox_consumer::Consumer::builder(
+            world.db.pool.clone(),
+            async_nats::connect(world.nats.url()).await.unwrap(),
+            STREAM,
+            "ordered",
+        )
+        .route(
+            "subscription.created",
+            inbox_consumer::HandlerService::new(Record),
+        )
+        .route(
+            "subscription.renewed",
+            inbox_consumer::HandlerService::new(Record),
+        )
+        .configure(|c| c.ordered(true).ack_wait(Duration::from_secs(5)))
+        .run(stop.clone().cancelled_owned()),
+    );
+    let mut raw = Raw::connect(&world.nats.url()).await;
+    let mut hostile = Vec::new();
+    for case in cases()
+        .into_iter()
+        .filter(|case| matches!(case.body, Body::Event))
+    {
+        let entity = format!("order-{}", case.name);
+        let seq = raw
+            .publish("subscription.created", &case.headers, &created(&entity).1)
+            .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let renewed = json!({
+            "specversion": "1.0", "id": Uuid::now_v7().to_string(), "source": "subscriptions",
+            "type": "subscription.renewed", "subject": entity,
+            "time": "2026-12-01T00:00:01Z", "datacontenttype": "application/json",
+            "data": {"subscription_id": entity},
+        });
+        raw.publish(
+            "subscription.renewed",
+            &[],
+            &serde_json::to_vec(&renewed).unwrap(),
+        )
+        .await;
+        hostile.push((case, seq, entity));
+    }
+    let renewals = i64::try_from(hostile.len()).unwrap();
+    wait_until("every renewal applied", WAIT, || async {
+        count(
+            &world.db.pool,
+            "select count(*) from applied where kind = 'subscription.renewed'",
+        )
+        .await
+            == renewals
+    })
+    .await
+    .unwrap();
+    support::wait_acked(&world.js, STREAM, "ordered", WAIT).await;
+    for (case, seq, entity) in &hostile {
+        let settled_at: chrono::DateTime<chrono::Utc> = match case.outcome {
+            Outcome::Handled => sqlx::query_scalar(
+                "select applied_at from applied where entity = $1 and kind = 'subscription.created'",
+            )
+            .bind(entity)
+            .fetch_one(&world.db.pool)
+            .await
+            .unwrap_or_else(|e| panic!("{}: not applied: {e}", case.name)),
+            Outcome::Dead(_) => sqlx::query_scalar(
+                "select created_at from inbox_dead_letters where consumer = 'ordered' and stream_sequence = $1",
+            )
+            .bind(i64::try_from(*seq).unwrap())
+            .fetch_one(&world.db.pool)
+            .await
+            .unwrap_or_else(|e| panic!("{}: no dead letter: {e}", case.name)),
+        };
+        let renewed_at: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(
+            "select applied_at from applied where entity = $1 and kind = 'subscription.renewed'",
+        )
+        .bind(entity)
+        .fetch_one(&world.db.pool)
+        .await
+        .unwrap();
+        assert!(
+            renewed_at > settled_at,
+            "{}: the renewal was applied at {renewed_at}, before its entity's earlier event was settled at {settled_at}",
+            case.name
+        );
+    }
+    stop.cancel();
+    consumer.await.unwrap().unwrap();
+}

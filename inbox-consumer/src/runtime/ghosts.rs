@@ -165,8 +165,60 @@ pub(crate) async fn settle_next(
     Ok(Some(stored.sequence))
 }
 
+/// A message a leader never received: lost on the way (its subject waits
+/// for it to come back).
+#[derive(Debug)]
+pub(crate) struct Lost {
+    pub(crate) subject: String,
+    pub(crate) id: outbox_pg::EventId,
+    pub(crate) sequence: u64,
+}
+
+/// The most messages [`explain_gap`] looks at.
+const MOST_PER_GAP: usize = 10_000;
+
+/// Explains a gap in an ordered leader's deliveries: every stored message
+/// of `filters` in `(after, before)` was delivered first in that order and
+/// never reached the leader. Each one no client can read is settled now;
+/// each other one that is an event is returned, in stream order, for its
+/// subject to wait for (a body that is no event is dead-lettered when it
+/// comes back, and holds nothing back).
+///
+/// # Errors
+/// [`ErrorKind::Nats`] if the stream cannot be read.
+pub(crate) async fn explain_gap(
+    shared: &Shared,
+    filters: &[String],
+    (after, before): (u64, u64),
+) -> Result<Vec<Lost>, Error> {
+    let mut lost = Vec::new();
+    let mut at = after;
+    for _ in 0..MOST_PER_GAP {
+        let Some(stored) = next_stored(&shared.js, &shared.config.stream, filters, at).await? else {
+            break;
+        };
+        if stored.sequence >= before {
+            break;
+        }
+        at = stored.sequence;
+        let block = stored.header_block();
+        if !block.readable() {
+            settle(shared, &stored, &block).await;
+            continue;
+        }
+        if let Ok(envelope) = crate::delivery::decode_envelope(&stored.payload) {
+            lost.push(Lost {
+                subject: envelope.subject().to_owned(),
+                id: envelope.id(),
+                sequence: stored.sequence,
+            });
+        }
+    }
+    Ok(lost)
+}
+
 /// The durable's subjects: its filters, or the whole stream.
-fn filters(config: &jetstream::consumer::Config) -> Vec<String> {
+pub(crate) fn filters(config: &jetstream::consumer::Config) -> Vec<String> {
     let mut filters = config.filter_subjects.clone();
     if !config.filter_subject.is_empty() {
         filters.push(config.filter_subject.clone());

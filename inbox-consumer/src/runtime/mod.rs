@@ -250,6 +250,7 @@ mod batch;
 mod checkpoint;
 mod config;
 mod dispatch;
+mod gaps;
 mod ghosts;
 mod lag;
 pub(crate) mod lease;

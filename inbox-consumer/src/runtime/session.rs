@@ -34,6 +34,8 @@ use tokio::time::Instant;
 
 use super::checkpoint::{self, Checkpoint, Position};
 use super::dispatch::Dispatcher;
+use super::gaps::Gaps;
+use super::ghosts;
 use super::lease::{self, Tenure};
 use super::panics;
 use super::process::{self, Shared};
@@ -107,6 +109,8 @@ pub(crate) struct Session<'a, R> {
     stopping: bool,
     /// A failed pull found the NATS client closed.
     client_closed: bool,
+    /// A leader's deliveries that never arrived ([`gaps`]).
+    gaps: Option<Gaps>,
     /// Tells in-place retries to give up at shutdown.
     stop: watch::Sender<bool>,
 }
@@ -121,6 +125,7 @@ impl<'a, R: Runner> Session<'a, R> {
         checkpoint: Option<Checkpoint>,
     ) -> Self {
         let now = Instant::now();
+        let gaps = tenure.is_some().then(Gaps::default);
         Self {
             shared,
             consumer,
@@ -144,6 +149,7 @@ impl<'a, R: Runner> Session<'a, R> {
             progress_at: now + shared.config.progress_every(),
             stopping: false,
             client_closed: false,
+            gaps,
             stop: watch::channel(false).0,
         }
     }
@@ -173,6 +179,7 @@ impl<'a, R: Runner> Session<'a, R> {
                 () = tokio::time::sleep_until(self.checkpoint_at), if self.checkpoint.is_some() => {
                     self.record_checkpoint();
                 }
+                explained = explained(&mut self.gaps) => self.gap_explained(explained),
             }
         }
     }
@@ -381,6 +388,16 @@ impl<'a, R: Runner> Session<'a, R> {
             let consumer = &self.shared.config.durable;
             checkpoint.received(consumer, info.stream_sequence, info.consumer_sequence);
         }
+        if let Some(range) = self.gaps.as_mut().and_then(|gaps| gaps.note(&info)) {
+            tracing::info!(
+                consumer = %self.shared.config.durable, after = range.0, before = range.1,
+                "deliveries never arrived: holding what comes until the messages between are known",
+            );
+            if let Some(gaps) = &mut self.gaps {
+                gaps.wait_for(range);
+            }
+            self.explain_gap();
+        }
         if let Some(target) =
             crate::dead_letter::replay_for_another(message.headers.as_ref(), &info.consumer)
         {
@@ -394,7 +411,13 @@ impl<'a, R: Runner> Session<'a, R> {
                     Some(epoch) => delivery.with_leader_epoch(epoch),
                     None => delivery,
                 };
-                self.ready.extend(self.backlog.admit((message, delivery)));
+                let job = match &mut self.gaps {
+                    Some(gaps) => gaps.hold((message, delivery)),
+                    None => Some((message, delivery)),
+                };
+                if let Some(job) = job {
+                    self.ready.extend(self.backlog.admit(job));
+                }
             }
             Err(poison) => {
                 let sequence = info.stream_sequence;
@@ -544,15 +567,7 @@ impl<'a, R: Runner> Session<'a, R> {
     /// until JetStream redelivers it and it finishes (or the backlog gives up
     /// on it, after twice the longest redelivery wait plus 10 s).
     fn hold_behind(&mut self, subject: &str, event: EventId, sequence: u64) {
-        let config = &self.shared.config;
-        let longest = config
-            .backoff
-            .iter()
-            .copied()
-            .max()
-            .unwrap_or_default()
-            .max(config.ack_wait);
-        let deadline = Instant::now() + longest * 2 + Duration::from_secs(10);
+        let deadline = self.redelivery_deadline();
         self.backlog.block(subject, event, sequence, deadline);
         let queued = self.dispatcher.abandon(subject);
         let (undispatched, others): (VecDeque<Job>, VecDeque<Job>) =
@@ -561,6 +576,65 @@ impl<'a, R: Runner> Session<'a, R> {
                 .partition(|job| job.1.subject() == subject);
         self.ready = others;
         for job in queued.into_iter().chain(undispatched) {
+            self.ready.extend(self.backlog.admit(job));
+        }
+    }
+
+    /// How long an event lost on the way is waited for: twice the longest
+    /// redelivery wait, plus 10 s.
+    fn redelivery_deadline(&self) -> Instant {
+        let config = &self.shared.config;
+        let longest = config
+            .backoff
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or_default()
+            .max(config.ack_wait);
+        Instant::now() + longest * 2 + Duration::from_secs(10)
+    }
+
+    /// Starts explaining the next gap in the deliveries, if none is being
+    /// explained ([`gaps`]).
+    fn explain_gap(&mut self) {
+        let Some(gaps) = &mut self.gaps else { return };
+        let Some(range) = gaps.next_range() else {
+            return;
+        };
+        let shared = Arc::clone(self.shared);
+        let filters = ghosts::filters(&self.consumer.cached_info().config);
+        gaps.explain(tokio::spawn(async move {
+            ghosts::explain_gap(&shared, &filters, range).await
+        }));
+    }
+
+    /// A gap is explained: each event lost on the way is made the next its
+    /// subject waits for; once no gap is left, the held jobs go on.
+    fn gap_explained(&mut self, explained: Result<Vec<ghosts::Lost>, crate::Error>) {
+        let consumer = &self.shared.config.durable;
+        match explained {
+            Ok(lost) => {
+                let deadline = self.redelivery_deadline();
+                if !lost.is_empty() {
+                    let events: Vec<String> = lost.iter().map(|l| l.id.to_string()).collect();
+                    tracing::info!(
+                        consumer = %consumer, ?events,
+                        "events lost on the way: later events of their subjects wait for them to come back",
+                    );
+                }
+                for event in lost {
+                    self.backlog
+                        .expect(&event.subject, event.id, event.sequence, deadline);
+                }
+            }
+            Err(e) => tracing::warn!(
+                consumer = %consumer, error = %e,
+                "cannot read which messages never arrived; going on without holding their subjects",
+            ),
+        }
+        self.explain_gap();
+        let released = self.gaps.as_mut().map(Gaps::release).unwrap_or_default();
+        for job in released {
             self.ready.extend(self.backlog.admit(job));
         }
     }
@@ -574,6 +648,7 @@ impl<'a, R: Runner> Session<'a, R> {
             .chain(&self.cleared)
             .chain(self.dispatcher.queued_jobs())
             .chain(self.backlog.held())
+            .chain(self.gaps.iter().flat_map(Gaps::held))
             .map(|job| job.0.clone())
             .collect();
         if !waiting.is_empty() {
@@ -756,6 +831,14 @@ async fn next_message(
 ) -> Option<Result<jetstream::Message, async_nats::Error>> {
     match pull {
         Some(batch) => batch.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves when a leader's gap is explained; never while none is.
+async fn explained(gaps: &mut Option<Gaps>) -> Result<Vec<ghosts::Lost>, crate::Error> {
+    match gaps {
+        Some(gaps) => gaps.explained().await,
         None => std::future::pending().await,
     }
 }

@@ -229,6 +229,17 @@ impl<J: Pending> Backlog<J> {
         self.held.values().flatten()
     }
 
+    /// Appends event `id` (at stream `sequence`) to what `subject` waits for,
+    /// after what it waits for already: a delivery of it the leader never
+    /// received (lost on the way), found in stream order.
+    pub(crate) fn expect(&mut self, subject: &str, id: EventId, sequence: u64, deadline: Instant) {
+        let queue = self.blocked.entry(subject.to_owned()).or_default();
+        if !queue.iter().any(|u| u.id == id) {
+            queue.push_back(Unfinished { id, sequence });
+        }
+        self.deadline = Some(self.deadline.map_or(deadline, |d| d.max(deadline)));
+    }
+
     /// Makes event `id` (at stream `sequence`) the next of `subject` to run: a task of this leader
     /// ended without finishing it (a panic of the runtime itself). Later jobs
     /// of the subject [`admit`](Self::admit)ted from now on wait until it comes
