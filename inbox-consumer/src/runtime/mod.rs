@@ -22,6 +22,7 @@
 //!   | no route for the event type | `+ACK`, counted (`inbox_unrouted_total`); or dead letter, by [`Unrouted`] |
 //!   | [`ErrorKind::LeaseLost`](crate::ErrorKind::LeaseLost) (an ordered consumer's deposed leader) | nothing: the new leader gets it |
 //!   | an error type this crate does not know (a third-party layer) | retried |
+//!   | a message whose header block no client can read (never handed over) | found by its stream sequence: dead letter (`undecodable_headers`), then `+TERM` through its ack subject; see [below](#messages-no-client-can-read) |
 //!
 //!   The budget ([`ConsumerConfig::max_deliver`]) is counted by the runtime,
 //!   from the delivery count JetStream reports; the server's own
@@ -92,6 +93,71 @@
 //!   future instead aborts everything in flight without acking, like a
 //!   crash: those messages are redelivered after `ack_wait` and the inbox
 //!   turns any committed one into a duplicate.
+//!
+//! # Messages no client can read
+//!
+//! Any client allowed to publish on a subject the consumer reads can write
+//! any bytes into a message's header block; the server stores them as they
+//! are. async-nats reads every message it receives with strict rules and
+//! drops its connection on a block it cannot read (a bare LF, a line without
+//! a colon, bytes that are not UTF-8), without handing the message over. Left
+//! alone, such a message is redelivered every `ack_wait` for ever (the
+//! durable's `max_deliver` is unlimited), each time taking the connection
+//! and every message in flight on it down, and the runtime never counts a
+//! delivery of it, so its budget never starts.
+//!
+//! The runtime settles it from the other side:
+//!
+//! - **The ack floor points at it.** Nobody can ack it, so once the messages
+//!   before it are settled the durable's ack floor stops just below it.
+//!   While messages are pending and the floor has not moved since the last
+//!   look (every 2 s, `runtime/ghosts.rs`), the runtime reads the first
+//!   stored message of its subjects after the floor through JetStream's
+//!   message-get API, which answers in JSON with the block base64-encoded, so
+//!   the client's reader never sees it, and judges the block with the
+//!   client's own rules. One the client can read is held by a replica or on
+//!   its way back: nothing is done. One it cannot is recorded in
+//!   `inbox_dead_letters` (reason `undecodable_headers`, the legible header
+//!   lines in `headers`, the block byte for byte in `raw_headers`) and
+//!   terminated through its ack subject, which names the stream, the durable
+//!   and the sequence; the next message is looked at in turn. Only a message
+//!   no client can read is ever terminated this way, so nothing a replica
+//!   holds is taken from under it.
+//! - **An ordered leader keeps order.** The leader is the durable's only
+//!   puller, so a jump in its consumer sequence means deliveries it never
+//!   got (such a message, or messages lost with a dropped connection). It
+//!   holds what it receives until it has read the messages in between by
+//!   sequence: each unreadable one is settled at once, each event is made
+//!   the next its subject waits for (as after a takeover), then the held
+//!   messages go on (`runtime/gaps.rs`). Its takeover reader, which reads the
+//!   stream through the client too, steps over an unreadable message the same
+//!   way instead of stopping at it.
+//!
+//! Why not a finite server-side `max_deliver` with its `MAX_DELIVERIES`
+//! advisory instead: the server would then stop redelivering *any* message
+//! after that many deliveries, a valid one whose deliveries a long database
+//! outage spent among them (those are nak'ed, and never dead-lettered, for
+//! as long as the outage lasts), and nothing would bring it back. The floor
+//! names the unreadable message without the server giving up on anything,
+//! and settles it within seconds of the messages before it, not after
+//! `max_deliver × ack_wait`.
+//!
+//! A bare CR in a value is read as a space (async-nats 0.52), NUL is kept,
+//! and a status a publisher writes on the version line is dropped by the
+//! server when it stores the message: those are handled like any other.
+//!
+//! # A closed NATS client
+//!
+//! async-nats reconnects by itself, so a disconnected client is waited for.
+//! A *closed* one (drained, or its connection task ended) never delivers or
+//! acks again: [`Consumer::run`] returns
+//! [`ErrorKind::ClientClosed`](crate::ErrorKind::ClientClosed) within a pull's
+//! lifetime of finding it (counted in `inbox_nats_client_closed_total`),
+//! having aborted what it held (running transactions roll back; the messages
+//! come back after `ack_wait`, and the inbox turns any effect already
+//! committed into a duplicate). [`Consumer::new`] refuses a closed client at
+//! once. The caller builds a new client and runs again, or exits non-zero
+//! for its supervisor; `billing` builds a new client from its flags.
 //!
 //! # A panicking handler
 //!
@@ -618,8 +684,11 @@ impl Consumer {
     /// anything if the consumer's name is owned by a role this one is not a
     /// member of (checked again here, as [`Consumer::new`] does, so that a
     /// registration the database could not answer then is made first).
-    /// Nothing after that: pull and ack failures are logged and retried, and
-    /// handler failures are acked, nak'ed or dead-lettered per message.
+    /// [`ErrorKind::ClientClosed`](crate::ErrorKind::ClientClosed) if the NATS
+    /// client is closed under it (see [A closed NATS
+    /// client](self#a-closed-nats-client)). Nothing else after that: pull and
+    /// ack failures are logged and retried, and handler failures are acked,
+    /// nak'ed or dead-lettered per message.
     pub async fn run<S, F>(self, service: S, shutdown: F) -> Result<()>
     where
         S: Service<Delivery, Response = Outcome> + Clone + Send + 'static,

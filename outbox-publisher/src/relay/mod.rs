@@ -335,7 +335,9 @@ impl Relay<JetStreamSink> {
     /// [`ErrorKind::Config`] if `config` is invalid or the stream's duplicate
     /// window is too short; [`ErrorKind::Stream`] if the stream differs from
     /// `stream`; [`ErrorKind::Privilege`] if the database role lacks a
-    /// privilege the relay needs — none passes by waiting.
+    /// privilege the relay needs — none passes by waiting;
+    /// [`ErrorKind::ClientClosed`] if `client` is closed, or is found closed
+    /// while the relay runs (see [`Relay::run`]).
     pub async fn run_jetstream(
         pool: PgPool,
         client: async_nats::Client,
@@ -485,8 +487,12 @@ impl<S: Sink> Relay<S> {
     /// # Errors
     /// [`ErrorKind::Config`] when a shard ownership session finds the database
     /// URL leads to a transaction pooler (a relay whose start-up check could
-    /// not run): the relay stops as on shutdown. Database and broker failures
-    /// are retried with backoff, not returned.
+    /// not run): the relay stops as on shutdown.
+    /// [`ErrorKind::ClientClosed`] when the sink's NATS client is found closed
+    /// for good ([`Sink::is_closed`], asked every second while the broker
+    /// counts as down): the relay stops as on shutdown, its rows left in the
+    /// table for a relay on a new client. Database and broker failures are
+    /// retried with backoff, not returned.
     pub async fn run(&self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         let token = CancellationToken::new();
         until_shutdown(shutdown, &token, self.run_until(&token)).await
