@@ -61,6 +61,7 @@
 //! batch; it reads each row once per relay start (a keyset mark per shard).
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{
@@ -106,6 +107,9 @@ const RANGE_BATCH: u64 = 1_000;
 /// A range read's consumer, if its deletion failed, is removed by the server
 /// after this long idle.
 const RANGE_CONSUMER_IDLE: Duration = Duration::from_secs(10);
+
+/// How long pages are read one message at a time after a range read failed.
+const RANGE_OFF_FOR: Duration = Duration::from_secs(600);
 
 /// The name of the consumer a dense page is read through, the same for every
 /// audit of a stream (the relay's, `outboxctl audit`'s), so that a NATS user
@@ -295,6 +299,9 @@ pub struct Audit {
     view: Option<StreamView>,
     concurrency: usize,
     read_timeout: Duration,
+    /// Until when pages are read one message at a time: a range read failed
+    /// ([`RANGE_OFF_FOR`]). Shared by clones.
+    range_off_until: Arc<Mutex<Option<std::time::Instant>>>,
 }
 
 impl Audit {
@@ -336,7 +343,27 @@ impl Audit {
             view: None,
             concurrency: DEFAULT_CONCURRENCY,
             read_timeout: DEFAULT_READ_TIMEOUT,
+            range_off_until: Arc::default(),
         }
+    }
+
+    /// Whether a page may be read through the range consumer now.
+    fn range_on(&self) -> bool {
+        let off = self
+            .range_off_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        off.is_none_or(|until| std::time::Instant::now() >= until)
+    }
+
+    /// A range read failed: pages are read one message at a time for
+    /// [`RANGE_OFF_FOR`].
+    fn range_off(&self) {
+        let mut off = self
+            .range_off_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        *off = Some(std::time::Instant::now() + RANGE_OFF_FOR);
     }
 
     /// Takes the stream's limits (duplicate window, count and size limits,
@@ -533,8 +560,23 @@ impl Audit {
             let dense = span <= RANGE_DENSITY * wanted.len() as u64 + RANGE_SLACK;
             // Dense: the range's headers, in one consumer's fetches, unless
             // another audit reads through that consumer now.
-            let ranged = if dense {
-                self.read_range(stream, lo, hi.min(last)).await?
+            let ranged = if dense && self.range_on() {
+                match self.read_range(stream, lo, hi.min(last)).await {
+                    Ok(found) => found,
+                    Err(e) => {
+                        // A message no client can read in the range (any
+                        // client allowed on the stream's subjects can write
+                        // one) drops the connection the range is read on;
+                        // each row's own message reads back whole.
+                        warn!(
+                            stream = %self.stream, error = %e,
+                            "the audit could not read its page through a range read; reading one \
+                             message at a time, for 10 minutes",
+                        );
+                        self.range_off();
+                        None
+                    }
+                }
             } else {
                 None
             };

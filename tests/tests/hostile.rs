@@ -779,3 +779,97 @@ async fn an_ordered_consumer_applies_no_later_event_of_an_entity_before_an_unrea
     stop.cancel();
     consumer.await.unwrap().unwrap();
 }
+
+/// The relay's audit reads its rows back from the stream, through the
+/// client too: a message no client can read among them (published raw by
+/// another client on the relay's subjects) costs it at most one dropped
+/// connection, not one every audit pass; every row is published and checked.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_relay_s_audit_reads_past_a_message_no_client_can_read() {
+    let pg = blocking(PgServer::start).unwrap();
+    let db = TestDb::on(&pg).await.unwrap();
+    let nats: NatsServer = blocking(NatsServer::start).unwrap();
+    outbox_pg::migrate(&db.pool).await.unwrap();
+    let log_dir = std::env::temp_dir()
+        .join("outbox-hostile")
+        .join(format!("relay-{}", db.name()));
+    std::fs::create_dir_all(&log_dir).unwrap();
+    let metrics = support::http::free_addr();
+    let mut relay = Program::new("relay", support::bin_dir().join("outbox-relay"), &log_dir)
+        .env("DATABASE_URL", db.url())
+        .env("NATS_URL", nats.url())
+        .args(["--stream", STREAM, "--subjects", "subscription.>"])
+        .args([
+            "--duplicate-window",
+            "5s",
+            "--lease",
+            "2s",
+            "--publish-timeout",
+            "1s",
+        ])
+        .args(["--audit-horizon", "10m"])
+        .args(["--audit-interval", "300ms", "--poll-interval", "100ms"])
+        .args(["--metrics-addr", &metrics.to_string()]);
+    relay.start().await.unwrap();
+    let log = || std::fs::read_to_string(log_dir.join("relay.log")).unwrap_or_default();
+    let rows = |n: usize| {
+        (0..n)
+            .map(|i| {
+                (
+                    Uuid::now_v7(),
+                    format!("relayed-{i}"),
+                    json!({"subscription_id": format!("relayed-{i}"), "customer_id": "c1", "amount_cents": 1}),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let published = |n: i64| {
+        let pool = db.pool.clone();
+        async move {
+            wait_until("the rows published", WAIT, || async {
+                count(
+                    &pool,
+                    "select count(*) from outbox_events where published_at is not null",
+                )
+                .await
+                    == n
+            })
+            .await
+            .unwrap();
+        }
+    };
+    support::insert_events(&db.pool, "subscription.created", &rows(20)).await;
+    published(20).await;
+    let mut raw = Raw::connect(&nats.url()).await;
+    raw.publish(
+        "subscription.created",
+        &block(&[b"X-Note: a\nb"]),
+        &created("foreign").1,
+    )
+    .await;
+    support::insert_events(&db.pool, "subscription.created", &rows(20)).await;
+    published(40).await;
+    let checked = || async {
+        let text = support::http::get(metrics, "/metrics", Duration::from_secs(10))
+            .await
+            .map(|(_, body)| body)
+            .unwrap_or_default();
+        text.lines()
+            .filter(|l| l.starts_with("outbox_audit_checked_total"))
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    wait_until("all 40 rows audited", WAIT, || async {
+        checked().await >= 40.0
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", log()));
+    // A few more passes over nothing new.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let log = log();
+    let drops = log.matches("event: disconnected").count();
+    assert!(drops <= 1, "{drops} dropped connections:\n{log}");
+    assert!(relay.is_running(), "{log}");
+    assert_eq!(relay.terminate().await, Some(0), "{log}");
+    let _ = std::fs::remove_dir_all(&log_dir);
+}
