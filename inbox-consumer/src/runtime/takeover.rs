@@ -615,32 +615,28 @@ async fn read_stream(
     found: &mut Vec<Found>,
 ) -> Result<(Ended, usize), Error> {
     let (mut start, mut scanned) = (after, 0);
+    let mut why = format!("{MOST_GHOSTS} messages no client can read");
     for _ in 0..MOST_GHOSTS {
         let (ended, read) = scan_range(shared, stream, filters, (start, to), bounds, found).await?;
         scanned += read;
-        match ended {
+        let Ended::Ghost { at } = ended else {
+            return Ok((ended, scanned));
+        };
+        if at >= to {
             // The ghost was the last message of the range.
-            Ended::Ghost { at } if at >= to => return Ok((Ended::Complete, scanned)),
-            Ended::Ghost { at } if Instant::now() < bounds.deadline => start = at,
-            Ended::Ghost { at } => {
-                return Ok((
-                    Ended::Bounded {
-                        classified_to: at,
-                        why: "a message no client can read, settled".to_owned(),
-                    },
-                    scanned,
-                ));
-            }
-            ended => return Ok((ended, scanned)),
+            return Ok((Ended::Complete, scanned));
+        }
+        start = at;
+        if Instant::now() >= bounds.deadline {
+            why = format!("time, after a message no client can read at {at}");
+            break;
         }
     }
-    Ok((
-        Ended::Bounded {
-            classified_to: start,
-            why: format!("{MOST_GHOSTS} messages no client can read"),
-        },
-        scanned,
-    ))
+    let ended = Ended::Bounded {
+        classified_to: start,
+        why,
+    };
+    Ok((ended, scanned))
 }
 
 /// The most unreadable messages one read of the stream steps over.
