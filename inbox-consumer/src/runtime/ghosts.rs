@@ -194,7 +194,8 @@ pub(crate) async fn explain_gap(
     let mut lost = Vec::new();
     let mut at = after;
     for _ in 0..MOST_PER_GAP {
-        let Some(stored) = next_stored(&shared.js, &shared.config.stream, filters, at).await? else {
+        let Some(stored) = next_stored(&shared.js, &shared.config.stream, filters, at).await?
+        else {
             break;
         };
         if stored.sequence >= before {
