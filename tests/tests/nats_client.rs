@@ -124,8 +124,21 @@ async fn closed_under_a_consumer(ordered: bool) {
     );
     assert!(error.to_string().contains("closed"), "{error}");
 
-    // Run again on a new client: everything is applied, each event once.
-    let consumer = consume(async_nats::connect(nats.url()).await.unwrap());
+    // Not ready on the closed client; ready on a new one.
+    let ready = |client: async_nats::Client| {
+        inbox_consumer::Readiness::new(db.pool.clone(), client, stream, "accounts")
+    };
+    let closed = ready(first.clone()).check().await;
+    assert!(!closed.is_ready(), "ready on a closed client: {closed:?}");
+    let second = async_nats::connect(nats.url()).await.unwrap();
+    let consumer = consume(second.clone());
+    wait_until("ready on the new client", WAIT, || async {
+        ready(second.clone()).check().await.is_ready()
+    })
+    .await
+    .unwrap();
+
+    // Run again on the new client: everything is applied, each event once.
     wait_until(
         "all 40 events applied after the new client",
         WAIT,
