@@ -25,8 +25,10 @@
 //!
 //! Sound because each step only ever settles a message no client could
 //! read: a message some replica holds is never terminated under it. A dead
-//! letter written twice (a term lost, a sweep of two replicas at once) is
-//! found by its stream sequence and bytes and not written again. An ordered
+//! letter written again (its term lost, a later sweep) is found by its
+//! stream sequence and bytes and not written twice; two replicas of an
+//! unordered consumer sweeping the same message at the same moment may
+//! both write one (both rows are kept, as `insert_dead_letter.sql` says). An ordered
 //! consumer sweeps while it leads; its takeover reader, which reads the
 //! stream through the client too, steps over such a message the same way
 //! ([`settle_next`]).
