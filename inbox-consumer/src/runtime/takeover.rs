@@ -282,10 +282,12 @@ enum Ended {
     Complete,
     /// A bound was hit: messages after this sequence are not classified.
     Bounded { classified_to: u64, why: String },
-    /// The reader stopped at a message no client can read, settled now as a
-    /// dead letter ([`ghosts`]): [`read_stream`] reads on after it. Messages
-    /// after it are not classified yet.
-    Ghost { at: u64 },
+    /// The reader stopped delivering: at a message no client can read
+    /// (settled now as a dead letter, [`ghosts`]), or for good (its
+    /// connection dropped and the reader it would rebuild under another name
+    /// refused). [`read_stream`] reads on after `at` with a new reader.
+    /// Messages after `at` are not classified yet.
+    Resume { at: u64 },
 }
 
 /// The scan's limits (see the [module docs](self)).
@@ -384,7 +386,7 @@ pub(crate) async fn scan<J: Pending>(
     let (classified_to, next_delivery) = match &ended {
         Ended::Complete => (delivered, Some(next_delivery)),
         Ended::Bounded { classified_to, .. } => (*classified_to, None),
-        Ended::Ghost { at } => (*at, None),
+        Ended::Resume { at } => (*at, None),
     };
     found.sort_by_key(|f| f.sequence);
     let open: Vec<u64> = found.iter().map(|f| f.sequence).collect();
@@ -443,7 +445,7 @@ impl Scanned {
                 );
             }
             // Never: `read_stream` reads on after a ghost.
-            Ended::Ghost { .. } => {}
+            Ended::Resume { .. } => {}
             Ended::Bounded { classified_to, why } => {
                 tracing::warn!(
                     consumer = %durable, events = backlog.unfinished(), ack_floor = self.floor,
@@ -584,7 +586,7 @@ pub(crate) async fn catch_up(
     let (ended, _) = read_stream(shared, &stream, &filters, range, &bounds, &mut found).await?;
     match ended {
         Ended::Bounded { classified_to, .. } => caught.classified_to = classified_to,
-        Ended::Ghost { at } => caught.classified_to = at,
+        Ended::Resume { at } => caught.classified_to = at,
         Ended::Complete => {}
     }
     caught.unfinished = found.into_iter().map(|f| f.sequence).collect();
@@ -601,11 +603,15 @@ fn max_unfinished(max_ack_pending: i64) -> usize {
     pending.saturating_mul(4).max(4 * CHUNK)
 }
 
-/// [`scan_range`] over `(after, to]`, and again after each message no client
-/// can read ([`Ended::Ghost`]): the client drops its connection on such a
-/// message, so a reader that met one would never get past it; it is settled
-/// as a dead letter ([`ghosts::settle_next`]) and a new reader starts after
-/// it. At most [`MOST_GHOSTS`] in one read; past that it ends as a bound.
+/// [`scan_range`] over `(after, to]`, and again wherever its reader stops
+/// ([`Ended::Resume`]). The client drops its connection on a message no
+/// client can read, so a reader that met one would never get past it: it is
+/// settled as a dead letter ([`ghosts::settle_next`]) and a new reader
+/// starts after it. A reader that stalls over readable messages (its
+/// connection dropped, and the reader it would rebuild under a new name
+/// refused by the NATS user's permissions) is replaced by one of the same
+/// name, after what was read. At most [`MOST_READERS`] in one read; past that
+/// it ends as a bound.
 async fn read_stream(
     shared: &Shared,
     stream: &Stream,
@@ -615,20 +621,20 @@ async fn read_stream(
     found: &mut Vec<Found>,
 ) -> Result<(Ended, usize), Error> {
     let (mut start, mut scanned) = (after, 0);
-    let mut why = format!("{MOST_GHOSTS} messages no client can read");
-    for _ in 0..MOST_GHOSTS {
+    let mut why = format!("{MOST_READERS} readers stopped");
+    for _ in 0..MOST_READERS {
         let (ended, read) = scan_range(shared, stream, filters, (start, to), bounds, found).await?;
         scanned += read;
-        let Ended::Ghost { at } = ended else {
+        let Ended::Resume { at } = ended else {
             return Ok((ended, scanned));
         };
         if at >= to {
-            // The ghost was the last message of the range.
+            // The reader stopped at the range's last message.
             return Ok((Ended::Complete, scanned));
         }
         start = at;
         if Instant::now() >= bounds.deadline {
-            why = format!("time, after a message no client can read at {at}");
+            why = format!("time, after a reader stopped at {at}");
             break;
         }
     }
@@ -639,12 +645,17 @@ async fn read_stream(
     Ok((ended, scanned))
 }
 
-/// The most unreadable messages one read of the stream steps over.
-const MOST_GHOSTS: usize = 64;
+/// The most readers one read of the stream starts (one more after each
+/// message no client can read, or stalled reader).
+const MOST_READERS: usize = 64;
 
 /// How long a stream reader may deliver nothing while more is due before the
 /// next stored message is looked at ([`ghosts::settle_next`]).
 const READ_STALL: Duration = Duration::from_secs(1);
+
+/// After this many stalls in a row over a readable message, a new reader
+/// takes over from where this one stopped.
+const RESTART_AFTER_STALLS: u32 = 3;
 
 /// Reads the stream over `(after, to]`, headers only, classifying a chunk at
 /// a time into `found`, until `to` or a bound. Returns how it ended and how
@@ -712,6 +723,7 @@ async fn read_range(
     let mut read_to = after;
     let mut scanned = 0usize;
     let mut bound = None;
+    let mut stalls = 0;
     loop {
         if scanned >= bounds.max_messages {
             bound = Some(format!("{} messages", bounds.max_messages));
@@ -737,14 +749,23 @@ async fn read_range(
             Err(_) => None,
         };
         // Nothing came while more is due: if the next stored message is one
-        // no client can read, it is settled and the read goes on after it.
+        // no client can read, it is settled and the read goes on after it;
+        // if nothing came twice over, a new reader goes on after what was
+        // read (this one may have lost its connection for good).
         let Some(message) = next else {
-            if let Some(at) = ghosts::settle_next(shared, filters, read_to).await? {
+            stalls += 1;
+            let resume = match ghosts::settle_next(shared, filters, read_to).await? {
+                Some(at) => Some(at),
+                None if stalls >= RESTART_AFTER_STALLS => Some(read_to),
+                None => None,
+            };
+            if let Some(at) = resume {
                 classify(shared, stream, filters, &mut chunk, found).await?;
-                return Ok((Ended::Ghost { at }, scanned));
+                return Ok((Ended::Resume { at }, scanned));
             }
             continue;
         };
+        stalls = 0;
         let meta = message.info().map_err(|e| {
             Error::caused(
                 ErrorKind::Nats,
