@@ -650,6 +650,51 @@ async fn the_builder_settles_everything(tag: &str, ordered: bool, batch: Option<
     consumer.await.unwrap().unwrap();
 }
 
+/// A consumer of the whole stream (no filter subject) whose leader dies
+/// with unreadable messages unsettled: the next leader's takeover reads the
+/// whole stream by sequence too, and steps over each one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_whole_stream_ordered_takeover_over_unreadable_messages_settles_them() {
+    let world = world("whole-stream").await;
+    outbox_pg::migrate_with(
+        &world.db.pool,
+        "create table applied (subscription_id text primary key)",
+    )
+    .await
+    .unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let start = |client: async_nats::Client| {
+        tokio::spawn(
+            inbox_consumer::Consumer::builder(world.db.pool.clone(), client, STREAM, "whole")
+                .route(
+                    "subscription.created",
+                    inbox_consumer::HandlerService::new(Apply),
+                )
+                .whole_stream()
+                .configure(|c| c.ordered(true).ack_wait(Duration::from_secs(5)))
+                .run(stop.clone().cancelled_owned()),
+        )
+    };
+    let first = start(async_nats::connect(world.nats.url()).await.unwrap());
+    let published = publish(&world.nats.url(), "whole").await;
+    // A crash: everything in flight is dropped unacked.
+    first.abort();
+    let _ = first.await;
+    let consumer = start(async_nats::connect(world.nats.url()).await.unwrap());
+    assert_settled(
+        &world.db.pool,
+        &world.js,
+        "whole",
+        &published,
+        "applied",
+        String::new,
+    )
+    .await;
+    assert!(!consumer.is_finished(), "the consumer stopped");
+    stop.cancel();
+    consumer.await.unwrap().unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_builder_consumer_ordered_settles_every_hostile_message() {
     the_builder_settles_everything("builder-ordered", true, None).await;

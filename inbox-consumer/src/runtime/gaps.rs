@@ -47,8 +47,8 @@ pub(crate) struct Gaps {
 }
 
 impl Gaps {
-    /// Notes a received delivery; returns the stream range to explain when
-    /// it comes after deliveries that never arrived.
+    /// Notes a received delivery; when it comes after deliveries that never
+    /// arrived, queues the stream range to explain and returns it.
     pub(crate) fn note(&mut self, info: &DeliveryInfo) -> Option<(u64, u64)> {
         if self
             .delivered
@@ -68,13 +68,12 @@ impl Gaps {
         let after = self.frontier;
         self.frontier = self.frontier.max(info.stream_sequence);
         let jumped = std::mem::take(&mut self.jumped);
-        (jumped && info.stream_sequence > after.saturating_add(1))
-            .then_some((after, info.stream_sequence))
-    }
-
-    /// Queues `range` to explain.
-    pub(crate) fn wait_for(&mut self, range: (u64, u64)) {
-        self.waiting.push_back(range);
+        let range = (after, info.stream_sequence);
+        let missed = jumped && info.stream_sequence > after.saturating_add(1);
+        missed.then(|| {
+            self.waiting.push_back(range);
+            range
+        })
     }
 
     /// The next range to explain, if none is being explained.
@@ -186,8 +185,9 @@ mod tests {
     #[test]
     fn jobs_wait_while_a_gap_is_unexplained() {
         let mut gaps = Gaps::default();
+        assert_eq!(gaps.note(&info(1, 1, 1)), None);
         assert!(!gaps.holding());
-        gaps.wait_for((1, 5));
+        assert_eq!(gaps.note(&info(3, 5, 1)), Some((1, 5)));
         assert!(gaps.holding());
         assert_eq!(gaps.next_range(), Some((1, 5)));
         assert!(gaps.release().is_empty());

@@ -11,7 +11,8 @@
 //! message before it is settled the floor stops just below it.
 //!
 //! So while messages are pending and the floor has not moved since the last
-//! look ([`SWEEP_EVERY`]), the runtime reads the first stored message of the
+//! look ([`SWEEP_EVERY`], at the durable's info the lag task reads), the
+//! runtime reads the first stored message of the
 //! consumer's subjects after the floor through JetStream's message-get API,
 //! which answers in JSON with the header block base64-encoded, so the
 //! client's reader never sees it. If the client could read that block, the
@@ -37,7 +38,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::PullConsumer};
+use async_nats::jetstream;
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use base64::Engine as _;
 use serde::Deserialize;
@@ -75,14 +76,17 @@ impl Stored {
     }
 }
 
-/// Sweeps every [`SWEEP_EVERY`] until dropped.
-pub(super) async fn sweep_periodically(shared: Arc<Shared>, consumer: PullConsumer) {
+/// Sweeps every [`SWEEP_EVERY`] until dropped, judging by the durable's
+/// info as the lag task last read it (`Shared::info`, every second).
+pub(super) async fn sweep_periodically(shared: Arc<Shared>) {
     let mut sweep = Sweep::default();
     let mut ticks = tokio::time::interval(SWEEP_EVERY);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
-        if let Err(e) = sweep.once(&shared, &consumer).await {
+        let info = shared.info.borrow().clone();
+        let Some(info) = info else { continue };
+        if let Err(e) = sweep.once(&shared, &info).await {
             tracing::debug!(consumer = %shared.config.durable, error = %e, "could not look for unreadable messages; next time");
         }
     }
@@ -98,20 +102,18 @@ struct Sweep {
 }
 
 impl Sweep {
-    async fn once(&mut self, shared: &Shared, consumer: &PullConsumer) -> Result<(), Error> {
-        let mut consumer = consumer.clone();
-        let info = tokio::time::timeout(REQUEST_TIMEOUT, consumer.info())
-            .await
-            .map_err(|e| Error::caused(ErrorKind::Nats, "reading the consumer's info", e))?
-            .map_err(|e| Error::caused(ErrorKind::Nats, "reading the consumer's info", e))?
-            .clone();
+    async fn once(
+        &mut self,
+        shared: &Shared,
+        info: &jetstream::consumer::Info,
+    ) -> Result<(), Error> {
         let floor = info.ack_floor.stream_sequence;
         self.settled = self.settled.split_off(&floor.saturating_add(1));
         let moved = self.floor.replace(floor) != Some(floor);
         if info.num_ack_pending == 0 || moved {
             return Ok(());
         }
-        let filters = filters(&info.config);
+        let filters = super::takeover::filters_of(&info.config);
         let delivered = info.delivered.stream_sequence;
         tracing::debug!(
             consumer = %shared.config.durable, floor, delivered, pending = info.num_ack_pending,
@@ -220,26 +222,21 @@ pub(crate) async fn explain_gap(
     Ok(lost)
 }
 
-/// The durable's subjects: its filters, or the whole stream.
-pub(crate) fn filters(config: &jetstream::consumer::Config) -> Vec<String> {
-    let mut filters = config.filter_subjects.clone();
-    if !config.filter_subject.is_empty() {
-        filters.push(config.filter_subject.clone());
-    }
-    if filters.is_empty() {
-        filters.push(">".to_owned());
-    }
-    filters
-}
-
-/// The first message stored after `after` on any of `filters`, read through
-/// the message-get API (JSON, the header block base64-encoded).
+/// The first message stored after `after` on any of `filters` (none: the
+/// whole stream), read through the message-get API (JSON, the header block
+/// base64-encoded).
 async fn next_stored(
     js: &jetstream::Context,
     stream: &str,
     filters: &[String],
     after: u64,
 ) -> Result<Option<Stored>, Error> {
+    let whole = [">".to_owned()];
+    let filters = if filters.is_empty() {
+        &whole[..]
+    } else {
+        filters
+    };
     let mut first: Option<Stored> = None;
     for filter in filters {
         let request = serde_json::json!({ "seq": after.saturating_add(1), "next_by_subj": filter });

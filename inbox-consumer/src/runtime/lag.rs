@@ -7,7 +7,8 @@
 //! - `inbox_consumer_ack_pending_messages`: delivered, not yet acked
 //!   (`num_ack_pending`).
 //!
-//! The same read records the durable's ack floor in `inbox_consumers`
+//! The same read is kept for the runtime's other tasks
+//! ([`Shared::info`](super::process::Shared)), and records the durable's ack floor in `inbox_consumers`
 //! ([`position`](super::position)), where a durable created again starts;
 //! while messages are being settled the read comes sooner (at most every
 //! 100 ms), and [`record_floor`] records it once more when the runtime stops.
@@ -69,6 +70,7 @@ pub(super) async fn poll(consumer: PullConsumer, shared: Arc<Shared>) {
         last_read = tokio::time::Instant::now();
         let error = match tokio::time::timeout(LAG_TIMEOUT, consumer.get_info()).await {
             Ok(Ok(info)) => {
+                shared.info.send_replace(Some(info.clone()));
                 metrics::gauge!(names::PENDING, &labels).set(info.num_pending as f64);
                 metrics::gauge!(names::ACK_PENDING, &labels).set(info.num_ack_pending as f64);
                 let floor = info.ack_floor.stream_sequence;

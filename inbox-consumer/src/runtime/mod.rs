@@ -662,6 +662,7 @@ impl Consumer {
                 pool,
                 config,
                 settled: tokio::sync::Notify::new(),
+                info: tokio::sync::watch::Sender::new(None),
             }),
             consumer,
         })
@@ -751,7 +752,6 @@ impl Consumer {
         if !config.ordered {
             let _ghosts = AbortOnDropHandle::new(tokio::spawn(ghosts::sweep_periodically(
                 Arc::clone(&shared),
-                self.consumer.clone(),
             )));
             let session = Session::new(
                 &shared,
@@ -802,10 +802,8 @@ impl Consumer {
     ) -> Served {
         let shared = &self.shared;
         // Only the leader settles what no client can read.
-        let _ghosts = AbortOnDropHandle::new(tokio::spawn(ghosts::sweep_periodically(
-            Arc::clone(shared),
-            self.consumer.clone(),
-        )));
+        let _ghosts =
+            AbortOnDropHandle::new(tokio::spawn(ghosts::sweep_periodically(Arc::clone(shared))));
         if !tenure.clean_handover() {
             tokio::select! {
                 biased;

@@ -26,6 +26,9 @@ pub(crate) struct Shared {
     pub(crate) config: ConsumerConfig,
     /// Told when messages were settled: the ack floor may have risen.
     pub(crate) settled: tokio::sync::Notify,
+    /// The durable's info as the lag task last read it ([`super::lag`]),
+    /// for the other tasks that judge by it ([`super::ghosts`]).
+    pub(crate) info: watch::Sender<Option<jetstream::consumer::Info>>,
 }
 
 /// Handles one decoded delivery: service (→ commit) → ack, or nak, or dead

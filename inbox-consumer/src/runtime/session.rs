@@ -325,21 +325,7 @@ impl<'a, R: Runner> Session<'a, R> {
         metrics::counter!(names::CLIENT_CLOSED, "consumer" => consumer.clone()).increment(1);
         self.tasks.abort_all();
         while self.tasks.join_next().await.is_some() {}
-        if let Some(running) = self.catching_up.take() {
-            running.abort();
-        }
-        if let Some(recording) = self.recording.take() {
-            let _ = tokio::time::timeout(checkpoint::SAVE_TIMEOUT, recording).await;
-        }
-        if let (Some(checkpoint), Some(tenure)) = (&self.checkpoint, &self.tenure) {
-            record(
-                &self.shared.pool,
-                consumer,
-                tenure.epoch(),
-                checkpoint.current(),
-            )
-            .await;
-        }
+        self.record_last_checkpoint().await;
         Served::ClientClosed
     }
 
@@ -393,9 +379,6 @@ impl<'a, R: Runner> Session<'a, R> {
                 consumer = %self.shared.config.durable, after = range.0, before = range.1,
                 "deliveries never arrived: holding what comes until the messages between are known",
             );
-            if let Some(gaps) = &mut self.gaps {
-                gaps.wait_for(range);
-            }
             self.explain_gap();
         }
         if let Some(target) =
@@ -602,7 +585,7 @@ impl<'a, R: Runner> Session<'a, R> {
             return;
         };
         let shared = Arc::clone(self.shared);
-        let filters = ghosts::filters(&self.consumer.cached_info().config);
+        let filters = takeover::filters_of(&self.consumer.cached_info().config);
         gaps.explain(tokio::spawn(async move {
             ghosts::explain_gap(&shared, &filters, range).await
         }));

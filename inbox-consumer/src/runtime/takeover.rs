@@ -512,7 +512,7 @@ fn backlog_of<J: Pending>(
 }
 
 /// The durable's filter subjects.
-fn filters_of(config: &async_nats::jetstream::consumer::Config) -> Vec<String> {
+pub(super) fn filters_of(config: &async_nats::jetstream::consumer::Config) -> Vec<String> {
     if config.filter_subjects.is_empty() {
         [config.filter_subject.clone()]
             .into_iter()
