@@ -80,14 +80,28 @@ impl Stored {
 /// info as the lag task last read it (`Shared::info`, every second).
 pub(super) async fn sweep_periodically(shared: Arc<Shared>) {
     let mut sweep = Sweep::default();
+    let mut failing = false;
     let mut ticks = tokio::time::interval(SWEEP_EVERY);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
         let info = shared.info.borrow().clone();
         let Some(info) = info else { continue };
-        if let Err(e) = sweep.once(&shared, &info).await {
-            tracing::debug!(consumer = %shared.config.durable, error = %e, "could not look for unreadable messages; next time");
+        match sweep.once(&shared, &info).await {
+            Ok(()) => {
+                if std::mem::take(&mut failing) {
+                    tracing::info!(consumer = %shared.config.durable, "looking for unreadable messages again");
+                }
+            }
+            // A warning once (a stream the user may not read by sequence
+            // leaves unreadable messages unsettled), the repeats at debug.
+            Err(e) if !std::mem::replace(&mut failing, true) => tracing::warn!(
+                consumer = %shared.config.durable, error = %e,
+                "cannot read the stream by sequence to settle messages no client can read; trying again",
+            ),
+            Err(e) => {
+                tracing::debug!(consumer = %shared.config.durable, error = %e, "could not look for unreadable messages; next time");
+            }
         }
     }
 }
