@@ -135,12 +135,12 @@ pub use envelope::{
 pub use error::{BoxError, Error, ErrorKind, Result, Violation};
 pub use event::{Event, check_schema_file};
 pub use failure::sqlstate;
-#[cfg(feature = "migrate")]
 pub use human::{HumanDuration, error_line, exit_code};
 pub use layout::{
     SCHEMA_WAIT, SHARDS, check_inbox_layout, check_inbox_layout_at_start, check_outbox_layout,
     check_outbox_layout_at_start,
 };
+#[cfg(feature = "migrate")]
 pub use migrate::{
     MIGRATION_LOCK, MIGRATION_TABLE, MIGRATOR, explain_migrate_error, migrate, migrate_with,
 };
