@@ -31,7 +31,7 @@
 //! whatever fails. A broker fault costs no attempt: the subject's rows go
 //! back to the front of its queue and are tried again, with backoff, until
 //! they are published. How, step by step, is in the pipeline's module
-//! (`relay/wal/pipeline.rs`).
+//! (`wal/pipeline.rs`).
 //!
 //! # Never lost with the slot
 //!
@@ -50,7 +50,7 @@
 //!
 //! The same backfill runs when a fresh row above `S` is found left behind
 //! (the WAL source reads inserts only, so a row made fresh again by an update
-//! is never in its stream): see `relay/wal/monitor.rs`.
+//! is never in its stream): see `wal/monitor.rs`.
 //!
 //! # One reader per slot
 //!
@@ -84,11 +84,18 @@
 //! or create it once as the owner:
 //! `create publication outbox_relay for table outbox_events with (publish = 'insert')`).
 
+mod monitor;
 pub(crate) mod pgoutput;
+mod pipeline;
 pub(crate) mod row;
 pub(crate) mod slot;
+mod source;
+mod subjects;
+mod watermark;
 
 use std::time::Duration;
+
+pub(crate) use source::{WalReader, keep_lead, lead};
 
 use crate::error::{Error, ErrorKind, Result};
 

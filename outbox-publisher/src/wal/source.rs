@@ -1,11 +1,12 @@
-//! The WAL source inside the relay: leadership of the slot, the backfill
-//! through the polling path, and the read → publish → mark → confirm loop.
-//! The design is in [`crate::wal`].
+//! The WAL source as a task beside the polling source: leadership of the
+//! slot, the backfill through the polling path, and replication sessions,
+//! each reading the stream into a [`Pipeline`] (read → publish → mark →
+//! confirm) with the [`monitor`](super::monitor) beside it. It publishes
+//! through the relay's engine, owns its own progress from one session to the
+//! next, and shares with the polling source only two handles: the
+//! [`MainLaneLimit`] it raises to hand rows to the polling workers, and the
+//! wake-up channel that tells them to look. The design is in [`crate::wal`].
 
-mod monitor;
-mod pipeline;
-
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use pgwire_replication::{Lsn, PgWireError, ReplicationClient};
@@ -14,13 +15,14 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use self::pipeline::Pipeline;
-use super::Relay;
+use super::pipeline::Pipeline;
+use super::{WalSource, slot};
 use crate::backoff::LoopBackoff;
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics;
+use crate::relay::{Engine, Horizon, MainLaneLimit};
 use crate::sink::Sink;
-use crate::wal::{WalSource, slot};
+use crate::store::Store;
 
 /// How often the leader checks that its session (and so its lock) lives,
 /// and a standby tries to take the lead.
@@ -30,94 +32,130 @@ const BACKFILL_RECHECK: Duration = Duration::from_millis(100);
 
 /// What the WAL task keeps from one replication session to the next.
 #[derive(Debug, Default)]
-struct Progress {
+pub(super) struct Progress {
     /// Rows at or below it belong to the polling path (the backfill);
     /// `None`: the next session backfills first.
-    floor: Option<i64>,
+    pub(super) floor: Option<i64>,
     /// Every transaction ending at or before it is published and recorded.
-    done: Lsn,
+    pub(super) done: Lsn,
     /// A session failed and was not followed by a good one yet.
-    failing: bool,
+    pub(super) failing: bool,
 }
 
-impl<S: Sink> Relay<S> {
-    /// Waits for the lead of the WAL source's slot: a session holding its
-    /// advisory lock. `None` when `shutdown` came first.
-    pub(super) async fn wal_lead(
-        &self,
-        wal: &WalSource,
-        shutdown: &CancellationToken,
-    ) -> Result<Option<(PgConnection, slot::Names)>> {
-        let options = (*self.store.pool().connect_options()).clone();
-        let mut said = false;
-        let mut retry = LoopBackoff::new(LEAD_CHECK, Duration::from_secs(10));
-        loop {
-            let attempt = async {
-                let names = slot::names(self.store.pool(), wal.slot.as_deref()).await?;
-                let mut conn = PgConnection::connect_with(&options)
-                    .await
-                    .map_err(|e| Error::database("connecting for the WAL source's lead", e))?;
-                let led = slot::try_lead(&mut conn, &names.slot).await?;
-                Ok::<_, Error>(led.then_some((conn, names.clone())).ok_or(names))
-            };
-            let pause = match tokio::select! {
-                () = shutdown.cancelled() => return Ok(None),
-                r = attempt => r,
-            } {
-                Ok(Ok(lead)) => {
-                    info!(slot = %lead.1.slot, "leading the WAL source");
-                    return Ok(Some(lead));
-                }
-                Ok(Err(names)) => {
-                    if !said {
-                        info!(slot = %names.slot, "another relay leads the WAL source; standing by");
-                        said = true;
-                    }
-                    retry.reset();
-                    LEAD_CHECK
-                }
-                Err(e) if e.kind() == ErrorKind::Config => return Err(e),
-                Err(e) => {
-                    if !said {
-                        warn!(error = %e, "cannot take the lead of the WAL source yet; retrying");
-                        said = true;
-                    }
-                    retry.next()
-                }
-            };
-            tokio::select! {
-                () = shutdown.cancelled() => return Ok(None),
-                () = tokio::time::sleep(pause) => {}
+/// Waits for the lead of the WAL source's slot: a session holding its
+/// advisory lock. `None` when `shutdown` came first.
+///
+/// # Errors
+/// [`ErrorKind::Config`] for a slot name no retry makes valid.
+pub(crate) async fn lead(
+    store: &Store,
+    wal: &WalSource,
+    shutdown: &CancellationToken,
+) -> Result<Option<(PgConnection, slot::Names)>> {
+    let options = (*store.pool().connect_options()).clone();
+    let mut said = false;
+    let mut retry = LoopBackoff::new(LEAD_CHECK, Duration::from_secs(10));
+    loop {
+        let attempt = async {
+            let names = slot::names(store.pool(), wal.slot.as_deref()).await?;
+            let mut conn = PgConnection::connect_with(&options)
+                .await
+                .map_err(|e| Error::database("connecting for the WAL source's lead", e))?;
+            let led = slot::try_lead(&mut conn, &names.slot).await?;
+            Ok::<_, Error>(led.then_some((conn, names.clone())).ok_or(names))
+        };
+        let pause = match tokio::select! {
+            () = shutdown.cancelled() => return Ok(None),
+            r = attempt => r,
+        } {
+            Ok(Ok(lead)) => {
+                info!(slot = %lead.1.slot, "leading the WAL source");
+                return Ok(Some(lead));
             }
+            Ok(Err(names)) => {
+                if !said {
+                    info!(slot = %names.slot, "another relay leads the WAL source; standing by");
+                    said = true;
+                }
+                retry.reset();
+                LEAD_CHECK
+            }
+            Err(e) if e.kind() == ErrorKind::Config => return Err(e),
+            Err(e) => {
+                if !said {
+                    warn!(error = %e, "cannot take the lead of the WAL source yet; retrying");
+                    said = true;
+                }
+                retry.next()
+            }
+        };
+        tokio::select! {
+            () = shutdown.cancelled() => return Ok(None),
+            () = tokio::time::sleep(pause) => {}
+        }
+    }
+}
+
+/// Watches the leader's session, pinging it within `timeout`; cancels
+/// `stop` when it is gone (the lock with it). Returns when `stop` is
+/// cancelled.
+pub(crate) async fn keep_lead(
+    conn: &mut PgConnection,
+    timeout: Duration,
+    stop: &CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(LEAD_CHECK) => {}
+        }
+        let alive = tokio::time::timeout(timeout, conn.ping()).await;
+        if !matches!(alive, Ok(Ok(()))) {
+            warn!("the WAL source's lead session ended; stopping to stand by again");
+            stop.cancel();
+            return;
+        }
+    }
+}
+
+/// The WAL source of a relay that leads its slot (see the module docs).
+#[derive(Debug)]
+pub(crate) struct WalReader<'a, S> {
+    pub(super) engine: &'a Engine<S>,
+    pub(super) horizon: &'a Horizon,
+    source: &'a WalSource,
+    pub(super) names: slot::Names,
+    /// Hands the polling source's main lane the rows up to the floor.
+    limit: MainLaneLimit,
+}
+
+impl<'a, S: Sink> WalReader<'a, S> {
+    /// The WAL source reading `names`' slot, handing rows at or below its
+    /// floor to the polling source through `limit`.
+    pub(crate) fn new(
+        engine: &'a Engine<S>,
+        horizon: &'a Horizon,
+        source: &'a WalSource,
+        names: slot::Names,
+        limit: MainLaneLimit,
+    ) -> Self {
+        Self {
+            engine,
+            horizon,
+            source,
+            names,
+            limit,
         }
     }
 
-    /// Watches the leader's session; cancels `stop` when it is gone (the lock
-    /// with it). Returns when `stop` is cancelled.
-    pub(super) async fn wal_keep_lead(&self, conn: &mut PgConnection, stop: &CancellationToken) {
-        loop {
-            tokio::select! {
-                () = stop.cancelled() => return,
-                () = tokio::time::sleep(LEAD_CHECK) => {}
-            }
-            let alive = tokio::time::timeout(self.config.publish_timeout, conn.ping()).await;
-            if !matches!(alive, Ok(Ok(()))) {
-                warn!("the WAL source's lead session ended; stopping to stand by again");
-                stop.cancel();
-                return;
-            }
-        }
-    }
-
-    /// Reads the WAL until `stop`, session after session.
+    /// Reads the WAL until `stop`, session after session; `wake` tells the
+    /// polling workers when rows were handed to them.
     ///
     /// # Errors
     /// [`ErrorKind::Config`] / [`ErrorKind::Privilege`] from the start-up
     /// checks, which no retry passes.
-    pub(super) async fn wal_loop(
+    pub(crate) async fn run(
         &self,
-        wal: &WalSource,
-        names: slot::Names,
         wake: &watch::Sender<u64>,
         stop: &CancellationToken,
     ) -> Result<()> {
@@ -125,9 +163,7 @@ impl<S: Sink> Relay<S> {
         let mut progress = Progress::default();
         let mut retry = LoopBackoff::new(Duration::from_millis(500), Duration::from_secs(10));
         while !stop.is_cancelled() {
-            let result = self
-                .wal_session(wal, &names, wake, stop, &mut progress)
-                .await;
+            let result = self.session(wake, stop, &mut progress).await;
             metrics::wal_up(false);
             match result {
                 Ok(()) => retry.reset(),
@@ -150,15 +186,14 @@ impl<S: Sink> Relay<S> {
     }
 
     /// One replication session: checks, slot, backfill if due, then reading.
-    async fn wal_session(
+    async fn session(
         &self,
-        wal: &WalSource,
-        names: &slot::Names,
         wake: &watch::Sender<u64>,
         stop: &CancellationToken,
         p: &mut Progress,
     ) -> Result<()> {
-        let pool = self.store.pool();
+        let (wal, names) = (self.source, &self.names);
+        let pool = self.engine.store.pool();
         slot::check(pool, &names.slot).await?;
         slot::ensure_publication(pool, names).await?;
         let existing = slot::state(pool, &names.slot).await?;
@@ -198,7 +233,7 @@ impl<S: Sink> Relay<S> {
         }
         let floor = match p.floor {
             Some(floor) => floor,
-            None => match self.wal_backfill(wake, stop).await? {
+            None => match self.backfill(wake, stop).await? {
                 Some(floor) => {
                     p.floor = Some(floor);
                     floor
@@ -222,8 +257,13 @@ impl<S: Sink> Relay<S> {
         let session = stop.child_token();
         let mut stranded = 0;
         let result = {
-            let pipeline = Pipeline::new(self, &session).run(&mut client, &names.schema, floor, p);
-            let monitor = self.wal_monitor(&names.slot, &names.schema, floor);
+            let pipeline = Pipeline::new(self.engine, &session, p.done).run(
+                &mut client,
+                &names.schema,
+                floor,
+                p,
+            );
+            let monitor = self.monitor(floor);
             tokio::pin!(pipeline, monitor);
             loop {
                 tokio::select! {
@@ -246,17 +286,18 @@ impl<S: Sink> Relay<S> {
     /// seq handed out now, and waits until none is left and no transaction
     /// can still commit one (the horizon passed it). The seq it returns is
     /// the WAL reader's floor. `None` when `stop` came first.
-    async fn wal_backfill(
+    async fn backfill(
         &self,
         wake: &watch::Sender<u64>,
         stop: &CancellationToken,
     ) -> Result<Option<i64>> {
-        let floor = self.store.tick(None).await?.last_seq;
-        self.main_until.fetch_max(floor, Ordering::AcqRel);
+        let floor = self.engine.store.tick(None).await?.last_seq;
+        self.limit.raise(floor);
         wake.send_modify(|n| *n = n.wrapping_add(1));
         let started = Instant::now();
         loop {
-            if self.horizon.settled() >= floor && !slot::main_left(self.store.pool(), floor).await?
+            if self.horizon.settled() >= floor
+                && !slot::main_left(self.engine.store.pool(), floor).await?
             {
                 info!(
                     up_to_seq = floor,
@@ -277,7 +318,7 @@ impl<S: Sink> Relay<S> {
 /// replication startup parameter (PgBouncer's `unsupported startup
 /// parameter`) is a configuration error no retry passes, named with what to
 /// do; so is a refused login.
-fn wal_error(doing: &str, e: &PgWireError) -> Error {
+pub(super) fn wal_error(doing: &str, e: &PgWireError) -> Error {
     match e {
         PgWireError::Auth(_) => Error::new(ErrorKind::Privilege, format!("{doing}: {e}")),
         PgWireError::Server(message) if message.contains("unsupported startup parameter") => {

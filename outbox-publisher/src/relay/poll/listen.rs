@@ -11,55 +11,51 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use super::Relay;
 use crate::backoff::LoopBackoff;
-use crate::sink::Sink;
 
-impl<S: Sink> Relay<S> {
-    pub(super) async fn listen_loop(
-        &self,
-        wake: &watch::Sender<u64>,
-        shutdown: &CancellationToken,
-    ) {
-        if !self.config.listen {
-            return;
-        }
-        let mut retry = LoopBackoff::new(Duration::from_millis(200), Duration::from_secs(10));
-        let mut listener: Option<PgListener> = None;
-        while !shutdown.is_cancelled() {
-            let Some(active) = listener.as_mut() else {
-                match PgListener::connect_with(self.store.pool()).await {
-                    Ok(mut l) => match listen(&mut l).await {
-                        Ok(()) => {
-                            retry.reset();
-                            listener = Some(l);
-                            // Anything committed while we were not listening.
-                            wake.send_modify(|n| *n += 1);
-                        }
-                        Err(e) => debug!(error = %e, "LISTEN failed"),
-                    },
-                    Err(e) => debug!(error = %e, "LISTEN connection failed"),
-                }
-                if listener.is_none() {
-                    tokio::select! {
-                        () = tokio::time::sleep(retry.next()) => {}
-                        () = shutdown.cancelled() => {}
+/// Until `shutdown`, changes `wake` on every notification on the outbox's
+/// channel (and on every reconnect), listening on connections made with
+/// `pool`'s options.
+pub(crate) async fn listen_loop(
+    pool: &sqlx::PgPool,
+    wake: &watch::Sender<u64>,
+    shutdown: &CancellationToken,
+) {
+    let mut retry = LoopBackoff::new(Duration::from_millis(200), Duration::from_secs(10));
+    let mut listener: Option<PgListener> = None;
+    while !shutdown.is_cancelled() {
+        let Some(active) = listener.as_mut() else {
+            match PgListener::connect_with(pool).await {
+                Ok(mut l) => match listen(&mut l).await {
+                    Ok(()) => {
+                        retry.reset();
+                        listener = Some(l);
+                        // Anything committed while we were not listening.
+                        wake.send_modify(|n| *n += 1);
                     }
-                }
-                continue;
-            };
-            tokio::select! {
-                received = active.try_recv() => match received {
-                    Ok(Some(_)) => wake.send_modify(|n| *n += 1),
-                    // The connection was lost; notifications may have been missed.
-                    Ok(None) => wake.send_modify(|n| *n += 1),
-                    Err(e) => {
-                        debug!(error = %e, "LISTEN connection lost");
-                        listener = None;
-                    }
+                    Err(e) => debug!(error = %e, "LISTEN failed"),
                 },
-                () = shutdown.cancelled() => {}
+                Err(e) => debug!(error = %e, "LISTEN connection failed"),
             }
+            if listener.is_none() {
+                tokio::select! {
+                    () = tokio::time::sleep(retry.next()) => {}
+                    () = shutdown.cancelled() => {}
+                }
+            }
+            continue;
+        };
+        tokio::select! {
+            received = active.try_recv() => match received {
+                Ok(Some(_)) => wake.send_modify(|n| *n += 1),
+                // The connection was lost; notifications may have been missed.
+                Ok(None) => wake.send_modify(|n| *n += 1),
+                Err(e) => {
+                    debug!(error = %e, "LISTEN connection lost");
+                    listener = None;
+                }
+            },
+            () = shutdown.cancelled() => {}
         }
     }
 }
