@@ -83,6 +83,24 @@
 //! (`outbox_relay_stream_up` 0). A message over a lowered `max_msg_size` is
 //! parked as too large only once a re-read confirms the limit.
 //!
+//! # The shape: one engine, sources beside it
+//!
+//! The **engine** (`relay/engine.rs`, `relay/chain.rs`) validates rows into
+//! messages, publishes each subject's chain in order, records every outcome
+//! and marks the published rows, never before their PubAck. It reads no
+//! rows. **Sources** feed it, each a task that owns its own state: the
+//! polling source (`relay/poll/`: workers, claims, cursors, LISTEN
+//! wake-ups) and, where configured, the WAL source ([`crate::wal`]: the
+//! slot's lead, the backfill, replication sessions and their pipeline).
+//! They share no fields, only named handles made by the wiring in
+//! [`Relay::run`]: the wake-up channel the polling workers listen on, and
+//! the main lane's end (`MainLane`, a `watch` channel), which the WAL source
+//! raises to hand the polling workers the rows written before its slot.
+//! The shards, the settled horizon, the maintenance tasks (gauges,
+//! retention, the stream's re-read) and the audit are the relay's, joined
+//! beside the sources. A third source is one more task in that join, with
+//! the handles it needs; the other two do not change.
+//!
 //! # What this replaced, and why
 //!
 //! The first design claimed with `for update skip locked` in `created_at`

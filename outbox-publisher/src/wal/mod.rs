@@ -31,7 +31,17 @@
 //! whatever fails. A broker fault costs no attempt: the subject's rows go
 //! back to the front of its queue and are tried again, with backoff, until
 //! they are published. How, step by step, is in the pipeline's module
-//! (`wal/pipeline.rs`).
+//! (`wal/pipeline.rs`); the confirm rule itself is a pure type with its
+//! proof and tests (`wal/watermark.rs`), as is each subject's
+//! ready/sending/stalled state (`wal/subjects.rs`).
+//!
+//! # Beside the polling source
+//!
+//! The WAL source is a task of its own (`wal/source.rs`) that publishes
+//! through the relay's engine, as the polling source does. It shares two
+//! handles with the polling source: the end of the polling source's main
+//! lane, closed while it leads and raised to the floor by each backfill,
+//! and the wake-up that sends the polling workers to read up to it.
 //!
 //! # Never lost with the slot
 //!

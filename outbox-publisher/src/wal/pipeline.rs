@@ -247,19 +247,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
             }
         };
         if result.is_ok() {
-            // Stopping: what is out is answered and recorded (bounded by the
-            // publish timeout), nothing new is sent; unsent rows are read
-            // again by the next session.
-            self.subjects.stop_sending();
-            while let Some((subject, results)) = chains.next().await {
-                self.answered(subject, results).await?;
-            }
-            self.start_marks(&mut marking, true);
-            while let Some((numbers, landed)) = marking.next().await {
-                landed?;
-                self.resolve(&numbers);
-            }
-            self.confirm(client, p);
+            self.finish(&mut chains, &mut marking, client, p).await?;
         }
         if let Err(e) = &result {
             let failed: Result<BatchReport> = Err(Error::new(e.kind(), e.to_string()));
@@ -267,6 +255,29 @@ impl<'a, S: Sink> Pipeline<'a, S> {
             self.engine.report_health();
         }
         result
+    }
+
+    /// Stopping: what is out is answered and recorded (bounded by the
+    /// publish timeout), nothing new is sent; unsent rows are read again by
+    /// the next session. The slot is confirmed behind what was recorded.
+    async fn finish(
+        &mut self,
+        chains: &mut FuturesUnordered<Chain<'a>>,
+        marking: &mut FuturesUnordered<Marking>,
+        client: &ReplicationClient,
+        p: &mut Progress,
+    ) -> Result<()> {
+        self.subjects.stop_sending();
+        while let Some((subject, results)) = chains.next().await {
+            self.answered(subject, results).await?;
+        }
+        self.start_marks(marking, true);
+        while let Some((numbers, landed)) = marking.next().await {
+            landed?;
+            self.resolve(&numbers);
+        }
+        self.confirm(client, p);
+        Ok(())
     }
 
     /// Whether the pipeline holds as much as it may.

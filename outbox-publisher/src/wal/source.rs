@@ -192,6 +192,40 @@ impl<'a, S: Sink> WalReader<'a, S> {
         stop: &CancellationToken,
         p: &mut Progress,
     ) -> Result<()> {
+        self.prepare_slot(p).await?;
+        let floor = match p.floor {
+            Some(floor) => floor,
+            None => match self.backfill(wake, stop).await? {
+                Some(floor) => {
+                    p.floor = Some(floor);
+                    floor
+                }
+                None => return Ok(()),
+            },
+        };
+        let config = self.source.replication_config(&self.names.slot);
+        let mut client = tokio::select! {
+            () = stop.cancelled() => return Ok(()),
+            c = ReplicationClient::connect(config) => c.map_err(|e| wal_error("connecting for replication", &e))?,
+        };
+        metrics::wal_up(true);
+        if p.failing {
+            info!(slot = %self.names.slot, "WAL source reading again");
+            p.failing = false;
+        }
+        let result = self.read(&mut client, floor, stop, p).await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), client.shutdown()).await;
+        result
+    }
+
+    /// Checks the slot and the publication, and makes the slot (again) when
+    /// it is missing or lost; then `p`'s floor is gone, so the session
+    /// backfills first.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] for a slot of another plugin or database, and
+    /// the checks' errors.
+    async fn prepare_slot(&self, p: &mut Progress) -> Result<()> {
         let (wal, names) = (self.source, &self.names);
         let pool = self.engine.store.pool();
         slot::check(pool, &names.slot).await?;
@@ -231,26 +265,18 @@ impl<'a, S: Sink> WalReader<'a, S> {
             }
             p.floor = None;
         }
-        let floor = match p.floor {
-            Some(floor) => floor,
-            None => match self.backfill(wake, stop).await? {
-                Some(floor) => {
-                    p.floor = Some(floor);
-                    floor
-                }
-                None => return Ok(()),
-            },
-        };
-        let config = wal.replication_config(&names.slot);
-        let mut client = tokio::select! {
-            () = stop.cancelled() => return Ok(()),
-            c = ReplicationClient::connect(config) => c.map_err(|e| wal_error("connecting for replication", &e))?,
-        };
-        metrics::wal_up(true);
-        if p.failing {
-            info!(slot = %names.slot, "WAL source reading again");
-            p.failing = false;
-        }
+        Ok(())
+    }
+
+    /// Reads the stream from above `floor` through the pipeline, with the
+    /// monitor beside it, until `stop`.
+    async fn read(
+        &self,
+        client: &mut ReplicationClient,
+        floor: i64,
+        stop: &CancellationToken,
+        p: &mut Progress,
+    ) -> Result<()> {
         // The session ends with `stop`, or when the monitor finds rows left
         // behind: then the pipeline stops as at `stop`, and the next session
         // backfills them first.
@@ -258,8 +284,8 @@ impl<'a, S: Sink> WalReader<'a, S> {
         let mut stranded = 0;
         let result = {
             let pipeline = Pipeline::new(self.engine, &session, p.done).run(
-                &mut client,
-                &names.schema,
+                client,
+                &self.names.schema,
                 floor,
                 p,
             );
@@ -278,7 +304,6 @@ impl<'a, S: Sink> WalReader<'a, S> {
         if stranded > 0 {
             p.floor = None;
         }
-        let _ = tokio::time::timeout(Duration::from_secs(5), client.shutdown()).await;
         result
     }
 
