@@ -503,6 +503,52 @@ impl Audit {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
+        let (stream, limits) = self.read_stream().await?;
+        let first = stream.cached_info().state.first_sequence;
+        let oldest = Self::oldest(&limits, self.now().await?, DateTime::<Utc>::MIN_UTC);
+        let stream = &stream;
+        // Discarded by the stream's limits, or read back.
+        let mut findings: Vec<Option<Finding>> = rows
+            .iter()
+            .map(|row| {
+                let seq = u64::try_from(row.seq).unwrap_or(0);
+                (row.published_at < oldest || (limits.count_limited && seq < first))
+                    .then_some(Finding::Discarded)
+            })
+            .collect();
+        let wanted: Vec<u64> = rows
+            .iter()
+            .zip(&findings)
+            .filter(|(_, f)| f.is_none())
+            .map(|(row, _)| u64::try_from(row.seq).unwrap_or(0))
+            .collect();
+        if !wanted.is_empty() {
+            let found = self.read_wanted(stream, &wanted).await?;
+            for (row, finding) in rows.iter().zip(findings.iter_mut()) {
+                if finding.is_none() {
+                    let seq = u64::try_from(row.seq).unwrap_or(0);
+                    *finding = Some(judge(row, found.get(&seq)));
+                }
+            }
+        }
+        Ok(rows
+            .into_iter()
+            .zip(findings)
+            .map(|(row, finding)| Checked {
+                row,
+                finding: finding.unwrap_or(Finding::Missing),
+            })
+            .collect())
+    }
+
+    /// The stream as it is now, and its limits (judged by them: limits
+    /// raised or lowered since the relay started, a per-subject limit
+    /// added); the stream view, if any, sees the config read.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Broker`] if the stream cannot be read;
+    /// [`ErrorKind::Stream`] if it cannot be audited now.
+    async fn read_stream(&self) -> Result<(jetstream::stream::Stream, Limits)> {
         let broker = |what: String, e: Option<crate::BoxError>| self.broker(what, e);
         let read_at = std::time::Instant::now();
         let stream = tokio::time::timeout(self.read_timeout, self.js.get_stream(&self.stream))
@@ -536,69 +582,51 @@ impl Audit {
                 format!("the stream cannot be audited now: {why}"),
             ));
         }
-        let first = stream.cached_info().state.first_sequence;
-        let oldest = Self::oldest(&limits, self.now().await?, DateTime::<Utc>::MIN_UTC);
-        let stream = &stream;
-        // Discarded by the stream's limits, or read back.
-        let mut findings: Vec<Option<Finding>> = rows
-            .iter()
-            .map(|row| {
-                let seq = u64::try_from(row.seq).unwrap_or(0);
-                (row.published_at < oldest || (limits.count_limited && seq < first))
-                    .then_some(Finding::Discarded)
-            })
-            .collect();
-        let wanted: Vec<u64> = rows
-            .iter()
-            .zip(&findings)
-            .filter(|(_, f)| f.is_none())
-            .map(|(row, _)| u64::try_from(row.seq).unwrap_or(0))
-            .collect();
-        if let (Some(&lo), Some(&hi)) = (wanted.iter().min(), wanted.iter().max()) {
-            let last = stream.cached_info().state.last_sequence;
-            let span = hi.min(last).saturating_sub(lo).saturating_add(1);
-            let dense = span <= RANGE_DENSITY * wanted.len() as u64 + RANGE_SLACK;
-            // Dense: the range's headers, in one consumer's fetches, unless
-            // another audit reads through that consumer now.
-            let ranged = if dense && self.range_on() {
-                match self.read_range(stream, lo, hi.min(last)).await {
-                    Ok(found) => found,
-                    Err(e) => {
-                        // A message no client can read in the range (any
-                        // client allowed on the stream's subjects can write
-                        // one) drops the connection the range is read on;
-                        // each row's own message reads back whole.
-                        warn!(
-                            stream = %self.stream, error = %e,
-                            "the audit could not read its page through a range read; reading one \
-                             message at a time, for 10 minutes",
-                        );
-                        self.range_off();
-                        None
-                    }
-                }
-            } else {
-                None
-            };
-            let found = match ranged {
-                Some(found) => found,
-                None => self.read_each(stream, &wanted).await?,
-            };
-            for (row, finding) in rows.iter().zip(findings.iter_mut()) {
-                if finding.is_none() {
-                    let seq = u64::try_from(row.seq).unwrap_or(0);
-                    *finding = Some(judge(row, found.get(&seq)));
+        Ok((stream, limits))
+    }
+
+    /// The messages at `wanted` (not empty): the range's headers when the
+    /// sequences are dense, else one direct read each.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Broker`] if a message cannot be read one at a time.
+    async fn read_wanted(
+        &self,
+        stream: &jetstream::stream::Stream,
+        wanted: &[u64],
+    ) -> Result<HashMap<u64, Stored>> {
+        let (Some(&lo), Some(&hi)) = (wanted.iter().min(), wanted.iter().max()) else {
+            return Ok(HashMap::new());
+        };
+        let last = stream.cached_info().state.last_sequence;
+        let span = hi.min(last).saturating_sub(lo).saturating_add(1);
+        let dense = span <= RANGE_DENSITY * wanted.len() as u64 + RANGE_SLACK;
+        // Dense: the range's headers, in one consumer's fetches, unless
+        // another audit reads through that consumer now.
+        let ranged = if dense && self.range_on() {
+            match self.read_range(stream, lo, hi.min(last)).await {
+                Ok(found) => found,
+                Err(e) => {
+                    // A message no client can read in the range (any
+                    // client allowed on the stream's subjects can write
+                    // one) drops the connection the range is read on;
+                    // each row's own message reads back whole.
+                    warn!(
+                        stream = %self.stream, error = %e,
+                        "the audit could not read its page through a range read; reading one \
+                         message at a time, for 10 minutes",
+                    );
+                    self.range_off();
+                    None
                 }
             }
+        } else {
+            None
+        };
+        match ranged {
+            Some(found) => Ok(found),
+            None => self.read_each(stream, wanted).await,
         }
-        Ok(rows
-            .into_iter()
-            .zip(findings)
-            .map(|(row, finding)| Checked {
-                row,
-                finding: finding.unwrap_or(Finding::Missing),
-            })
-            .collect())
     }
 
     /// The messages at `seqs`, one direct read each, `concurrency` at a

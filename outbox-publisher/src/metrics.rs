@@ -107,6 +107,14 @@ pub const NAMES: &[&str] = &[
 /// Registers descriptions and units with the installed recorder. Call once
 /// after installing it; recording works without this.
 pub fn describe() {
+    describe_publishing();
+    describe_table();
+    describe_health();
+    describe_wal();
+}
+
+/// What was published, and how fast.
+fn describe_publishing() {
     describe_counter!(
         PUBLISHED,
         "Events acknowledged by JetStream and marked published"
@@ -129,6 +137,10 @@ pub fn describe() {
     );
     describe_histogram!(PUBLISH_LATENCY, Unit::Seconds, "Publish to PubAck");
     describe_histogram!(COMMIT_TO_ACK, Unit::Seconds, "Row created_at to PubAck");
+}
+
+/// The table's backlog.
+fn describe_table() {
     describe_gauge!(
         BACKLOG,
         Unit::Count,
@@ -144,6 +156,10 @@ pub fn describe() {
         Unit::Seconds,
         "Age of the oldest unpublished row"
     );
+}
+
+/// Reachability, the audit, the horizon.
+fn describe_health() {
     describe_gauge!(
         DATABASE_UP,
         "1 while the relay's last database round trip succeeded, else 0"
@@ -174,6 +190,14 @@ pub fn describe() {
         STREAM_UP,
         "1 while the relay's stream exists (as last read), 0 while it is gone"
     );
+    describe_counter!(
+        CLIENT_CLOSED,
+        "NATS clients found closed under the relay (the run ends; a new client is needed)"
+    );
+}
+
+/// The WAL source.
+fn describe_wal() {
     describe_gauge!(
         WAL_UP,
         "1 while this relay leads its WAL source and reads the slot, else 0"
@@ -195,10 +219,6 @@ pub fn describe() {
     describe_counter!(
         WAL_STRANDED_TOTAL,
         "Rows the WAL source had read and confirmed that were still fresh afterwards (published through the polling path)"
-    );
-    describe_counter!(
-        CLIENT_CLOSED,
-        "NATS clients found closed under the relay (the run ends; a new client is needed)"
     );
     describe_gauge!(
         WAL_SLOT_AT_RISK,

@@ -24,10 +24,10 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::Relay;
+use super::shards::Shards;
 use crate::audit::{Audit, Marks};
+use crate::config::RelayConfig;
 use crate::error::Result;
-use crate::sink::Sink;
 
 /// Rows read from the table per page of a pass.
 const PAGE: usize = 256;
@@ -38,9 +38,18 @@ const PAGE: usize = 256;
 /// of its connection and its reads, and backs off with a slow broker.
 const BEHIND_PAUSE: Duration = Duration::from_millis(50);
 
-impl<S: Sink> Relay<S> {
-    pub(super) async fn audit_loop(&self, shutdown: &CancellationToken) {
-        let (Some(audit), Some(horizon)) = (&self.audit, self.config.audit_horizon) else {
+/// The audit task of a relay: its audit, config, and the shards it owns.
+#[derive(Debug)]
+pub(super) struct Auditor<'a> {
+    pub(super) audit: Option<&'a Audit>,
+    pub(super) config: &'a RelayConfig,
+    pub(super) shards: &'a Shards,
+}
+
+impl Auditor<'_> {
+    /// Audit passes until `shutdown` (none with the audit off).
+    pub(super) async fn run(&self, shutdown: &CancellationToken) {
+        let (Some(audit), Some(horizon)) = (self.audit, self.config.audit_horizon) else {
             return;
         };
         crate::metrics::register_audit();

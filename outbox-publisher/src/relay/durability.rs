@@ -21,18 +21,8 @@ use crate::error::{Error, ErrorKind, Result};
 /// setting that can lose acknowledged events.
 pub(crate) fn state(stream: &Config, config: &RelayConfig, audit: Audit) -> Result<Option<Audit>> {
     let republish = config.republish_horizon();
-    let unauditable = audit.unauditable();
     let settle = audit.settle_age();
-    let audit_off = match (config.audit_horizon, &unauditable) {
-        (None, _) => Some("the audit is off (audit horizon 0)".to_owned()),
-        (Some(_), Some(why)) => Some(format!("the audit is off: {why}")),
-        (Some(h), None) if h <= settle => Some(format!(
-            "the audit is off: its horizon {} is not longer than the duplicate window plus margin {}, so no row is ever old enough to audit",
-            HumanDuration(h),
-            HumanDuration(settle),
-        )),
-        (Some(_), None) => None,
-    };
+    let audit_off = audit_off(config, &audit);
     info!(
         stream = %stream.name,
         replicas = stream.num_replicas,
@@ -45,28 +35,7 @@ pub(crate) fn state(stream: &Config, config: &RelayConfig, audit: Audit) -> Resu
         require_durable = config.require_durable,
         "durability: stream replicas, storage and duplicate window; the relay's republish horizon (lease + publish timeout) and its audit"
     );
-    let mut refused = Vec::new();
-    if stream.num_replicas <= 1 {
-        warn!(
-            stream = %stream.name,
-            replicas = stream.num_replicas,
-            "durability: the stream has 1 replica: an unsynced crash of its server loses messages it acknowledged (the audit republishes them); run 3 replicas in production"
-        );
-        refused.push(format!(
-            "stream `{}` has {} replica (3 are needed so that one server's crash loses no acknowledged message)",
-            stream.name, stream.num_replicas
-        ));
-    }
-    if stream.storage == StorageType::Memory {
-        warn!(
-            stream = %stream.name,
-            "durability: the stream keeps messages in memory: a restart of its servers loses them"
-        );
-        refused.push(format!(
-            "stream `{}` has memory storage (a restart loses its messages)",
-            stream.name
-        ));
-    }
+    let mut refused = risks(stream);
     if stream.duplicate_window <= republish {
         // Refused whatever the configuration: a republish must be deduplicated.
         warn!(
@@ -102,4 +71,48 @@ pub(crate) fn state(stream: &Config, config: &RelayConfig, audit: Audit) -> Resu
         ));
     }
     Ok(audit_off.is_none().then_some(audit))
+}
+
+/// Whether the audit is off, and why: by config, the stream cannot be
+/// audited, or its horizon is too short for any row to be old enough.
+fn audit_off(config: &RelayConfig, audit: &Audit) -> Option<String> {
+    let settle = audit.settle_age();
+    match (config.audit_horizon, audit.unauditable()) {
+        (None, _) => Some("the audit is off (audit horizon 0)".to_owned()),
+        (Some(_), Some(why)) => Some(format!("the audit is off: {why}")),
+        (Some(h), None) if h <= settle => Some(format!(
+            "the audit is off: its horizon {} is not longer than the duplicate window plus margin {}, so no row is ever old enough to audit",
+            HumanDuration(h),
+            HumanDuration(settle),
+        )),
+        (Some(_), None) => None,
+    }
+}
+
+/// The stream's settings that can lose acknowledged messages (one replica,
+/// memory storage), each warned on; what `require_durable` refuses.
+fn risks(stream: &Config) -> Vec<String> {
+    let mut refused = Vec::new();
+    if stream.num_replicas <= 1 {
+        warn!(
+            stream = %stream.name,
+            replicas = stream.num_replicas,
+            "durability: the stream has 1 replica: an unsynced crash of its server loses messages it acknowledged (the audit republishes them); run 3 replicas in production"
+        );
+        refused.push(format!(
+            "stream `{}` has {} replica (3 are needed so that one server's crash loses no acknowledged message)",
+            stream.name, stream.num_replicas
+        ));
+    }
+    if stream.storage == StorageType::Memory {
+        warn!(
+            stream = %stream.name,
+            "durability: the stream keeps messages in memory: a restart of its servers loses them"
+        );
+        refused.push(format!(
+            "stream `{}` has memory storage (a restart loses its messages)",
+            stream.name
+        ));
+    }
+    refused
 }

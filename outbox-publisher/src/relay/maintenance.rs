@@ -4,19 +4,22 @@
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::Relay;
+use super::engine::Engine;
+use super::shards::Shards;
 use crate::error::Result;
 use crate::metrics;
 use crate::sink::Sink;
 
-impl<S: Sink> Relay<S> {
-    pub(super) async fn stats_loop(&self, shutdown: &CancellationToken) {
+impl<S: Sink> Engine<S> {
+    /// Every `stats_interval`, the reachability gauges and, on the owner of
+    /// shard 0 among `shards`' relays, the backlog gauges.
+    pub(super) async fn stats_loop(&self, shards: &Shards, shutdown: &CancellationToken) {
         while !shutdown.is_cancelled() {
             // Every relay reports its own reachability.
-            self.probe_database().await;
+            self.probe_database(!shards.owned().is_empty()).await;
             self.report_health();
             // One relay reports the table-wide figures: the owner of shard 0.
-            if self.shards.owned().contains(&0) {
+            if shards.owned().contains(&0) {
                 match self.store.stats(self.config.max_attempts).await {
                     Ok(stats) => metrics::stats(&stats),
                     Err(e) => debug!(error = %e, "reading backlog failed"),
@@ -45,6 +48,7 @@ impl<S: Sink> Relay<S> {
         }
     }
 
+    /// Every `prune_interval`, [`prune`](Self::prune) (with retention on).
     pub(super) async fn prune_loop(&self, shutdown: &CancellationToken) {
         if self.config.retention.is_none() {
             return;
@@ -65,7 +69,7 @@ impl<S: Sink> Relay<S> {
     ///
     /// # Errors
     /// [`ErrorKind::Database`](crate::ErrorKind::Database) if a delete fails.
-    pub async fn prune(&self) -> Result<u64> {
+    pub(super) async fn prune(&self) -> Result<u64> {
         let Some(window) = self.config.retention else {
             return Ok(0);
         };

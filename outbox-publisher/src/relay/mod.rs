@@ -83,6 +83,24 @@
 //! (`outbox_relay_stream_up` 0). A message over a lowered `max_msg_size` is
 //! parked as too large only once a re-read confirms the limit.
 //!
+//! # The shape: one engine, sources beside it
+//!
+//! The **engine** (`relay/engine.rs`, `relay/chain.rs`) validates rows into
+//! messages, publishes each subject's chain in order, records every outcome
+//! and marks the published rows, never before their PubAck. It reads no
+//! rows. **Sources** feed it, each a task that owns its own state: the
+//! polling source (`relay/poll/`: workers, claims, cursors, LISTEN
+//! wake-ups) and, where configured, the WAL source ([`crate::wal`]: the
+//! slot's lead, the backfill, replication sessions and their pipeline).
+//! They share no fields, only named handles made by the wiring in
+//! [`Relay::run`]: the wake-up channel the polling workers listen on, and
+//! the main lane's end (`MainLane`, a `watch` channel), which the WAL source
+//! raises to hand the polling workers the rows written before its slot.
+//! The shards, the settled horizon, the maintenance tasks (gauges,
+//! retention, the stream's re-read) and the audit are the relay's, joined
+//! beside the sources. A third source is one more task in that join, with
+//! the handles it needs; the other two do not change.
+//!
 //! # What this replaced, and why
 //!
 //! The first design claimed with `for update skip locked` in `created_at`
@@ -102,7 +120,6 @@
 //! unordered, as they are in the database itself.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
 
 use outbox_pg::Privilege;
@@ -111,27 +128,31 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::backoff::Backoff;
 use crate::config::RelayConfig;
 use crate::error::{ErrorKind, Result};
 use crate::sink::{JetStreamSink, Sink};
 use crate::store::Store;
 use crate::stream::StreamSpec;
 use crate::stream_view::StreamView;
+use crate::wal::WalReader;
 
 mod audit;
-mod batch;
+mod chain;
 mod durability;
+mod engine;
 mod horizon;
-mod listen;
 mod maintenance;
-mod message;
+pub(crate) mod message;
+mod poll;
 mod progress;
 mod reachability;
 pub mod shards;
-mod wal;
-mod worker;
 
+pub(crate) use chain::Outcome;
+pub(crate) use engine::Engine;
+pub(crate) use horizon::Horizon;
+use poll::PollSource;
+pub(crate) use poll::{MainLane, MainLaneLimit};
 pub use shards::SHARDS;
 
 /// The channel the migration's trigger notifies on every insert into the
@@ -178,25 +199,18 @@ impl BatchReport {
 }
 
 /// The relay. Run any number of them against one table.
+///
+/// It wires the parts together: the engine both sources publish through,
+/// the sources (polling, and WAL where configured), shard ownership, the
+/// maintenance tasks and the audit, all joined in [`run`](Self::run).
 #[derive(Debug)]
 pub struct Relay<S = JetStreamSink> {
-    store: Store,
-    sink: S,
-    config: RelayConfig,
-    backoff: Backoff,
-    horizon: horizon::Horizon,
+    engine: Engine<S>,
+    horizon: Horizon,
     shards: shards::Shards,
-    broker_up: AtomicBool,
-    db_up: AtomicBool,
     audit: Option<crate::audit::Audit>,
-    /// The highest seq the main lane's claims may read: `i64::MAX` when
-    /// polling; beside a WAL source, the seq up to which the polling path
-    /// publishes (the WAL the rest), `-1` until it leads.
-    main_until: AtomicI64,
     /// The stream and subjects, for the start line (a JetStream relay).
     target: Option<progress::Target>,
-    /// Published since the last progress line.
-    tally: progress::Tally,
 }
 
 /// The privileges a relay with `config` needs: SELECT and UPDATE on
@@ -433,32 +447,26 @@ impl<S: Sink> Relay<S> {
     pub fn new(pool: PgPool, sink: S, config: RelayConfig) -> Result<Self> {
         config.validate()?;
         let options = (*pool.connect_options()).clone();
+        // Workers, the pruner and the gauges; the shard session and the
+        // LISTEN connection are their own.
+        let store = Store::new(
+            &pool,
+            u32::try_from(config.workers)
+                .unwrap_or(u32::MAX)
+                .saturating_add(2),
+        );
         Ok(Self {
             shards: shards::Shards::new(options, config.workers, config.lease),
-            // Workers, the pruner and the gauges; the shard session and the
-            // LISTEN connection are their own.
-            store: Store::new(
-                &pool,
-                u32::try_from(config.workers)
-                    .unwrap_or(u32::MAX)
-                    .saturating_add(2),
-            ),
-            sink,
-            backoff: Backoff::new(config.backoff_base, config.backoff_max),
-            horizon: horizon::Horizon::default(),
-            config,
-            broker_up: AtomicBool::new(true),
-            db_up: AtomicBool::new(true),
+            horizon: Horizon::default(),
+            engine: Engine::new(store, sink, config),
             audit: None,
-            main_until: AtomicI64::new(i64::MAX),
             target: None,
-            tally: progress::Tally::default(),
         })
     }
 
     /// The configuration.
     pub fn config(&self) -> &RelayConfig {
-        &self.config
+        &self.engine.config
     }
 
     /// Checks that the database role holds what this relay's configuration
@@ -474,7 +482,7 @@ impl<S: Sink> Relay<S> {
     /// (the database not reachable) is logged and passes: the relay waits
     /// for the database as it always does.
     pub async fn check_privileges(&self) -> Result<()> {
-        check_privileges(self.store.pool(), &self.config).await
+        check_privileges(self.engine.store.pool(), &self.engine.config).await
     }
 
     /// Runs until `shutdown` resolves: shard ownership, the publisher
@@ -500,26 +508,31 @@ impl<S: Sink> Relay<S> {
 
     /// [`Relay::run`] until `shutdown` is cancelled.
     async fn run_until(&self, shutdown: &CancellationToken) -> Result<()> {
-        let crate::config::Source::Wal(wal) = &self.config.source else {
-            return self.run_parts(shutdown, None).await;
+        let crate::config::Source::Wal(wal) = &self.engine.config.source else {
+            return self.run_sources(shutdown, MainLane::open(), None).await;
         };
         // A standby publishes nothing: the leader's polling workers and WAL
         // reader do it all (see crate::wal).
         loop {
-            self.main_until.store(-1, Ordering::Release);
-            let Some((mut lead, names)) = self.wal_lead(wal, shutdown).await? else {
+            let Some((mut lead, names)) =
+                crate::wal::lead(&self.engine.store, wal, shutdown).await?
+            else {
                 info!("outbox relay stopped");
                 return Ok(());
             };
+            // The polling source reads no fresh row until the WAL source
+            // hands it the backfill.
+            let (limit, lane) = MainLane::closed();
+            let reader = WalReader::new(&self.engine, &self.horizon, wal, names, limit);
             let stop = shutdown.child_token();
             let (result, ()) = tokio::join!(
                 async {
-                    let result = self.run_parts(&stop, Some((wal, names))).await;
+                    let result = self.run_sources(&stop, lane, Some(reader)).await;
                     // Done, or stopped by a failure of its own: let go of the lead.
                     stop.cancel();
                     result
                 },
-                self.wal_keep_lead(&mut lead, &stop),
+                crate::wal::keep_lead(&mut lead, self.engine.config.publish_timeout, &stop),
             );
             result?;
             if shutdown.is_cancelled() {
@@ -528,16 +541,28 @@ impl<S: Sink> Relay<S> {
         }
     }
 
-    /// The relay's loops until `shutdown`: the polling machinery, and the
-    /// WAL reader when `wal` is given (the polling path then serves the
-    /// backfill and the retry lane).
-    async fn run_parts(
+    /// The relay's tasks until `shutdown`, joined: shard ownership, the
+    /// polling source (its main lane ending at `lane`), the WAL source when
+    /// given (the polling source then serves the backfill and the retry
+    /// lane), the LISTEN wake-ups (polling alone), the client watch, the
+    /// maintenance tasks and the audit. A source is added here, beside the
+    /// others, with the handles it shares (`wake`, a [`MainLane`]).
+    async fn run_sources(
         &self,
         shutdown: &CancellationToken,
-        wal: Option<(&crate::wal::WalSource, crate::wal::slot::Names)>,
+        lane: MainLane,
+        wal: Option<WalReader<'_, S>>,
     ) -> Result<()> {
+        let engine = &self.engine;
         let (wake, wake_rx) = watch::channel(0_u64);
-        self.log_start(if wal.is_some() { "wal" } else { "poll" });
+        let source = if wal.is_some() { "wal" } else { "poll" };
+        progress::log_start(&engine.config, self.target.as_ref(), source);
+        let poll = PollSource::new(engine, &self.shards, &self.horizon, lane);
+        let auditor = audit::Auditor {
+            audit: self.audit.as_ref(),
+            config: &engine.config,
+            shards: &self.shards,
+        };
         let wal_failure = std::sync::Mutex::new(None);
         let client_failure = std::sync::Mutex::new(None);
         let workers_done = CancellationToken::new();
@@ -552,43 +577,34 @@ impl<S: Sink> Relay<S> {
                 }
             },
             async {
-                futures::future::join_all(
-                    (0..self.config.workers).map(|_| self.worker(wake_rx.clone(), &stop)),
-                )
-                .await;
+                poll.run(&wake_rx, &stop).await;
                 workers_done.cancel();
             },
             // Shards are given back only once no worker can claim any more.
             self.shards.maintain(&workers_done),
             async {
                 // The WAL wakes nothing up: its rows come from the slot.
-                if wal.is_none() {
-                    self.listen_loop(&wake, &stop).await;
+                if wal.is_none() && engine.config.listen {
+                    poll::listen::listen_loop(engine.store.pool(), &wake, &stop).await;
                 }
             },
             async {
-                if let Some((source, names)) = &wal
-                    && let Err(e) = self.wal_loop(source, names.clone(), &wake, &stop).await
+                if let Some(wal) = &wal
+                    && let Err(e) = wal.run(&wake, &stop).await
                 {
-                    if let Ok(mut failure) = wal_failure.lock() {
-                        *failure = Some(e);
-                    }
-                    stop.cancel();
+                    stop_with(&wal_failure, e, &stop);
                 }
             },
             async {
-                if let Some(e) = self.client_watch(&stop).await {
-                    if let Ok(mut failure) = client_failure.lock() {
-                        *failure = Some(e);
-                    }
-                    stop.cancel();
+                if let Some(e) = engine.client_watch(&stop).await {
+                    stop_with(&client_failure, e, &stop);
                 }
             },
-            self.stats_loop(&stop),
-            self.progress_loop(&stop),
-            self.prune_loop(&stop),
-            self.audit_loop(&stop),
-            self.stream_refresh_loop(&stop),
+            engine.stats_loop(&self.shards, &stop),
+            engine.progress_loop(&stop),
+            engine.prune_loop(&stop),
+            auditor.run(&stop),
+            engine.stream_refresh_loop(&stop),
         );
         if let Some(e) = wal_failure.into_inner().ok().flatten() {
             error!(error = %e, "outbox relay stopped: its WAL source cannot run here");
@@ -604,6 +620,51 @@ impl<S: Sink> Relay<S> {
         info!("outbox relay stopped");
         Ok(())
     }
+
+    /// Publishes every row due when it starts, in every shard, and returns
+    /// the totals; prunes once if retention is on. Rows in backoff, parked
+    /// or skipped are not waited for; a broker that is down is.
+    ///
+    /// Alone, a relay owns every shard and drains the whole table. Beside
+    /// other relays (a long-running one, or another drain started by an
+    /// overlapping cron job) it drains its share, then waits while the
+    /// others publish theirs, taking over the shards they let go of, until
+    /// no row that was due is left anywhere.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Database`] if a claim or mark
+    /// fails; [`ErrorKind::Stalled`] when rows were
+    /// left for 60 s without one of them getting published (the message
+    /// counts them and names their shards).
+    pub async fn drain(&self) -> Result<BatchReport> {
+        let poll = PollSource::new(&self.engine, &self.shards, &self.horizon, MainLane::open());
+        let total = poll.drain().await?;
+        if self.engine.config.retention.is_some() {
+            self.engine.prune().await?;
+        }
+        Ok(total)
+    }
+
+    /// Deletes published rows older than the retention window, in batches;
+    /// returns how many. Unpublished rows are never deleted.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Database`] if a delete fails.
+    pub async fn prune(&self) -> Result<u64> {
+        self.engine.prune().await
+    }
+}
+
+/// Keeps `e`, the failure a task stopped on, in `slot`, and stops the relay.
+fn stop_with(
+    slot: &std::sync::Mutex<Option<crate::Error>>,
+    e: crate::Error,
+    stop: &CancellationToken,
+) {
+    if let Ok(mut failure) = slot.lock() {
+        *failure = Some(e);
+    }
+    stop.cancel();
 }
 
 /// Runs `work`, which stops once `token` is cancelled, to its end; when

@@ -12,8 +12,9 @@ use outbox_pg::HumanDuration;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
-use super::Relay;
-use super::batch::Outcome;
+use super::chain::Outcome;
+use super::engine::Engine;
+use crate::config::RelayConfig;
 use crate::sink::Sink;
 use crate::store::ClaimedRow;
 
@@ -59,25 +60,25 @@ impl Tally {
     }
 }
 
-impl<S: Sink> Relay<S> {
-    /// The start line.
-    pub(super) fn log_start(&self, source: &'static str) {
-        let (stream, subjects) = match &self.target {
-            Some(t) => (t.stream.as_str(), t.subjects.join(",")),
-            None => ("(custom sink)", String::new()),
-        };
-        info!(
-            stream = %stream,
-            subjects = %subjects,
-            source = %source,
-            batch_size = self.config.batch_size,
-            workers = self.config.workers,
-            poll_interval = %HumanDuration(self.config.poll_interval),
-            max_attempts = self.config.max_attempts,
-            "outbox relay started"
-        );
-    }
+/// The start line of a relay publishing to `target` (none: a custom sink).
+pub(super) fn log_start(config: &RelayConfig, target: Option<&Target>, source: &'static str) {
+    let (stream, subjects) = match target {
+        Some(t) => (t.stream.as_str(), t.subjects.join(",")),
+        None => ("(custom sink)", String::new()),
+    };
+    info!(
+        stream = %stream,
+        subjects = %subjects,
+        source = %source,
+        batch_size = config.batch_size,
+        workers = config.workers,
+        poll_interval = %HumanDuration(config.poll_interval),
+        max_attempts = config.max_attempts,
+        "outbox relay started"
+    );
+}
 
+impl<S: Sink> Engine<S> {
     /// Every `progress_interval` until `shutdown`, the progress line (none
     /// when the interval is zero).
     pub(super) async fn progress_loop(&self, shutdown: &CancellationToken) {

@@ -31,7 +31,17 @@
 //! whatever fails. A broker fault costs no attempt: the subject's rows go
 //! back to the front of its queue and are tried again, with backoff, until
 //! they are published. How, step by step, is in the pipeline's module
-//! (`relay/wal/pipeline.rs`).
+//! (`wal/pipeline.rs`); the confirm rule itself is a pure type with its
+//! proof and tests (`wal/watermark.rs`), as is each subject's
+//! ready/sending/stalled state (`wal/subjects.rs`).
+//!
+//! # Beside the polling source
+//!
+//! The WAL source is a task of its own (`wal/source.rs`) that publishes
+//! through the relay's engine, as the polling source does. It shares two
+//! handles with the polling source: the end of the polling source's main
+//! lane, closed while it leads and raised to the floor by each backfill,
+//! and the wake-up that sends the polling workers to read up to it.
 //!
 //! # Never lost with the slot
 //!
@@ -50,7 +60,7 @@
 //!
 //! The same backfill runs when a fresh row above `S` is found left behind
 //! (the WAL source reads inserts only, so a row made fresh again by an update
-//! is never in its stream): see `relay/wal/monitor.rs`.
+//! is never in its stream): see `wal/monitor.rs`.
 //!
 //! # One reader per slot
 //!
@@ -84,11 +94,18 @@
 //! or create it once as the owner:
 //! `create publication outbox_relay for table outbox_events with (publish = 'insert')`).
 
+mod monitor;
 pub(crate) mod pgoutput;
+mod pipeline;
 pub(crate) mod row;
 pub(crate) mod slot;
+mod source;
+mod subjects;
+mod watermark;
 
 use std::time::Duration;
+
+pub(crate) use source::{WalReader, keep_lead, lead};
 
 use crate::error::{Error, ErrorKind, Result};
 

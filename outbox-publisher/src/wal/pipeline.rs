@@ -9,7 +9,7 @@
 //! published). Each subject (an entity) has a queue of its rows in `seq`
 //! order and at most one *chain* out at a time: a run of its queued rows
 //! (up to [`MAX_BATCH`]) published by the polling relay's own
-//! [`publish_chain`](Relay::publish_chain) (an atomic batch when the chain is
+//! `Engine::publish_chain` (an atomic batch when the chain is
 //! long enough and the stream allows it, else one row at a time, each PubAck
 //! awaited before the next row of the subject is sent). Up to
 //! `max_in_flight` chains, of as many subjects, are out at once; the next
@@ -40,7 +40,10 @@
 //! slot is confirmed up to the last commit all of whose rows, and all rows
 //! before them, are resolved. So a relay killed at any point reads again
 //! from a commit none of whose rows is lost, and the stream's duplicate
-//! window absorbs the republished ones.
+//! window absorbs the republished ones. The rule is a pure type of its own
+//! (`wal/watermark.rs`, with its proof and tests); the pipeline only tells
+//! it what was read and what was written. Likewise each subject's state
+//! (ready, sending, stalled, its queue) is kept by `wal/subjects.rs`.
 //!
 //! # Written only once visible
 //!
@@ -54,7 +57,7 @@
 //! rows than it named is written again once they are (`queries/wal_invisible.sql`);
 //! a row counts as resolved only then.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
@@ -65,17 +68,18 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 use uuid::Uuid;
 
-use super::{Progress, wal_error};
+use super::pgoutput::{self, Message};
+use super::row::{Inserted, Layout};
+use super::slot;
+use super::source::{Progress, wal_error};
+use super::subjects::Subjects;
+use super::watermark::Watermark;
 use crate::backoff::LoopBackoff;
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics;
-use crate::relay::batch::Outcome;
-use crate::relay::{BatchReport, Relay};
+use crate::relay::{BatchReport, Engine, Outcome};
 use crate::sink::{MAX_BATCH, Sink};
 use crate::store::{ClaimedRow, Failure, Position};
-use crate::wal::pgoutput::{self, Message};
-use crate::wal::row::{Inserted, Layout};
-use crate::wal::slot;
 
 /// The pipeline holds up to this many batches (`batch_size` rows each) read
 /// and not yet recorded: enough that the stream is read on while marks of
@@ -110,28 +114,6 @@ type Chain<'a> = BoxFuture<'a, (String, Vec<(ClaimedRow, Outcome)>)>;
 /// A mark statement in flight, with the row numbers it resolves.
 type Marking = BoxFuture<'static, (Vec<u64>, Result<u64>)>;
 
-/// One subject's rows in the pipeline.
-#[derive(Debug, Default)]
-struct Subject {
-    /// No row of it waits in the retry lane before its rows here.
-    clear: bool,
-    /// Rows checked and not yet sent, in `seq` order.
-    queue: VecDeque<ClaimedRow>,
-    /// A chain of it is out.
-    sending: bool,
-    /// Waiting out a broker fault.
-    stalled: bool,
-    /// In the `ready` queue.
-    ready: bool,
-}
-
-impl Subject {
-    /// Nothing of it is in the pipeline.
-    fn idle(&self) -> bool {
-        self.queue.is_empty() && !self.sending && !self.stalled
-    }
-}
-
 /// A row held by the pipeline: its number in read order, payload bytes and
 /// transaction (as the stream names it).
 #[derive(Debug, Clone, Copy)]
@@ -148,36 +130,27 @@ struct Reader<'s> {
     /// Rows at or below it are the polling path's.
     floor: i64,
     relations: HashMap<u32, Option<Layout>>,
-    in_txn: bool,
-    /// The transaction being read was confirmed before (a replay).
-    skip: bool,
     /// The transaction being read.
     xid: u32,
 }
 
 /// The publish pipeline of one replication session.
 pub(super) struct Pipeline<'a, S: Sink> {
-    relay: &'a Relay<S>,
+    engine: &'a Engine<S>,
     stop: CancellationToken,
     max_payload: usize,
-    subjects: HashMap<String, Subject>,
+    subjects: Subjects,
     /// Rows of subjects not known clear, to check before they are queued.
     unchecked: Vec<ClaimedRow>,
-    /// Subjects with queued rows and no chain out.
-    ready: VecDeque<String>,
-    /// Subjects waiting out a broker fault, and until when.
-    stalled: Vec<String>,
+    /// When the stalled subjects may send again.
     stalled_until: Option<Instant>,
     fault_backoff: LoopBackoff,
     /// Rows held, not yet given an outcome.
     held: HashMap<Uuid, Held>,
     held_bytes: usize,
-    /// Numbers of the rows whose outcome is not written yet.
-    unresolved: BTreeSet<u64>,
-    next_number: u64,
-    /// Commits read and not confirmed: the number after their last row,
-    /// their end, their commit time (microseconds since 2000-01-01).
-    commits: VecDeque<(u64, Lsn, i64)>,
+    /// Rows handed out and resolved, commits seen: how far the slot may
+    /// be confirmed.
+    watermark: Watermark,
     /// Published rows not yet in a mark statement, with their numbers.
     marks: Vec<(Uuid, Option<Position>)>,
     mark_numbers: Vec<u64>,
@@ -187,22 +160,19 @@ pub(super) struct Pipeline<'a, S: Sink> {
 }
 
 impl<'a, S: Sink> Pipeline<'a, S> {
-    pub(super) fn new(relay: &'a Relay<S>, stop: &CancellationToken) -> Self {
+    /// A pipeline for a session that reads from after `done`.
+    pub(super) fn new(engine: &'a Engine<S>, stop: &CancellationToken, done: Lsn) -> Self {
         Self {
-            relay,
+            engine,
             stop: stop.clone(),
-            max_payload: relay.sink.max_payload(),
-            subjects: HashMap::new(),
+            max_payload: engine.sink.max_payload(),
+            subjects: Subjects::default(),
             unchecked: Vec::new(),
-            ready: VecDeque::new(),
-            stalled: Vec::new(),
             stalled_until: None,
             fault_backoff: LoopBackoff::new(Duration::from_millis(100), Duration::from_secs(5)),
             held: HashMap::new(),
             held_bytes: 0,
-            unresolved: BTreeSet::new(),
-            next_number: 0,
-            commits: VecDeque::new(),
+            watermark: Watermark::new(done),
             marks: Vec::new(),
             mark_numbers: Vec::new(),
             mark_xids: Vec::new(),
@@ -228,8 +198,6 @@ impl<'a, S: Sink> Pipeline<'a, S> {
             schema,
             floor,
             relations: HashMap::new(),
-            in_txn: false,
-            skip: false,
             xid: 0,
         };
         let mut chains: FuturesUnordered<Chain<'a>> = FuturesUnordered::new();
@@ -279,32 +247,43 @@ impl<'a, S: Sink> Pipeline<'a, S> {
             }
         };
         if result.is_ok() {
-            // Stopping: what is out is answered and recorded (bounded by the
-            // publish timeout), nothing new is sent; unsent rows are read
-            // again by the next session.
-            self.ready.clear();
-            while let Some((subject, results)) = chains.next().await {
-                self.answered(subject, results).await?;
-            }
-            self.start_marks(&mut marking, true);
-            while let Some((numbers, landed)) = marking.next().await {
-                landed?;
-                self.resolve(&numbers);
-            }
-            self.confirm(client, p);
+            self.finish(&mut chains, &mut marking, client, p).await?;
         }
         if let Err(e) = &result {
             let failed: Result<BatchReport> = Err(Error::new(e.kind(), e.to_string()));
-            self.relay.note_db_health(&failed);
-            self.relay.report_health();
+            self.engine.note_db_health(&failed);
+            self.engine.report_health();
         }
         result
     }
 
+    /// Stopping: what is out is answered and recorded (bounded by the
+    /// publish timeout), nothing new is sent; unsent rows are read again by
+    /// the next session. The slot is confirmed behind what was recorded.
+    async fn finish(
+        &mut self,
+        chains: &mut FuturesUnordered<Chain<'a>>,
+        marking: &mut FuturesUnordered<Marking>,
+        client: &ReplicationClient,
+        p: &mut Progress,
+    ) -> Result<()> {
+        self.subjects.stop_sending();
+        while let Some((subject, results)) = chains.next().await {
+            self.answered(subject, results).await?;
+        }
+        self.start_marks(marking, true);
+        while let Some((numbers, landed)) = marking.next().await {
+            landed?;
+            self.resolve(&numbers);
+        }
+        self.confirm(client, p);
+        Ok(())
+    }
+
     /// Whether the pipeline holds as much as it may.
     fn full(&self) -> bool {
-        let config = &self.relay.config;
-        self.unresolved.len() >= config.batch_size.saturating_mul(HELD_BATCHES)
+        let config = &self.engine.config;
+        self.watermark.unresolved() >= config.batch_size.saturating_mul(HELD_BATCHES)
             || self.held_bytes >= config.batch_bytes.saturating_mul(HELD_BYTES_BATCHES)
     }
 
@@ -321,11 +300,10 @@ impl<'a, S: Sink> Pipeline<'a, S> {
             .ok_or_else(|| Error::new(ErrorKind::Database, "the replication stream ended"))?;
         match event {
             ReplicationEvent::Begin { final_lsn, xid, .. } => {
-                r.in_txn = true;
                 r.xid = xid;
-                // Read before (a session that replays from the slot's
-                // confirmed position): published and recorded already.
-                r.skip = final_lsn < p.done;
+                // A transaction confirmed before (a session that replays
+                // from the slot's position) is skipped: its rows are resolved.
+                self.watermark.begin(final_lsn);
             }
             ReplicationEvent::XLogData { data, .. } => {
                 match pgoutput::decode(&data)
@@ -336,7 +314,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
                         let layout = if ours { Some(Layout::of(&rel)?) } else { None };
                         r.relations.insert(rel.id, layout);
                     }
-                    Message::Insert { relation, values } if !r.skip => {
+                    Message::Insert { relation, values } if !self.watermark.replaying() => {
                         if let Some(Some(layout)) = r.relations.get(&relation)
                             && let Inserted::Fresh(row) = layout.row(values, self.max_payload)
                             && row.seq > r.floor
@@ -351,24 +329,14 @@ impl<'a, S: Sink> Pipeline<'a, S> {
                 end_lsn,
                 commit_time_micros,
                 ..
-            } => {
-                r.in_txn = false;
-                if !r.skip {
-                    self.commits
-                        .push_back((self.next_number, end_lsn, commit_time_micros));
-                }
-                r.skip = false;
-            }
+            } => self.watermark.commit(end_lsn, commit_time_micros),
             // Idle: nothing read is waiting, so the slot may move on (an
             // idle outbox must not hold WAL back).
-            ReplicationEvent::KeepAlive { wal_end, .. }
-                if self.unresolved.is_empty()
-                    && self.commits.is_empty()
-                    && !r.in_txn
-                    && wal_end > p.done =>
-            {
-                client.update_applied_lsn(wal_end);
-                p.done = wal_end;
+            ReplicationEvent::KeepAlive { wal_end, .. } => {
+                if let Some(lsn) = self.watermark.idle(wal_end) {
+                    client.update_applied_lsn(lsn);
+                    p.done = lsn;
+                }
             }
             _ => {}
         }
@@ -377,30 +345,14 @@ impl<'a, S: Sink> Pipeline<'a, S> {
 
     /// Takes a row read from the stream into the pipeline.
     fn hold(&mut self, row: ClaimedRow, xid: u32) {
-        let number = self.next_number;
-        self.next_number += 1;
+        let number = self.watermark.hand_out();
         let bytes = usize::try_from(row.data_len).unwrap_or(usize::MAX);
         self.held.insert(row.id, Held { number, bytes, xid });
         self.held_bytes = self.held_bytes.saturating_add(bytes);
-        self.unresolved.insert(number);
-        if self.subjects.get(&row.subject).is_some_and(|s| s.clear) {
-            self.enqueue(row);
+        if self.subjects.is_clear(&row.subject) {
+            self.subjects.enqueue(row);
         } else {
             self.unchecked.push(row);
-        }
-    }
-
-    /// Queues a checked row on its subject, in `seq` order among the rows
-    /// not yet sent.
-    fn enqueue(&mut self, row: ClaimedRow) {
-        let subject = self.subjects.entry(row.subject.clone()).or_default();
-        let at = subject.queue.partition_point(|r| r.seq < row.seq);
-        let name =
-            (!subject.ready && !subject.sending && !subject.stalled).then(|| row.subject.clone());
-        subject.queue.insert(at, row);
-        if let Some(name) = name {
-            subject.ready = true;
-            self.ready.push_back(name);
         }
     }
 
@@ -415,29 +367,19 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         if !self.unchecked.is_empty() {
             self.check().await?;
         }
-        let relay = self.relay;
-        while chains.len() < relay.config.max_in_flight
-            && let Some(name) = self.ready.pop_front()
+        let engine = self.engine;
+        while chains.len() < engine.config.max_in_flight
+            && let Some((name, rows)) = self.subjects.next_chain(MAX_BATCH)
         {
-            let Some(subject) = self.subjects.get_mut(&name) else {
-                continue;
-            };
-            subject.ready = false;
-            if subject.sending || subject.stalled || subject.queue.is_empty() {
-                continue;
-            }
-            subject.sending = true;
-            let n = subject.queue.len().min(MAX_BATCH);
-            let rows: Vec<ClaimedRow> = subject.queue.drain(..n).collect();
             let deadline = Instant::now()
-                + relay
+                + engine
                     .config
                     .lease
-                    .saturating_sub(relay.config.publish_timeout);
+                    .saturating_sub(engine.config.publish_timeout);
             let max_payload = self.max_payload;
             chains.push(
                 async move {
-                    let results = relay.publish_chain(rows, deadline, max_payload).await;
+                    let results = engine.publish_chain(rows, deadline, max_payload).await;
                     (name, results)
                 }
                 .boxed(),
@@ -445,9 +387,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         }
         self.start_marks(marking, false);
         self.confirm(client, p);
-        if self.subjects.len() > CLEAR_SUBJECTS {
-            self.subjects.retain(|_, s| !s.idle());
-        }
+        self.subjects.forget_idle(CLEAR_SUBJECTS);
         Ok(())
     }
 
@@ -455,7 +395,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
     /// subject with an earlier row there are deferred behind it, the others
     /// queued and their subjects remembered clear.
     async fn check(&mut self) -> Result<()> {
-        let relay = self.relay;
+        let engine = self.engine;
         let mut rows = std::mem::take(&mut self.unchecked);
         rows.sort_by_key(|r| r.seq);
         let mut lowest: HashMap<&str, i64> = HashMap::new();
@@ -464,7 +404,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         }
         let subjects: Vec<(&str, i64)> = lowest.into_iter().collect();
         let blockers =
-            slot::blockers(relay.store.pool(), &subjects, relay.config.max_attempts).await?;
+            slot::blockers(engine.store.pool(), &subjects, engine.config.max_attempts).await?;
         let mut deferred = Vec::new();
         let mut queued = Vec::new();
         for row in rows {
@@ -475,10 +415,10 @@ impl<'a, S: Sink> Pipeline<'a, S> {
             }
         }
         let xids = self.xids(deferred.iter().map(|d| d.0));
-        await_visible(relay.store.pool(), &xids, &self.stop).await?;
-        relay
+        await_visible(engine.store.pool(), &xids, &self.stop).await?;
+        engine
             .store
-            .defer(&deferred, relay.config.backoff_max)
+            .defer(&deferred, engine.config.backoff_max)
             .await?;
         let numbers: Vec<u64> = deferred
             .iter()
@@ -486,8 +426,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
             .collect();
         self.resolve(&numbers);
         for row in queued {
-            self.subjects.entry(row.subject.clone()).or_default().clear = true;
-            self.enqueue(row);
+            self.subjects.enqueue_checked(row);
         }
         Ok(())
     }
@@ -497,7 +436,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
     /// deferred behind them), rows behind a broker fault go back to the
     /// front of the queue and the subject waits a backoff.
     async fn answered(&mut self, name: String, results: Vec<(ClaimedRow, Outcome)>) -> Result<()> {
-        let relay = self.relay;
+        let engine = self.engine;
         let mut back: Vec<ClaimedRow> = Vec::new();
         let mut refused: Vec<Failure> = Vec::new();
         let mut published = 0;
@@ -519,44 +458,30 @@ impl<'a, S: Sink> Pipeline<'a, S> {
                     first_fault.get_or_insert_with(|| failure.to_string());
                     back.push(row);
                 }
-                Outcome::Failed(failure) => refused.push(relay.refusal(&row, &failure)),
+                Outcome::Failed(failure) => refused.push(engine.refusal(&row, &failure)),
                 Outcome::Unresolved => back.push(row),
             }
         }
-        relay.note_broker_health(published, faults, first_fault.as_deref());
+        engine.note_broker_health(published, faults, first_fault.as_deref());
         if published > 0 {
             self.fault_backoff.reset();
         }
-        let subject = self.subjects.entry(name.clone()).or_default();
-        subject.sending = false;
         if !refused.is_empty() {
             let xids = self.xids(refused.iter().map(|f| f.id));
-            await_visible(relay.store.pool(), &xids, &self.stop).await?;
-            relay.record_refusals(&refused).await?;
+            await_visible(engine.store.pool(), &xids, &self.stop).await?;
+            engine.record_refusals(&refused).await?;
             let numbers: Vec<u64> = refused
                 .iter()
                 .filter_map(|f| self.settle(f.id).map(|h| h.number))
                 .collect();
             self.resolve(&numbers);
-            let subject = self.subjects.entry(name).or_default();
-            subject.clear = false;
-            let queued: Vec<ClaimedRow> = subject.queue.drain(..).collect();
+            let queued = self.subjects.refused(name);
             self.unchecked.extend(back);
             self.unchecked.extend(queued);
             return Ok(());
         }
-        for row in back.into_iter().rev() {
-            subject.queue.push_front(row);
-        }
-        if faults > 0 {
-            subject.stalled = true;
-            self.stalled.push(name);
-            if self.stalled_until.is_none() {
-                self.stalled_until = Some(Instant::now() + self.fault_backoff.next());
-            }
-        } else if !subject.queue.is_empty() && !subject.ready {
-            subject.ready = true;
-            self.ready.push_back(name);
+        if self.subjects.returned(name, back, faults > 0) && self.stalled_until.is_none() {
+            self.stalled_until = Some(Instant::now() + self.fault_backoff.next());
         }
         Ok(())
     }
@@ -565,15 +490,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
     /// tried again.
     fn unstall(&mut self) {
         self.stalled_until = None;
-        for name in std::mem::take(&mut self.stalled) {
-            if let Some(subject) = self.subjects.get_mut(&name) {
-                subject.stalled = false;
-                if !subject.queue.is_empty() && !subject.sending && !subject.ready {
-                    subject.ready = true;
-                    self.ready.push_back(name);
-                }
-            }
-        }
+        self.subjects.unstall();
     }
 
     /// The transactions of these held rows.
@@ -591,8 +508,8 @@ impl<'a, S: Sink> Pipeline<'a, S> {
 
     /// The outcomes of these rows are written.
     fn resolve(&mut self, numbers: &[u64]) {
-        for n in numbers {
-            self.unresolved.remove(n);
+        for &n in numbers {
+            self.watermark.resolve(n);
         }
     }
 
@@ -605,14 +522,14 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         }
         let due = now
             || marking.is_empty()
-            || (marking.len() < MARK_TASKS && self.marks.len() >= self.relay.config.batch_size);
+            || (marking.len() < MARK_TASKS && self.marks.len() >= self.engine.config.batch_size);
         if !due {
             return;
         }
         let marks = std::mem::take(&mut self.marks);
         let numbers = std::mem::take(&mut self.mark_numbers);
         let xids = std::mem::take(&mut self.mark_xids);
-        let store = self.relay.store.clone();
+        let store = self.engine.store.clone();
         let stop = self.stop.clone();
         metrics::batch(marks.len());
         let task = tokio::spawn(async move {
@@ -645,23 +562,14 @@ impl<'a, S: Sink> Pipeline<'a, S> {
     /// before them, have their outcomes written; sets the lag gauge from the
     /// oldest commit not confirmed.
     fn confirm(&mut self, client: &ReplicationClient, p: &mut Progress) {
-        let low = self.unresolved.first().copied().unwrap_or(u64::MAX);
-        let mut to = None;
-        while let Some(&(end, lsn, _)) = self.commits.front() {
-            if end > low {
-                break;
-            }
-            to = Some(lsn);
-            self.commits.pop_front();
-        }
-        if let Some(lsn) = to {
+        if let Some(lsn) = self.watermark.confirm() {
             client.update_applied_lsn(lsn);
             p.done = lsn;
         } else if self.lag_set.elapsed() < LAG_EVERY {
             return;
         }
         self.lag_set = Instant::now();
-        let lag = self.commits.front().map_or(0, |&(_, _, micros)| {
+        let lag = self.watermark.oldest_commit().map_or(0, |micros| {
             let now = chrono::Utc::now().timestamp_micros() - PG_EPOCH_MICROS;
             u64::try_from(now - micros).unwrap_or(0)
         });

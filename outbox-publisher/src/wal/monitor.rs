@@ -33,13 +33,13 @@ use std::time::{Duration, Instant};
 use tracing::warn;
 use uuid::Uuid;
 
-use super::Relay;
+use super::slot;
+use super::source::WalReader;
 use crate::error::Result;
 use crate::metrics;
 use crate::relay::SHARDS;
 use crate::relay::message;
 use crate::sink::Sink;
-use crate::wal::slot;
 
 /// Rows named in the warning about rows left behind.
 const NAMED: usize = 5;
@@ -95,12 +95,13 @@ impl Probe {
     }
 }
 
-impl<S: Sink> Relay<S> {
+impl<S: Sink> WalReader<'_, S> {
     /// Sets the slot's gauges every stats interval and looks for rows left
     /// behind above `floor`. Returns how many it found, once it finds some;
     /// never returns otherwise.
-    pub(super) async fn wal_monitor(&self, slot_name: &str, schema: &str, floor: i64) -> usize {
-        let pool = self.store.pool();
+    pub(super) async fn monitor(&self, floor: i64) -> usize {
+        let pool = self.engine.store.pool();
+        let (slot_name, schema) = (self.names.slot.as_str(), self.names.schema.as_str());
         let mut probe = Probe::new(floor);
         // Consecutive failed looks; said once they reach FAILED_LOOKS (a
         // database outage alone ends the session sooner).
@@ -115,7 +116,7 @@ impl<S: Sink> Relay<S> {
                 }
                 _ => None,
             };
-            let found = match self.wal_check(&mut probe, confirmed).await {
+            let found = match self.check(&mut probe, confirmed).await {
                 Ok(found) => {
                     failed = 0;
                     found
@@ -140,7 +141,13 @@ impl<S: Sink> Relay<S> {
                 metrics::wal_stranded(found.len());
                 return found.len();
             }
-            tokio::time::sleep(self.config.stats_interval.max(Duration::from_millis(100))).await;
+            tokio::time::sleep(
+                self.engine
+                    .config
+                    .stats_interval
+                    .max(Duration::from_millis(100)),
+            )
+            .await;
         }
     }
 
@@ -151,12 +158,8 @@ impl<S: Sink> Relay<S> {
     /// # Errors
     /// [`ErrorKind::Database`](crate::ErrorKind::Database): the look is
     /// tried again at the next stats interval.
-    async fn wal_check(
-        &self,
-        probe: &mut Probe,
-        confirmed: Option<i64>,
-    ) -> Result<Option<Vec<Uuid>>> {
-        let pool = self.store.pool();
+    async fn check(&self, probe: &mut Probe, confirmed: Option<i64>) -> Result<Option<Vec<Uuid>>> {
+        let pool = self.engine.store.pool();
         if let Some(suspects) = &probe.suspects {
             if confirmed.is_none_or(|c| c < suspects.lsn) {
                 return Ok(None);

@@ -1,33 +1,122 @@
-//! The publisher loops: each worker checks out its part of the owned shards,
-//! runs a batch, and goes straight on while there is work, or waits for a
-//! wake-up (a commit's NOTIFY, a change of owned shards) or the poll interval.
+//! The polling source: rows claimed from the table, shard by shard, from
+//! each shard's cursor (the main lane) and from the retry lane. Its workers
+//! each check out their part of the owned shards, run a batch
+//! ([`batch`]), and go straight on while there is work, or wait for a
+//! wake-up (a commit's NOTIFY, [`listen`]; a change of owned shards; another
+//! source's hand-over) or the poll interval. It publishes through the
+//! [`Engine`] and owns nothing else: the shards and the settled horizon are
+//! the relay's, shared with the maintenance tasks and the WAL source.
+//!
+//! # The handle between the sources: [`MainLane`]
+//!
+//! Alone, the polling source reads every fresh row. Beside the WAL source it
+//! serves the backfill (rows written before the slot) and the retry lane,
+//! and its main lane stops at the seq the WAL source hands it: a value the
+//! WAL source raises through its [`MainLaneLimit`] and the workers read once
+//! per batch. Cursors never pass it, so rows above it stay readable here if
+//! the WAL source hands them back (a lost slot: it raises the limit again).
 
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
 
-use super::{BatchReport, Relay};
+use super::BatchReport;
+use super::engine::Engine;
+use super::horizon::Horizon;
+use super::shards::Shards;
 use crate::backoff::LoopBackoff;
-use crate::error::{ErrorKind, Result};
+use crate::error::Result;
 use crate::sink::Sink;
+
+mod batch;
+pub(super) mod listen;
 
 /// Consecutive batches without progress after which `drain` gives up on rows
 /// that are neither published nor failed (not counting broker faults).
 const DRAIN_STALLS: usize = 20;
 /// How long a drain waits, with rows left in shards other relays own, for one
 /// of them to get published before it gives up.
-pub(crate) const DRAIN_PATIENCE: Duration = Duration::from_secs(60);
+const DRAIN_PATIENCE: Duration = Duration::from_secs(60);
 /// How often a drain looks again at the rows left in other relays' shards.
 const DRAIN_RECHECK: Duration = Duration::from_millis(200);
 
-impl<S: Sink> Relay<S> {
-    pub(super) async fn worker(
-        &self,
-        mut wake: watch::Receiver<u64>,
-        shutdown: &CancellationToken,
-    ) {
+/// Where the polling source's main lane ends: the highest `seq` its claims
+/// may read. Read by the workers once per batch.
+#[derive(Debug, Clone)]
+pub(crate) struct MainLane(watch::Receiver<i64>);
+
+/// The other end of a [`MainLane`]: held by the source that publishes the
+/// fresh rows above it (the WAL source).
+#[derive(Debug)]
+pub(crate) struct MainLaneLimit(watch::Sender<i64>);
+
+impl MainLane {
+    /// A main lane without end: the polling source reads every fresh row.
+    pub(crate) fn open() -> Self {
+        Self(watch::channel(i64::MAX).1)
+    }
+
+    /// A main lane closed (`-1`: no row) until its limit is raised.
+    pub(crate) fn closed() -> (MainLaneLimit, Self) {
+        let (limit, lane) = watch::channel(-1);
+        (MainLaneLimit(limit), Self(lane))
+    }
+
+    /// The highest `seq` the main lane may read now.
+    fn until(&self) -> i64 {
+        *self.0.borrow()
+    }
+}
+
+impl MainLaneLimit {
+    /// Lets the main lane read up to `seq` (never lowers it).
+    pub(crate) fn raise(&self, seq: i64) {
+        self.0.send_if_modified(|until| {
+            let raised = seq > *until;
+            if raised {
+                *until = seq;
+            }
+            raised
+        });
+    }
+}
+
+/// The polling source of a relay (see the module docs).
+#[derive(Debug)]
+pub(crate) struct PollSource<'a, S> {
+    engine: &'a Engine<S>,
+    shards: &'a Shards,
+    horizon: &'a Horizon,
+    lane: MainLane,
+}
+
+impl<'a, S: Sink> PollSource<'a, S> {
+    /// The polling source over `shards`, its main lane ending at `lane`.
+    pub(crate) fn new(
+        engine: &'a Engine<S>,
+        shards: &'a Shards,
+        horizon: &'a Horizon,
+        lane: MainLane,
+    ) -> Self {
+        Self {
+            engine,
+            shards,
+            horizon,
+            lane,
+        }
+    }
+
+    /// The workers, until `shutdown`; each wakes up early when `wake` changes.
+    pub(crate) async fn run(&self, wake: &watch::Receiver<u64>, shutdown: &CancellationToken) {
+        futures::future::join_all(
+            (0..self.engine.config.workers).map(|_| self.worker(wake.clone(), shutdown)),
+        )
+        .await;
+    }
+
+    /// One worker's loop.
+    async fn worker(&self, mut wake: watch::Receiver<u64>, shutdown: &CancellationToken) {
         let mut owned = self.shards.subscribe();
         let mut idle = LoopBackoff::new(Duration::from_millis(100), Duration::from_secs(10));
         // Consecutive empty batches: a worker sleeps only once it has found
@@ -36,16 +125,16 @@ impl<S: Sink> Relay<S> {
         while !shutdown.is_cancelled() {
             wake.borrow_and_update();
             owned.borrow_and_update();
-            let pause = if self.sink.is_available() {
-                let checkout = self.shards.checkout(self.config.workers);
+            let pause = if self.engine.sink.is_available() {
+                let checkout = self.shards.checkout(self.engine.config.workers);
                 if checkout.is_empty() {
-                    Some(self.config.poll_interval)
+                    Some(self.engine.config.poll_interval)
                 } else {
                     let result = self.run_batch(&checkout).await;
                     drop(checkout);
-                    self.note_db_health(&result);
-                    self.note_broker_idle(&result);
-                    self.report_health();
+                    self.engine.note_db_health(&result);
+                    self.engine.note_broker_idle(&result);
+                    self.engine.report_health();
                     empty = match &result {
                         Ok(report) if report.claimed == 0 => empty + 1,
                         _ => 0,
@@ -53,12 +142,15 @@ impl<S: Sink> Relay<S> {
                     match result {
                         Ok(report) if report.claimed == 0 => {
                             idle.reset();
-                            (empty >= self.config.workers).then_some(self.config.poll_interval)
+                            (empty >= self.engine.config.workers)
+                                .then_some(self.engine.config.poll_interval)
                         }
                         Ok(report) if report.progress() == 0 && report.broker_faults > 0 => {
                             Some(idle.next())
                         }
-                        Ok(report) if report.progress() == 0 => Some(self.config.poll_interval),
+                        Ok(report) if report.progress() == 0 => {
+                            Some(self.engine.config.poll_interval)
+                        }
                         // Progress: more may be waiting, go straight on.
                         Ok(_) => {
                             idle.reset();
@@ -68,8 +160,9 @@ impl<S: Sink> Relay<S> {
                     }
                 }
             } else {
-                self.note_broker_health(0, 1, Some("not connected to NATS"));
-                self.report_health();
+                self.engine
+                    .note_broker_health(0, 1, Some("not connected to NATS"));
+                self.engine.report_health();
                 Some(idle.next())
             };
             if let Some(pause) = pause {
@@ -84,22 +177,12 @@ impl<S: Sink> Relay<S> {
         }
     }
 
-    /// Publishes every row due when it starts, in every shard, and returns
-    /// the totals; prunes once if retention is on. Rows in backoff, parked
-    /// or skipped are not waited for; a broker that is down is.
-    ///
-    /// Alone, a relay owns every shard and drains the whole table. Beside
-    /// other relays (a long-running one, or another drain started by an
-    /// overlapping cron job) it drains its share, then waits while the
-    /// others publish theirs, taking over the shards they let go of, until
-    /// no row that was due is left anywhere.
+    /// Publishes every row due when it starts, in every shard, holding the
+    /// shards meanwhile (see [`Relay::drain`](super::Relay::drain)).
     ///
     /// # Errors
-    /// [`ErrorKind::Database`] if a claim or mark
-    /// fails; [`ErrorKind::Stalled`] when rows were
-    /// left for 60 s without one of them getting published (the message
-    /// counts them and names their shards).
-    pub async fn drain(&self) -> Result<BatchReport> {
+    /// As [`Relay::drain`](super::Relay::drain).
+    pub(crate) async fn drain(&self) -> Result<BatchReport> {
         let stop = CancellationToken::new();
         self.shards.reset_changes();
         let work = async {
@@ -108,25 +191,22 @@ impl<S: Sink> Relay<S> {
             result
         };
         let (result, ()) = tokio::join!(work, self.shards.maintain(&stop));
-        let total = result?;
-        if self.config.retention.is_some() {
-            self.prune().await?;
-        }
-        Ok(total)
+        result
     }
 
     /// Drains the owned shards until no row due at the start is left in any
     /// shard, or none got published for `DRAIN_PATIENCE`.
     async fn drain_table(&self) -> Result<BatchReport> {
-        let start_seq = self.store.tick(None).await?.last_seq;
+        let start_seq = self.engine.store.tick(None).await?.last_seq;
         let mut total = BatchReport::default();
         let mut best = i64::MAX;
         let mut progressed = Instant::now();
         loop {
             total.add(self.drain_owned().await?);
             let left = self
+                .engine
                 .store
-                .drain_left(start_seq, self.config.max_attempts)
+                .drain_left(start_seq, self.engine.config.max_attempts)
                 .await?;
             if left.rows == 0 {
                 return Ok(total);
@@ -164,7 +244,7 @@ impl<S: Sink> Relay<S> {
         }
         // The workers in parallel, then one pass over every owned shard: a
         // worker stops when its part is empty, which says nothing of the others.
-        let workers = self.config.workers;
+        let workers = self.engine.config.workers;
         let mut total = BatchReport::default();
         for report in
             futures::future::join_all((0..workers).map(|_| self.drain_part(workers))).await
@@ -202,37 +282,6 @@ impl<S: Sink> Relay<S> {
                     return Ok(total);
                 }
             }
-        }
-    }
-
-    pub(super) fn note_broker_health(&self, published: usize, faults: usize, error: Option<&str>) {
-        use std::sync::atomic::Ordering;
-        if published == 0 && faults > 0 && self.broker_up.swap(false, Ordering::Relaxed) {
-            warn!(
-                error = error.unwrap_or_default(),
-                "broker unavailable; rows wait, without losing attempts, until it is back"
-            );
-        } else if published > 0 && !self.broker_up.swap(true, Ordering::Relaxed) {
-            info!("publishing recovered");
-        }
-    }
-
-    pub(super) fn note_db_health(&self, result: &Result<BatchReport>) {
-        use std::sync::atomic::Ordering;
-        match result {
-            // Not an outage: said every time (the backoff spaces it out)
-            // until an operator grants what is missing.
-            Err(e) if e.kind() == ErrorKind::Privilege => {
-                self.db_up.store(false, Ordering::Relaxed);
-                error!(error = %e, "the relay's database role lacks a privilege; retrying with backoff until it is granted");
-            }
-            Err(e) if self.db_up.swap(false, Ordering::Relaxed) => {
-                warn!(error = %e, "outbox database unavailable; retrying with backoff");
-            }
-            Ok(_) if !self.db_up.swap(true, Ordering::Relaxed) => {
-                info!("outbox database available again");
-            }
-            _ => {}
         }
     }
 }
