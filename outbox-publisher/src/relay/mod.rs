@@ -137,19 +137,16 @@ use crate::stream_view::StreamView;
 use crate::wal::WalReader;
 
 mod audit;
-mod chain;
 mod durability;
 mod engine;
 mod horizon;
 mod maintenance;
 pub(crate) mod message;
 mod poll;
-mod progress;
-mod reachability;
 pub mod shards;
 
-pub(crate) use chain::Outcome;
-pub(crate) use engine::Engine;
+pub use engine::BatchReport;
+pub(crate) use engine::{Engine, Outcome};
 pub(crate) use horizon::Horizon;
 use poll::PollSource;
 pub(crate) use poll::{MainLane, MainLaneLimit};
@@ -159,44 +156,6 @@ pub use shards::SHARDS;
 /// table in schema `public`; a table in another schema notifies a channel of
 /// its own ([`outbox_pg::Namespace::notify_channel`]).
 pub const NOTIFY_CHANNEL: &str = "outbox_events";
-
-/// What one batch (or a drain) did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct BatchReport {
-    /// Rows read.
-    pub claimed: usize,
-    /// Rows acked by the broker and marked published (duplicates included).
-    pub published: usize,
-    /// Of those, acks flagged duplicate (a republish the stream dropped).
-    pub duplicates: usize,
-    /// Rows refused for a reason of their own (recorded, backed off or parked).
-    pub failed: usize,
-    /// Rows moved to the retry lane behind an earlier failed row of their subject.
-    pub deferred: usize,
-    /// Rows left as they were, to be read again (behind a broker fault, past
-    /// the byte budget, out of time).
-    pub unresolved: usize,
-    /// Publishes that failed because of the broker, not the row.
-    pub broker_faults: usize,
-}
-
-impl BatchReport {
-    fn add(&mut self, other: BatchReport) {
-        self.claimed += other.claimed;
-        self.published += other.published;
-        self.duplicates += other.duplicates;
-        self.failed += other.failed;
-        self.deferred += other.deferred;
-        self.unresolved += other.unresolved;
-        self.broker_faults += other.broker_faults;
-    }
-
-    /// Rows that reached a new state.
-    fn progress(&self) -> usize {
-        self.published + self.failed + self.deferred
-    }
-}
 
 /// The relay. Run any number of them against one table.
 ///
@@ -210,7 +169,7 @@ pub struct Relay<S = JetStreamSink> {
     shards: shards::Shards,
     audit: Option<crate::audit::Audit>,
     /// The stream and subjects, for the start line (a JetStream relay).
-    target: Option<progress::Target>,
+    target: Option<engine::progress::Target>,
 }
 
 /// The privileges a relay with `config` needs: SELECT and UPDATE on
@@ -331,7 +290,7 @@ impl Relay<JetStreamSink> {
         let sink = sink.follow(view);
         let mut relay = Self::new(pool, sink, config)?;
         relay.audit = audit;
-        relay.target = Some(progress::Target {
+        relay.target = Some(engine::progress::Target {
             stream: existing.name.clone(),
             subjects: existing.subjects.clone(),
         });
@@ -556,7 +515,7 @@ impl<S: Sink> Relay<S> {
         let engine = &self.engine;
         let (wake, wake_rx) = watch::channel(0_u64);
         let source = if wal.is_some() { "wal" } else { "poll" };
-        progress::log_start(&engine.config, self.target.as_ref(), source);
+        engine::progress::log_start(&engine.config, self.target.as_ref(), source);
         let poll = PollSource::new(engine, &self.shards, &self.horizon, lane);
         let auditor = audit::Auditor {
             audit: self.audit.as_ref(),

@@ -103,6 +103,7 @@ mod source;
 mod subjects;
 mod watermark;
 
+use pgwire_replication::PgWireError;
 use std::time::Duration;
 
 pub(crate) use source::{WalReader, keep_lead, lead};
@@ -281,6 +282,27 @@ pub(crate) fn valid_slot_name(name: &str) -> bool {
         && name
             .bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+}
+
+/// A replication client's error as the relay's. A pooler refusing the
+/// replication startup parameter (PgBouncer's `unsupported startup
+/// parameter`) is a configuration error no retry passes, named with what to
+/// do; so is a refused login.
+pub(super) fn wal_error(doing: &str, e: &PgWireError) -> Error {
+    match e {
+        PgWireError::Auth(_) => Error::new(ErrorKind::Privilege, format!("{doing}: {e}")),
+        PgWireError::Server(message) if message.contains("unsupported startup parameter") => {
+            Error::new(
+                ErrorKind::Config,
+                format!(
+                    "{doing}: {e}: the replication connection reached a pooler (PgBouncer does \
+                     not carry the replication protocol); give the WAL source the server's own \
+                     address (outbox-relay --wal-url / OUTBOX_WAL_URL)"
+                ),
+            )
+        }
+        _ => Error::new(ErrorKind::Database, format!("{doing}: {e}")),
+    }
 }
 
 #[cfg(test)]

@@ -71,8 +71,8 @@ use uuid::Uuid;
 use super::pgoutput::{self, Message};
 use super::row::{Inserted, Layout};
 use super::slot;
-use super::source::{Progress, wal_error};
 use super::subjects::Subjects;
+use super::wal_error;
 use super::watermark::Watermark;
 use crate::backoff::LoopBackoff;
 use crate::error::{Error, ErrorKind, Result};
@@ -132,6 +132,18 @@ struct Reader<'s> {
     relations: HashMap<u32, Option<Layout>>,
     /// The transaction being read.
     xid: u32,
+}
+
+/// What the WAL task keeps from one replication session to the next.
+#[derive(Debug, Default)]
+pub(super) struct Progress {
+    /// Rows at or below it belong to the polling path (the backfill);
+    /// `None`: the next session backfills first.
+    pub(super) floor: Option<i64>,
+    /// Every transaction ending at or before it is published and recorded.
+    pub(super) done: Lsn,
+    /// A session failed and was not followed by a good one yet.
+    pub(super) failing: bool,
 }
 
 /// The publish pipeline of one replication session.

@@ -9,13 +9,14 @@
 
 use std::time::{Duration, Instant};
 
-use pgwire_replication::{Lsn, PgWireError, ReplicationClient};
+use pgwire_replication::ReplicationClient;
 use sqlx::{Connection, PgConnection};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::pipeline::Pipeline;
+use super::pipeline::{Pipeline, Progress};
+use super::wal_error;
 use super::{WalSource, slot};
 use crate::backoff::LoopBackoff;
 use crate::error::{Error, ErrorKind, Result};
@@ -29,18 +30,6 @@ use crate::store::Store;
 const LEAD_CHECK: Duration = Duration::from_secs(1);
 /// How long the backfill waits between looks at what is left.
 const BACKFILL_RECHECK: Duration = Duration::from_millis(100);
-
-/// What the WAL task keeps from one replication session to the next.
-#[derive(Debug, Default)]
-pub(super) struct Progress {
-    /// Rows at or below it belong to the polling path (the backfill);
-    /// `None`: the next session backfills first.
-    pub(super) floor: Option<i64>,
-    /// Every transaction ending at or before it is published and recorded.
-    pub(super) done: Lsn,
-    /// A session failed and was not followed by a good one yet.
-    pub(super) failing: bool,
-}
 
 /// Waits for the lead of the WAL source's slot: a session holding its
 /// advisory lock. `None` when `shutdown` came first.
@@ -336,26 +325,5 @@ impl<'a, S: Sink> WalReader<'a, S> {
                 () = tokio::time::sleep(BACKFILL_RECHECK) => {}
             }
         }
-    }
-}
-
-/// A replication client's error as the relay's. A pooler refusing the
-/// replication startup parameter (PgBouncer's `unsupported startup
-/// parameter`) is a configuration error no retry passes, named with what to
-/// do; so is a refused login.
-pub(super) fn wal_error(doing: &str, e: &PgWireError) -> Error {
-    match e {
-        PgWireError::Auth(_) => Error::new(ErrorKind::Privilege, format!("{doing}: {e}")),
-        PgWireError::Server(message) if message.contains("unsupported startup parameter") => {
-            Error::new(
-                ErrorKind::Config,
-                format!(
-                    "{doing}: {e}: the replication connection reached a pooler (PgBouncer does \
-                     not carry the replication protocol); give the WAL source the server's own \
-                     address (outbox-relay --wal-url / OUTBOX_WAL_URL)"
-                ),
-            )
-        }
-        _ => Error::new(ErrorKind::Database, format!("{doing}: {e}")),
     }
 }

@@ -57,9 +57,9 @@ use std::time::Instant;
 
 use tracing::{debug, error};
 
-use super::engine::Engine;
-use super::message;
+use super::Engine;
 use crate::metrics;
+use crate::relay::message;
 use crate::sink::{MAX_BATCH, OutgoingMessage, PublishAck, PublishFailure, Sink};
 use crate::store::{ClaimedRow, Position};
 

@@ -12,8 +12,8 @@ use outbox_pg::HumanDuration;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
+use super::Engine;
 use super::chain::Outcome;
-use super::engine::Engine;
 use crate::config::RelayConfig;
 use crate::sink::Sink;
 use crate::store::ClaimedRow;
@@ -23,21 +23,21 @@ const STATS_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Where a JetStream relay publishes, for its start line.
 #[derive(Debug, Clone)]
-pub(super) struct Target {
-    pub(super) stream: String,
-    pub(super) subjects: Vec<String>,
+pub(in crate::relay) struct Target {
+    pub(in crate::relay) stream: String,
+    pub(in crate::relay) subjects: Vec<String>,
 }
 
 /// Rows this relay published (PubAcks) since the last progress line.
 #[derive(Debug, Default)]
-pub(super) struct Tally {
+pub(in crate::relay) struct Tally {
     published: AtomicU64,
     duplicates: AtomicU64,
 }
 
 impl Tally {
     /// Counts the published rows among a chain's outcomes.
-    pub(super) fn count(&self, out: &[(ClaimedRow, Outcome)]) {
+    pub(in crate::relay) fn count(&self, out: &[(ClaimedRow, Outcome)]) {
         let (mut published, mut duplicates) = (0, 0);
         for (_, outcome) in out {
             if let Outcome::Published { duplicate, .. } = outcome {
@@ -61,7 +61,11 @@ impl Tally {
 }
 
 /// The start line of a relay publishing to `target` (none: a custom sink).
-pub(super) fn log_start(config: &RelayConfig, target: Option<&Target>, source: &'static str) {
+pub(in crate::relay) fn log_start(
+    config: &RelayConfig,
+    target: Option<&Target>,
+    source: &'static str,
+) {
     let (stream, subjects) = match target {
         Some(t) => (t.stream.as_str(), t.subjects.join(",")),
         None => ("(custom sink)", String::new()),
@@ -81,7 +85,7 @@ pub(super) fn log_start(config: &RelayConfig, target: Option<&Target>, source: &
 impl<S: Sink> Engine<S> {
     /// Every `progress_interval` until `shutdown`, the progress line (none
     /// when the interval is zero).
-    pub(super) async fn progress_loop(&self, shutdown: &CancellationToken) {
+    pub(in crate::relay) async fn progress_loop(&self, shutdown: &CancellationToken) {
         let every = self.config.progress_interval;
         if every.is_zero() {
             return;

@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use super::BatchReport;
-use super::engine::Engine;
+use super::Engine;
 use crate::error::{ErrorKind, Result};
 use crate::metrics;
 use crate::sink::Sink;
@@ -47,7 +47,7 @@ impl Default for Health {
 
 impl<S: Sink> Engine<S> {
     /// After a batch: an empty one while connected means the broker is fine.
-    pub(super) fn note_broker_idle(&self, result: &Result<BatchReport>) {
+    pub(in crate::relay) fn note_broker_idle(&self, result: &Result<BatchReport>) {
         if matches!(result, Ok(report) if report.claimed == 0)
             && self.sink.is_available()
             && !self.health.broker_up.swap(true, Ordering::Relaxed)
@@ -58,7 +58,7 @@ impl<S: Sink> Engine<S> {
 
     /// Pings the database if no batch does it for us (no shards held, or
     /// the broker down), bounded by [`PROBE_TIMEOUT`], and notes the result.
-    pub(super) async fn probe_database(&self, holds_shards: bool) {
+    pub(in crate::relay) async fn probe_database(&self, holds_shards: bool) {
         if holds_shards && self.sink.is_available() {
             return;
         }
@@ -76,7 +76,10 @@ impl<S: Sink> Engine<S> {
     /// found closed for good ([`Sink::is_closed`]), which is asked every
     /// [`CLOSED_CHECK`] while the broker counts as down (publishes failed,
     /// or not connected); never before `shutdown`.
-    pub(super) async fn client_watch(&self, shutdown: &CancellationToken) -> Option<crate::Error> {
+    pub(in crate::relay) async fn client_watch(
+        &self,
+        shutdown: &CancellationToken,
+    ) -> Option<crate::Error> {
         loop {
             tokio::select! {
                 () = tokio::time::sleep(CLOSED_CHECK) => {}

@@ -1,6 +1,6 @@
 //! The engine: what both sources share. Given rows (claimed by the polling
 //! source, or read from the WAL), it validates each into a message, publishes
-//! a subject's chain in order ([`chain`](super::chain)), records every
+//! a subject's chain in order ([`chain`](chain)), records every
 //! outcome and marks the published rows. It owns the store, the sink, the
 //! backoff, the reachability states and the progress tally; it reads no rows
 //! and moves no cursor or slot: that is each source's own business.
@@ -24,6 +24,12 @@
 //! adds its subject to the stream (nothing to reset on the row). A row is
 //! never marked before its PubAck.
 
+mod chain;
+pub(in crate::relay) mod progress;
+mod reachability;
+
+pub(crate) use chain::Outcome;
+
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -31,16 +37,53 @@ use futures::StreamExt;
 use tracing::error;
 use uuid::Uuid;
 
-use super::chain::Outcome;
-use super::progress::Tally;
-use super::reachability::Health;
-use super::{BatchReport, message};
+use self::progress::Tally;
+use self::reachability::Health;
+use super::message;
 use crate::backoff::Backoff;
 use crate::config::RelayConfig;
 use crate::error::Result;
 use crate::metrics;
 use crate::sink::{PublishFailure, Sink};
 use crate::store::{Blocker, ClaimedRow, Failure, Position, Store};
+
+/// What one batch (or a drain) did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BatchReport {
+    /// Rows read.
+    pub claimed: usize,
+    /// Rows acked by the broker and marked published (duplicates included).
+    pub published: usize,
+    /// Of those, acks flagged duplicate (a republish the stream dropped).
+    pub duplicates: usize,
+    /// Rows refused for a reason of their own (recorded, backed off or parked).
+    pub failed: usize,
+    /// Rows moved to the retry lane behind an earlier failed row of their subject.
+    pub deferred: usize,
+    /// Rows left as they were, to be read again (behind a broker fault, past
+    /// the byte budget, out of time).
+    pub unresolved: usize,
+    /// Publishes that failed because of the broker, not the row.
+    pub broker_faults: usize,
+}
+
+impl BatchReport {
+    pub(super) fn add(&mut self, other: BatchReport) {
+        self.claimed += other.claimed;
+        self.published += other.published;
+        self.duplicates += other.duplicates;
+        self.failed += other.failed;
+        self.deferred += other.deferred;
+        self.unresolved += other.unresolved;
+        self.broker_faults += other.broker_faults;
+    }
+
+    /// Rows that reached a new state.
+    pub(super) fn progress(&self) -> usize {
+        self.published + self.failed + self.deferred
+    }
+}
 
 /// The shared publish engine (see the module docs).
 #[derive(Debug)]
