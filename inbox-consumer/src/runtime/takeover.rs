@@ -75,7 +75,7 @@ use serde_json::Value;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use super::checkpoint::{self, Checkpoint};
+use super::checkpoint::{self, CaughtUp, Checkpoint};
 use super::ghosts;
 use super::process::Shared;
 use crate::error::{Error, ErrorKind};
@@ -333,7 +333,7 @@ pub(crate) async fn scan<J: Pending>(
             checkpoint: Checkpoint::new(delivered, Some(next_delivery), []),
         });
     }
-    let filters = filters_of(&info.config);
+    let filters = ghosts::filters_of(&info.config);
     let stream = shared.js.get_stream(&config.stream).await.map_err(|e| {
         Error::caused(
             ErrorKind::Nats,
@@ -511,31 +511,6 @@ fn backlog_of<J: Pending>(
     backlog
 }
 
-/// The durable's filter subjects.
-pub(super) fn filters_of(config: &async_nats::jetstream::consumer::Config) -> Vec<String> {
-    if config.filter_subjects.is_empty() {
-        [config.filter_subject.clone()]
-            .into_iter()
-            .filter(|f| !f.is_empty())
-            .collect()
-    } else {
-        config.filter_subjects.clone()
-    }
-}
-
-/// What a leader's [`catch_up`] found.
-#[derive(Debug)]
-pub(crate) struct CaughtUp {
-    /// The consumer's next delivery sequence when it started.
-    pub(crate) next_delivery: u64,
-    /// The last delivered stream sequence when it started.
-    pub(crate) delivered: u64,
-    /// Classified up to here (`delivered`, unless a bound was hit).
-    pub(crate) classified_to: u64,
-    /// The unfinished messages found, by stream sequence.
-    pub(crate) unfinished: Vec<u64>,
-}
-
 /// For a leader whose checkpoint is frozen at `after` (its takeover scan hit
 /// its bound, or a delivery did not reach it): classifies the stream from
 /// there to the consumer's last delivered message, as a takeover scan would,
@@ -573,7 +548,7 @@ pub(crate) async fn catch_up(
     if after >= delivered {
         return Ok(caught);
     }
-    let filters = filters_of(&info.config);
+    let filters = ghosts::filters_of(&info.config);
     let stream = shared.js.get_stream(&config.stream).await.map_err(|e| {
         Error::caused(
             ErrorKind::Nats,
