@@ -42,7 +42,7 @@
 //!    publisher) is read whole, and the id in its body counts; so does an
 //!    unfinished one whose body names another id than its header.
 //! 3. **A hard bound**, in messages and in time
-//!    ([`ConsumerConfig::takeover_scan`](super::ConsumerConfig::takeover_scan)),
+//!    ([`ConsumerConfig::takeover_scan`](crate::runtime::ConsumerConfig::takeover_scan)),
 //!    and on the unfinished events kept. When it is hit, the sequences past
 //!    the last chunk classified are not known: any subject may have an
 //!    unfinished event there. Then the backlog is *unsettled*: the
@@ -60,7 +60,7 @@
 //! unfinished events as the consumer has messages pending
 //! (`num_ack_pending`). That would be sound only if every event the inbox
 //! does not know were pending, and it is not so: a type no route handles is
-//! acked with no inbox row ([`Unrouted::Ack`](super::Unrouted::Ack)), and
+//! acked with no inbox row ([`Unrouted::Ack`](crate::runtime::Unrouted::Ack)), and
 //! would count as unfinished; the stop would then leave a real one unread.
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -76,9 +76,9 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::checkpoint::{self, CaughtUp, Checkpoint};
-use super::ghosts;
-use super::process::Shared;
 use crate::error::{Error, ErrorKind};
+use crate::runtime::ghosts;
+use crate::runtime::process::Shared;
 
 /// Messages classified per inbox query.
 pub(crate) const CHUNK: usize = 1_000;
@@ -96,7 +96,7 @@ pub(crate) trait Pending {
     fn stream_sequence(&self) -> u64;
 }
 
-impl Pending for super::Job {
+impl Pending for crate::runtime::Job {
     fn subject(&self) -> &str {
         self.1.subject()
     }
@@ -298,7 +298,7 @@ struct Bounds {
 }
 
 /// Finds the events that earlier leaders of `consumer` left unfinished,
-/// within the bounds of [`ConsumerConfig::takeover_scan`](super::ConsumerConfig::takeover_scan).
+/// within the bounds of [`ConsumerConfig::takeover_scan`](crate::runtime::ConsumerConfig::takeover_scan).
 ///
 /// # Errors
 /// [`ErrorKind::Nats`](crate::ErrorKind::Nats) if the consumer or a stream
