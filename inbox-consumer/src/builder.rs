@@ -20,9 +20,10 @@ use tower::{Layer, Service, ServiceBuilder};
 use crate::dedupe::{DedupeLayer, Timeouts};
 use crate::delivery::{Delivery, InTx, Outcome};
 use crate::error::{BoxError, Error, ErrorKind, Result};
+use crate::grouping::GroupRoute;
 use crate::handler::{BatchHandler, Handler};
 use crate::metrics::MetricsLayer;
-use crate::router::{GroupRoute, Router, TxRoute};
+use crate::router::{Router, TxRoute};
 use crate::runtime::{Consumer, ConsumerConfig};
 use crate::trace::TraceLayer;
 
