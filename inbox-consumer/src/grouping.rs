@@ -50,23 +50,30 @@ pub trait GroupBatching {
 /// own, whatever it wraps (a router's groups included). The explicit
 /// fallback for a service that does not implement [`GroupBatching`].
 ///
-/// ```
-/// # use inbox_consumer::prelude::*;
+/// ```no_run
 /// use std::time::Duration;
-/// use inbox_consumer::{DedupeLayer, Ungrouped};
+/// use inbox_consumer::prelude::*;
+/// use inbox_consumer::{DedupeLayer, InTx, Ungrouped};
 /// use tower::ServiceBuilder;
 /// use tower::timeout::TimeoutLayer;
 ///
-/// # fn stack(pool: sqlx::PgPool) {
-/// // A timeout around the whole router: it sees every delivery, so no
-/// // BatchHandler gets a group through it.
+/// # #[tokio::main]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let pool = sqlx::PgPool::connect("postgres://localhost/billing").await?;
+/// # let js = async_nats::jetstream::new(async_nats::connect("nats://localhost:4222").await?);
+/// let router: Router<InTx<Delivery>, InTx<Outcome>> = Router::new();
+/// let config = ConsumerConfig::for_router("SUBSCRIPTIONS", "billing", &router);
+/// // A timeout around the whole router sees every delivery: no BatchHandler
+/// // gets a group through it, and `Ungrouped` says so (without it, the
+/// // stack does not compile for `run_batched`).
 /// let service = ServiceBuilder::new()
-///     .layer(DedupeLayer::new(pool))
+///     .layer(DedupeLayer::new(pool.clone()))
 ///     .layer_fn(Ungrouped::new)
 ///     .layer(TimeoutLayer::new(Duration::from_secs(10)))
-///     .service(Router::new());
-/// # let _ = service;
-/// # }
+///     .service(router);
+/// let consumer = Consumer::new(pool, js, config).await?;
+/// consumer.run_batched(service, inbox_consumer::shutdown_signal()).await?;
+/// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
 pub struct Ungrouped<S> {

@@ -163,6 +163,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(warnings))))]
 
+mod batch_handler;
 mod builder;
 pub mod dead_letter;
 pub mod dedupe;
@@ -190,6 +191,7 @@ pub mod runtime;
 mod service;
 pub mod trace;
 
+pub use batch_handler::BatchHandler;
 pub use builder::{ConsumerBuilder, IntoJetStream};
 pub use dedupe::{Dedupe, DedupeLayer, Timeouts};
 pub use delivery::{
@@ -198,7 +200,7 @@ pub use delivery::{
 };
 pub use error::{Action, BoxError, Error, ErrorKind, HandlerError, Result};
 pub use grouping::{GroupBatching, GroupRoute, Ungrouped};
-pub use handler::{BatchHandler, Handler};
+pub use handler::Handler;
 pub use health::{DEFAULT_CHECK_TIMEOUT, Readiness};
 pub use metrics::{Metrics, MetricsLayer};
 pub use ordering::{SkipStale, SkipStaleLayer};

@@ -11,10 +11,11 @@ use tower::{Layer, Service, ServiceExt};
 
 use outbox_pg::Event;
 
+use crate::batch_handler::BatchHandler;
 use crate::delivery::{Delivery, InTx, Outcome};
 use crate::error::{BoxError, Error, ErrorKind, HandlerError};
 use crate::grouping::{GroupBatching, GroupRoute};
-use crate::handler::{BatchHandler, Handler};
+use crate::handler::Handler;
 use crate::service::{BatchHandlerService, HandlerService};
 
 /// A request that names its event type.

@@ -12,10 +12,11 @@ use sqlx::PgTransaction;
 use tower::Service;
 use tracing::Instrument;
 
+use crate::batch_handler::BatchHandler;
 use crate::delivery::{Delivery, InTx, Outcome};
 use crate::error::{Error, ErrorKind, HandlerError};
 use crate::grouping::{GroupBatching, GroupRoute};
-use crate::handler::{BatchHandler, Handler};
+use crate::handler::Handler;
 
 /// Runs a [`Handler`] on an [`InTx<Delivery>`]: decodes `data` into
 /// `H::Message`, lends the transaction to [`Handler::handle`], and hands the
