@@ -17,12 +17,14 @@ use async_nats::jetstream;
 use sqlx::PgPool;
 use tower::{Layer, Service, ServiceBuilder};
 
+use crate::batch_handler::BatchHandler;
 use crate::dedupe::{DedupeLayer, Timeouts};
 use crate::delivery::{Delivery, InTx, Outcome};
 use crate::error::{BoxError, Error, ErrorKind, Result};
-use crate::handler::{BatchHandler, Handler};
+use crate::grouping::GroupRoute;
+use crate::handler::Handler;
 use crate::metrics::MetricsLayer;
-use crate::router::{GroupRoute, Router, TxRoute};
+use crate::router::{Router, TxRoute};
 use crate::runtime::{Consumer, ConsumerConfig};
 use crate::trace::TraceLayer;
 

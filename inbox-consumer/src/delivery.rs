@@ -305,8 +305,9 @@ pub type BatchResults = Vec<Result<Outcome, crate::error::BoxError>>;
 
 /// What the runtime asks of a stack: one [`Delivery`] (answered with an
 /// [`Outcome`]), or a batch, `Vec<Delivery>` (answered with
-/// [`BatchResults`]). [`Trace`](crate::Trace) and
-/// [`Metrics`](crate::Metrics) serve both through it, one implementation each.
+/// [`BatchResults`]). [`Metrics`](crate::Metrics) serves both through it,
+/// with one implementation; [`Trace`](crate::Trace) reads each delivery's
+/// result through it.
 pub trait Deliveries: Send + 'static {
     /// What the stack answers.
     type Response;
@@ -319,17 +320,6 @@ pub trait Deliveries: Send + 'static {
     fn results(
         response: &Self::Response,
     ) -> impl Iterator<Item = Result<Outcome, &crate::error::BoxError>>;
-
-    /// For a batch, the `inbox.batch` span its service call is polled in,
-    /// the parent of its deliveries' spans (which they carry down the
-    /// stack); `None` for one delivery, called and polled in its own span.
-    fn batch_span(&self) -> Option<tracing::Span>;
-
-    /// The request with each delivery carrying its span down the stack,
-    /// where the handler runs in it (a batch's; see
-    /// [`Deliveries::batch_span`]).
-    #[must_use]
-    fn in_spans(self, spans: &[tracing::Span]) -> Self;
 }
 
 impl Deliveries for Delivery {
@@ -344,15 +334,6 @@ impl Deliveries for Delivery {
     ) -> impl Iterator<Item = Result<Outcome, &crate::error::BoxError>> {
         std::iter::once(Ok(*response))
     }
-
-    fn batch_span(&self) -> Option<tracing::Span> {
-        None
-    }
-
-    /// Unchanged: one delivery is called and polled inside its own span.
-    fn in_spans(self, _spans: &[tracing::Span]) -> Self {
-        self
-    }
 }
 
 impl Deliveries for Vec<Delivery> {
@@ -366,32 +347,6 @@ impl Deliveries for Vec<Delivery> {
         response: &BatchResults,
     ) -> impl Iterator<Item = Result<Outcome, &crate::error::BoxError>> {
         response.iter().map(|result| result.as_ref().copied())
-    }
-
-    fn batch_span(&self) -> Option<tracing::Span> {
-        let span = tracing::info_span!(
-            "inbox.batch",
-            consumer = self.first().map(Delivery::consumer),
-            deliveries = self.len(),
-        );
-        #[cfg(feature = "opentelemetry")]
-        for delivery in self {
-            if let Some(writer) = crate::trace::writer_context(delivery) {
-                use opentelemetry::trace::TraceContextExt;
-                tracing_opentelemetry::OpenTelemetrySpanExt::add_link(
-                    &span,
-                    writer.span().span_context().clone(),
-                );
-            }
-        }
-        Some(span)
-    }
-
-    fn in_spans(self, spans: &[tracing::Span]) -> Self {
-        self.into_iter()
-            .zip(spans)
-            .map(|(delivery, span)| delivery.in_span(span.clone()))
-            .collect()
     }
 }
 

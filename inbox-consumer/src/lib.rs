@@ -138,6 +138,12 @@
 //! rebuild. [`ConsumerBuilder::batch_layer`] takes a layer that also wraps a
 //! [`BatchHandler`]'s group call, so its batches stay whole.
 //!
+//! In a batch, [`Dedupe`] hands a [`BatchHandler`] its events together only
+//! through a service that states it keeps groups ([`GroupBatching`]: a
+//! [`Router`]); for the batched mode, the service under the dedupe says
+//! either way, and one that says nothing goes under [`Ungrouped`], the
+//! explicit one-at-a-time fallback.
+//!
 //! # Features
 //!
 //! - `connect` (off): `inbox_consumer::connect`, re-exported from
@@ -157,12 +163,14 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc(test(attr(deny(warnings))))]
 
+mod batch_handler;
 mod builder;
 pub mod dead_letter;
 pub mod dedupe;
 mod delivery;
 mod error;
 mod fence;
+mod grouping;
 /// The user guide's chapter on consuming, rendered here from the
 /// repository's `docs/`.
 pub mod guide {
@@ -183,6 +191,7 @@ pub mod runtime;
 mod service;
 pub mod trace;
 
+pub use batch_handler::BatchHandler;
 pub use builder::{ConsumerBuilder, IntoJetStream};
 pub use dedupe::{Dedupe, DedupeLayer, Timeouts};
 pub use delivery::{
@@ -190,7 +199,8 @@ pub use delivery::{
     TRACESTATE_HEADER,
 };
 pub use error::{Action, BoxError, Error, ErrorKind, HandlerError, Result};
-pub use handler::{BatchHandler, Handler};
+pub use grouping::{GroupBatching, GroupRoute, Ungrouped};
+pub use handler::Handler;
 pub use health::{DEFAULT_CHECK_TIMEOUT, Readiness};
 pub use metrics::{Metrics, MetricsLayer};
 pub use ordering::{SkipStale, SkipStaleLayer};
@@ -202,7 +212,7 @@ pub use outbox_pg::shutdown_signal;
 pub use poison::{Poison, Reason};
 pub use retention::Retention;
 pub use retry::RetryPolicy;
-pub use router::{GroupRoute, Routable, Route, Router, TxRoute};
+pub use router::{Routable, Route, Router, TxRoute};
 pub use runtime::{Consumer, ConsumerConfig, Start, Unrouted};
 pub use service::{BatchHandlerService, HandlerService, typed};
 pub use trace::{Trace, TraceLayer};

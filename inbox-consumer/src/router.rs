@@ -11,9 +11,11 @@ use tower::{Layer, Service, ServiceExt};
 
 use outbox_pg::Event;
 
+use crate::batch_handler::BatchHandler;
 use crate::delivery::{Delivery, InTx, Outcome};
 use crate::error::{BoxError, Error, ErrorKind, HandlerError};
-use crate::handler::{BatchHandler, Handler};
+use crate::grouping::{GroupBatching, GroupRoute};
+use crate::handler::Handler;
 use crate::service::{BatchHandlerService, HandlerService};
 
 /// A request that names its event type.
@@ -52,12 +54,8 @@ where
     BoxCloneSyncService::new(service.map_err(Into::into))
 }
 
-/// A route for a whole group of one event type, in the batch's transaction:
-/// what [`Router::batch_layer`] wraps beside each [`TxRoute`].
-pub type GroupRoute = BoxCloneSyncService<InTx<Vec<Delivery>>, InTx<()>, BoxError>;
-
 /// The group routes of a router, by event type.
-pub(crate) type Groups = Arc<HashMap<String, GroupRoute>>;
+type Groups = Arc<HashMap<String, GroupRoute>>;
 
 /// Routes requests by event type; cheap to clone.
 ///
@@ -78,8 +76,9 @@ pub(crate) type Groups = Arc<HashMap<String, GroupRoute>>;
 /// or two runtimes with different names) each handle every event once.
 ///
 /// A type routed to a [`BatchHandler`] ([`batch_handler`](Self::batch_handler))
-/// also has a group route: a batch's [`Dedupe`](crate::dedupe::Dedupe) wrapping
-/// this router hands it every event of the type in the batch at once.
+/// also has a group route ([`GroupBatching`]): a batch's
+/// [`Dedupe`](crate::dedupe::Dedupe) wrapping this router hands it every
+/// event of the type in the batch at once.
 pub struct Router<Req, Resp> {
     routes: Arc<HashMap<String, Route<Req, Resp>>>,
     groups: Groups,
@@ -348,10 +347,14 @@ impl Router<InTx<Delivery>, InTx<Outcome>> {
             groups: Arc::new(groups),
         }
     }
+}
 
-    /// The group routes, by event type.
-    pub(crate) fn groups(&self) -> Groups {
-        Arc::clone(&self.groups)
+/// The group routes of the types routed to a [`BatchHandler`]; see
+/// [`batch_handler`](Router::batch_handler), and [`layer`](Router::layer),
+/// which drops them.
+impl GroupBatching for Router<InTx<Delivery>, InTx<Outcome>> {
+    fn group_route(&self, event_type: &str) -> Option<&GroupRoute> {
+        self.groups.get(event_type)
     }
 }
 
@@ -422,17 +425,17 @@ mod tests {
             .route_batch_handler("a.one", Group)
             .route_batch_handler("a.two", Group);
         assert_eq!(router.event_types(), ["a.one", "a.two"]);
-        let mut groups: Vec<String> = router.groups().keys().cloned().collect();
+        let mut groups: Vec<String> = router.groups.keys().cloned().collect();
         groups.sort_unstable();
         assert_eq!(groups, ["a.one", "a.two"]);
 
         // A plain route for the type replaces the batch handler, group and all.
         let replaced = router.clone().route("a.one", HandlerService::new(Plain));
         assert_eq!(replaced.event_types(), ["a.one", "a.two"]);
-        assert!(!replaced.groups().contains_key("a.one"));
-        assert!(replaced.groups().contains_key("a.two"));
+        assert!(!replaced.groups.contains_key("a.one"));
+        assert!(replaced.groups.contains_key("a.two"));
         // The clone it came from keeps its own.
-        assert!(router.groups().contains_key("a.one"));
+        assert!(router.groups.contains_key("a.one"));
     }
 
     #[test]
@@ -444,11 +447,12 @@ mod tests {
 
         let each = router.clone().layer(timeout.clone());
         assert_eq!(each.event_types(), ["a.one", "a.two"]);
-        assert!(each.groups().is_empty(), "a group would pass the layer by");
+        assert!(each.groups.is_empty(), "a group would pass the layer by");
 
         let batched = router.batch_layer(timeout);
         assert_eq!(batched.event_types(), ["a.one", "a.two"]);
-        let groups: Vec<String> = batched.groups().keys().cloned().collect();
+        let groups: Vec<String> = batched.groups.keys().cloned().collect();
+        assert!(batched.group_route("a.one").is_some() && batched.group_route("a.two").is_none());
         assert_eq!(groups, ["a.one"]);
     }
 

@@ -12,9 +12,11 @@ use sqlx::PgTransaction;
 use tower::Service;
 use tracing::Instrument;
 
+use crate::batch_handler::BatchHandler;
 use crate::delivery::{Delivery, InTx, Outcome};
 use crate::error::{Error, ErrorKind, HandlerError};
-use crate::handler::{BatchHandler, Handler};
+use crate::grouping::{GroupBatching, GroupRoute};
+use crate::handler::Handler;
 
 /// Runs a [`Handler`] on an [`InTx<Delivery>`]: decodes `data` into
 /// `H::Message`, lends the transaction to [`Handler::handle`], and hands the
@@ -75,6 +77,13 @@ where
     }
 }
 
+/// Keeps no groups: a handler takes one event at a time.
+impl<H> GroupBatching for HandlerService<H> {
+    fn group_route(&self, _event_type: &str) -> Option<&GroupRoute> {
+        None
+    }
+}
+
 impl<H: Handler> Service<InTx<Delivery>> for HandlerService<H> {
     type Response = InTx<Outcome>;
     type Error = HandlerError;
@@ -127,6 +136,16 @@ impl<H> fmt::Debug for BatchHandlerService<H> {
         f.debug_struct("BatchHandlerService")
             .field("handler", &std::any::type_name::<H>())
             .finish()
+    }
+}
+
+/// Keeps no groups: alone under a [`Dedupe`](crate::Dedupe), the handler
+/// gets each event of a batch as a group of one. Routed through a
+/// [`Router`](crate::Router) ([`Router::batch_handler`](crate::Router::batch_handler)),
+/// it gets the batch's events of its type together.
+impl<H> GroupBatching for BatchHandlerService<H> {
+    fn group_route(&self, _event_type: &str) -> Option<&GroupRoute> {
+        None
     }
 }
 

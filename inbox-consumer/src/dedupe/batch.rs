@@ -10,17 +10,18 @@
 //! each failed delivery alone. Duplicates, inside the batch or already in the
 //! inbox, skip their handler as in single mode.
 //!
-//! When the inner service is a [`Router`] (directly: a `Dedupe<Router<…>>`,
-//! as [`Consumer::builder`](crate::Consumer::builder) and `billing` build it)
-//! and an event type is routed to a [`BatchHandler`](crate::BatchHandler), the
-//! batch's fresh deliveries of that type go to it together, in one call, at
-//! the place of the first of them (their subjects are distinct, so no
-//! subject's order changes). A group of one that fails is set aside as
+//! A batch needs its inner service to state whether it keeps groups
+//! ([`GroupBatching`]: a [`Router`](crate::Router), as
+//! [`Consumer::builder`](crate::Consumer::builder) and `billing` build it, or
+//! a service stated to keep none, such as [`Ungrouped`](crate::Ungrouped)).
+//! When it gives a group route for an event type (a router's type routed to
+//! a [`BatchHandler`](crate::BatchHandler)), the batch's fresh deliveries of
+//! that type go to it together, in one call, at the place of the first of
+//! them (their subjects are distinct, so no subject's order changes). A group of one that fails is set aside as
 //! above; a larger group that fails fails the batch as a whole (which of its
 //! events caused it is not known), so the runtime handles each delivery
 //! alone, where the handler gets a group of one.
 
-use std::any::Any;
 use std::collections::HashSet;
 use std::task::{Context, Poll};
 
@@ -33,15 +34,12 @@ use uuid::Uuid;
 use super::{Dedupe, begin_tx, commit, note_duplicate};
 use crate::delivery::{BatchResults, Delivery, InTx, Outcome};
 use crate::error::{BoxError, Error, ErrorKind};
+use crate::grouping::GroupBatching;
 use crate::ordering::sequence_column;
-use crate::router::{Groups, Router};
-
-/// The router whose group routes a batch uses.
-type TxRouter = Router<InTx<Delivery>, InTx<Outcome>>;
 
 impl<S> Service<Vec<Delivery>> for Dedupe<S>
 where
-    S: Service<InTx<Delivery>, Response = InTx<Outcome>> + Clone + Send + 'static,
+    S: Service<InTx<Delivery>, Response = InTx<Outcome>> + GroupBatching + Clone + Send + 'static,
     S::Error: Into<BoxError>,
     S::Future: Send + 'static,
 {
@@ -58,13 +56,7 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let (pool, begin) = (self.pool.clone(), self.timeouts.begin_statement());
-        // Only a router right under the dedupe: a layer between them may
-        // act per delivery, and a group would pass it by.
-        let groups = (&self.inner as &dyn Any)
-            .downcast_ref::<TxRouter>()
-            .map(Router::groups)
-            .filter(|groups| !groups.is_empty());
-        Box::pin(handle(inner, groups, pool, begin, deliveries))
+        Box::pin(handle(inner, pool, begin, deliveries))
     }
 }
 
@@ -74,13 +66,12 @@ type Row = (usize, Option<i64>);
 /// Handles `deliveries` in one transaction. See the [module docs](self).
 async fn handle<S>(
     mut inner: S,
-    groups: Option<Groups>,
     pool: PgPool,
     begin: String,
     deliveries: Vec<Delivery>,
 ) -> Result<BatchResults, BoxError>
 where
-    S: tower::Service<InTx<Delivery>, Response = InTx<Outcome>> + Send,
+    S: tower::Service<InTx<Delivery>, Response = InTx<Outcome>> + GroupBatching + Send,
     S::Error: Into<BoxError>,
     S::Future: Send,
 {
@@ -98,7 +89,6 @@ where
             deliveries: &deliveries,
             rows: &rows,
             fresh: &fresh,
-            groups: groups.as_ref(),
         };
         match batch.run(&mut inner, tx).await? {
             Passed::Failed(position, error) => {
@@ -206,7 +196,6 @@ struct Pass<'a> {
     deliveries: &'a [Delivery],
     rows: &'a [Row],
     fresh: &'a HashSet<Uuid>,
-    groups: Option<&'a Groups>,
 }
 
 /// How a [`Pass`] ended.
@@ -226,7 +215,7 @@ impl Pass<'_> {
     /// is not known, so the runtime retries each delivery alone.
     async fn run<S>(&self, inner: &mut S, tx: PgTransaction<'static>) -> Result<Passed, BoxError>
     where
-        S: tower::Service<InTx<Delivery>, Response = InTx<Outcome>> + Send,
+        S: tower::Service<InTx<Delivery>, Response = InTx<Outcome>> + GroupBatching + Send,
         S::Error: Into<BoxError>,
         S::Future: Send,
     {
@@ -243,7 +232,7 @@ impl Pass<'_> {
                 continue;
             }
             let event_type = delivery.event_type().as_str();
-            if let Some(route) = self.groups.and_then(|g| g.get(event_type)) {
+            if let Some(route) = inner.group_route(event_type).cloned() {
                 let members = group_of(
                     &self.rows[position..],
                     self.deliveries,
@@ -254,7 +243,7 @@ impl Pass<'_> {
                     .iter()
                     .map(|&i| self.deliveries[i].clone())
                     .collect();
-                match route.clone().oneshot(InTx::new(tx, group)).await {
+                match route.oneshot(InTx::new(tx, group)).await {
                     Ok(back) => {
                         tx = back.into_parts().0;
                         for &i in &members {

@@ -92,6 +92,7 @@ use tower::Service;
 
 use crate::delivery::{Delivery, InTx, Outcome};
 use crate::error::{BoxError, Error, ErrorKind};
+use crate::grouping::{GroupBatching, GroupRoute};
 
 pub use layer::SkipStaleLayer;
 
@@ -230,6 +231,15 @@ impl<S> SkipStale<S> {
     /// Unwraps the inner service.
     pub fn into_inner(self) -> S {
         self.inner
+    }
+}
+
+/// Keeps no groups: a group call would pass the staleness check by, so in a
+/// batch each delivery is checked, then handled, on its own (a
+/// [`BatchHandler`](crate::BatchHandler) behind it gets groups of one).
+impl<S> GroupBatching for SkipStale<S> {
+    fn group_route(&self, _event_type: &str) -> Option<&GroupRoute> {
+        None
     }
 }
 

@@ -4,7 +4,6 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
 
-use super::position::Start;
 use crate::retention::Retention;
 use crate::retry::RetryPolicy;
 
@@ -51,6 +50,25 @@ pub enum Unrouted {
     /// Dead-letter it as `unroutable`: every type on the filter is meant to be
     /// handled, and one that is not is a deployment error to look at.
     DeadLetter,
+}
+
+/// Where a durable the runtime creates starts. See the
+/// [position docs](super::position).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Start {
+    /// After the consumer's recorded position, or after the position of the
+    /// consumer it renames (same stream, same filter subjects), or, for a
+    /// consumer that never ran against this inbox, the start of the stream.
+    #[default]
+    Auto,
+    /// The whole stream, whatever is recorded: a replay asked for. Events
+    /// whose inbox rows are past the retention window are applied again.
+    All,
+    /// Only messages stored after the durable is created.
+    New,
+    /// From this stream sequence on.
+    Sequence(u64),
 }
 
 impl ConsumerConfig {

@@ -127,7 +127,7 @@ impl Sweep {
         if info.num_ack_pending == 0 || moved {
             return Ok(());
         }
-        let filters = super::takeover::filters_of(&info.config);
+        let filters = filters_of(&info.config);
         let delivered = info.delivered.stream_sequence;
         tracing::debug!(
             consumer = %shared.config.durable, floor, delivered, pending = info.num_ack_pending,
@@ -393,6 +393,18 @@ fn legible(block: &HeaderBlock) -> HeaderMap {
         }
     }
     headers
+}
+
+/// The durable's filter subjects.
+pub(super) fn filters_of(config: &async_nats::jetstream::consumer::Config) -> Vec<String> {
+    if config.filter_subjects.is_empty() {
+        [config.filter_subject.clone()]
+            .into_iter()
+            .filter(|f| !f.is_empty())
+            .collect()
+    } else {
+        config.filter_subjects.clone()
+    }
 }
 
 #[cfg(test)]

@@ -129,7 +129,7 @@
 //!   holds what it receives until it has read the messages in between by
 //!   sequence: each unreadable one is settled at once, each event is made
 //!   the next its subject waits for (as after a takeover), then the held
-//!   messages go on (`runtime/gaps.rs`). Its takeover reader, which reads the
+//!   messages go on (`runtime/ordered/gaps.rs`). Its takeover reader, which reads the
 //!   stream through the client too, steps over an unreadable message the same
 //!   way instead of stopping at it.
 //!
@@ -262,7 +262,7 @@
 //!   bound, the unfinished events found still go first and every other
 //!   message waits until the previous leader's messages have had time to
 //!   come back, then all go in stream order: slower, logged, never
-//!   reordered. See `takeover.rs` and `checkpoint.rs` for why each step is
+//!   reordered. See `ordered/takeover.rs` and `ordered/checkpoint.rs` for why each step is
 //!   sound, and the crate's `BENCHMARKS.md` ("Ordered takeover with a stuck
 //!   message") for what it takes.
 //! - **In-place retries.** A failed delivery is retried by the leader after
@@ -313,21 +313,17 @@
 
 pub(crate) mod ack;
 mod batch;
-mod checkpoint;
 mod config;
 mod dispatch;
-mod gaps;
 mod ghosts;
 mod lag;
-pub(crate) mod lease;
-mod lock_holder;
+mod ordered;
 mod owner;
 mod panics;
 pub mod position;
 mod process;
 mod runner;
 mod session;
-mod takeover;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -349,11 +345,11 @@ pub use config::{ConsumerConfig, Unrouted};
 pub use lag::{LAG_INTERVAL, LAG_TIMEOUT};
 pub use position::Start;
 
-use lease::Tenure;
+use ordered::lease::{self, Tenure};
+use ordered::takeover::{self, Backlog};
 use process::Shared;
 use runner::{Batched, Runner, Single};
 use session::{Served, Session};
-use takeover::Backlog;
 
 /// How long to wait before reading a previous leader's leftovers again after a failure.
 const RESCAN_DELAY: Duration = Duration::from_secs(1);

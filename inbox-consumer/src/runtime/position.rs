@@ -46,25 +46,8 @@ use async_nats::jetstream::stream::Stream;
 use sqlx::PgPool;
 
 use super::config::ConsumerConfig;
+pub use super::config::Start;
 use crate::error::{Error, ErrorKind, Result};
-
-/// Where a durable the runtime creates starts. See the [module docs](self).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum Start {
-    /// After the consumer's recorded position, or after the position of the
-    /// consumer it renames (same stream, same filter subjects), or, for a
-    /// consumer that never ran against this inbox, the start of the stream.
-    #[default]
-    Auto,
-    /// The whole stream, whatever is recorded: a replay asked for. Events
-    /// whose inbox rows are past the retention window are applied again.
-    All,
-    /// Only messages stored after the durable is created.
-    New,
-    /// From this stream sequence on.
-    Sequence(u64),
-}
 
 /// How the durable comes to be: already there, or created with this policy.
 #[derive(Debug)]

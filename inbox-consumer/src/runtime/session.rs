@@ -32,15 +32,15 @@ use tokio::sync::watch;
 use tokio::task::{Id, JoinError, JoinSet};
 use tokio::time::Instant;
 
-use super::checkpoint::{self, Checkpoint, Position};
 use super::dispatch::Dispatcher;
-use super::gaps::Gaps;
 use super::ghosts;
-use super::lease::{self, Tenure};
+use super::ordered::checkpoint::{self, CaughtUp, Checkpoint, Position};
+use super::ordered::gaps::Gaps;
+use super::ordered::lease::{self, Tenure};
+use super::ordered::takeover::{self, Backlog};
 use super::panics;
 use super::process::{self, Shared};
 use super::runner::Runner;
-use super::takeover::{self, Backlog, CaughtUp};
 use super::{Job, ack};
 use crate::delivery::{Delivery, DeliveryInfo};
 use crate::metrics::names;
@@ -585,7 +585,7 @@ impl<'a, R: Runner> Session<'a, R> {
             return;
         };
         let shared = Arc::clone(self.shared);
-        let filters = takeover::filters_of(&self.consumer.cached_info().config);
+        let filters = ghosts::filters_of(&self.consumer.cached_info().config);
         gaps.explain(tokio::spawn(async move {
             ghosts::explain_gap(&shared, &filters, range).await
         }));

@@ -28,6 +28,10 @@
 //! OpenTelemetry layer in the subscriber, or for a message without a valid
 //! `traceparent`, the span keeps its ordinary parent.
 //!
+//! [`Trace`] serves one [`Delivery`] and a batch, `Vec<Delivery>`
+//! ([`Consumer::run_batched`](crate::Consumer::run_batched)): each is a
+//! [`Deliveries`](crate::Deliveries), whose results close the spans.
+//!
 //! In batch mode (`Service<Vec<Delivery>>`) each delivery gets its own
 //! `inbox.delivery` span, made a child of its own writer's span as above and
 //! entered while its handler runs ([`HandlerService`](crate::HandlerService)
@@ -42,7 +46,7 @@ use std::task::{Context, Poll};
 use tower::Service;
 use tracing::field::Empty;
 
-use crate::delivery::{Deliveries, Delivery};
+use crate::delivery::{BatchResults, Delivery, Outcome};
 
 pub use layer::TraceLayer;
 
@@ -159,40 +163,84 @@ pub fn delivery_span(delivery: &Delivery) -> tracing::Span {
 /// The OpenTelemetry context of the span that wrote `delivery`'s event, from
 /// its `traceparent` and `tracestate`; `None` without a valid `traceparent`.
 #[cfg(feature = "opentelemetry")]
-pub(crate) fn writer_context(delivery: &Delivery) -> Option<opentelemetry::Context> {
+fn writer_context(delivery: &Delivery) -> Option<opentelemetry::Context> {
     outbox_pg::trace_context::remote_parent(delivery.traceparent()?, delivery.tracestate())
 }
 
-impl<S, R> Service<R> for Trace<S>
+/// The `inbox.batch` span of a batch: the parent of its deliveries' spans,
+/// and (with the `opentelemetry` feature) linked to each writer's span.
+fn batch_span(deliveries: &[Delivery]) -> tracing::Span {
+    let span = tracing::info_span!(
+        "inbox.batch",
+        consumer = deliveries.first().map(Delivery::consumer),
+        deliveries = deliveries.len(),
+    );
+    #[cfg(feature = "opentelemetry")]
+    for delivery in deliveries {
+        if let Some(writer) = writer_context(delivery) {
+            use opentelemetry::trace::TraceContextExt;
+            tracing_opentelemetry::OpenTelemetrySpanExt::add_link(
+                &span,
+                writer.span().span_context().clone(),
+            );
+        }
+    }
+    span
+}
+
+/// One delivery: called and polled inside its own span.
+impl<S> Service<Delivery> for Trace<S>
 where
-    R: Deliveries,
-    S: Service<R, Response = R::Response>,
+    S: Service<Delivery, Response = Outcome>,
     S::Error: std::fmt::Display,
 {
-    type Response = R::Response;
+    type Response = Outcome;
     type Error = S::Error;
-    type Future = future::ResponseFuture<S::Future, R>;
+    type Future = future::ResponseFuture<S::Future, Delivery>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: R) -> Self::Future {
-        // A batch's deliveries' spans are children of the batch's.
-        let batch = request.batch_span();
-        let spans: Vec<tracing::Span> = {
-            let _entered = batch.as_ref().map(tracing::Span::enter);
-            request.deliveries().iter().map(delivery_span).collect()
-        };
-        let span = match batch {
-            Some(batch) => batch,
-            None => spans.first().cloned().unwrap_or_else(tracing::Span::none),
-        };
+    fn call(&mut self, delivery: Delivery) -> Self::Future {
+        let span = delivery_span(&delivery);
         let inner = {
             let _entered = span.enter();
-            self.inner.call(request.in_spans(&spans))
+            self.inner.call(delivery)
         };
-        future::ResponseFuture::new(inner, span, spans)
+        future::ResponseFuture::new(inner, span.clone(), vec![span])
+    }
+}
+
+/// A batch: called and polled inside the `inbox.batch` span, each delivery
+/// carrying its own span (a child of the batch's) down the stack, where its
+/// handler runs in it.
+impl<S> Service<Vec<Delivery>> for Trace<S>
+where
+    S: Service<Vec<Delivery>, Response = BatchResults>,
+    S::Error: std::fmt::Display,
+{
+    type Response = BatchResults;
+    type Error = S::Error;
+    type Future = future::ResponseFuture<S::Future, Vec<Delivery>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, deliveries: Vec<Delivery>) -> Self::Future {
+        let batch = batch_span(&deliveries);
+        let (inner, spans) = {
+            let _entered = batch.enter();
+            let spans: Vec<tracing::Span> = deliveries.iter().map(delivery_span).collect();
+            let deliveries = deliveries
+                .into_iter()
+                .zip(&spans)
+                .map(|(delivery, span)| delivery.in_span(span.clone()))
+                .collect();
+            (self.inner.call(deliveries), spans)
+        };
+        future::ResponseFuture::new(inner, batch, spans)
     }
 }
 

@@ -159,10 +159,11 @@ async fn a_batch_handler_gets_groups_and_a_failure_is_pinned_on_its_event_ordere
 }
 
 /// With a service between the dedupe and the router (here the router boxed),
-/// no group is formed: each event reaches the handler alone, once.
+/// stated to keep no groups ([`Ungrouped`](inbox_consumer::Ungrouped)), no
+/// group is formed: each event reaches the handler alone, once.
 #[tokio::test(flavor = "multi_thread")]
 async fn behind_another_service_a_batch_handler_gets_one_event_at_a_time() {
-    use inbox_consumer::{DedupeLayer, InTx, MetricsLayer, Outcome, Router, TraceLayer};
+    use inbox_consumer::{DedupeLayer, InTx, MetricsLayer, Outcome, Router, TraceLayer, Ungrouped};
     use tower::ServiceBuilder;
     use tower::util::BoxCloneSyncService;
 
@@ -178,7 +179,7 @@ async fn behind_another_service_a_batch_handler_gets_one_event_at_a_time() {
         .layer(TraceLayer::new())
         .layer(MetricsLayer::new())
         .layer(DedupeLayer::new(w.db.pool.clone()))
-        .service(router);
+        .service(Ungrouped::new(router));
     let config = config(&w, durable).concurrency(2).max_batch(16);
     let running = start_batched(&w, config, stack).await;
     w.wait_count(

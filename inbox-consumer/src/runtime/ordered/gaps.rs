@@ -25,10 +25,10 @@ use std::collections::VecDeque;
 
 use tokio::task::JoinHandle;
 
-use super::Job;
-use super::ghosts::Lost;
 use crate::delivery::DeliveryInfo;
 use crate::error::Error;
+use crate::runtime::Job;
+use crate::runtime::ghosts::Lost;
 
 /// What a leader knows of its deliveries; see the [module docs](self).
 #[derive(Default)]

@@ -55,7 +55,6 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-use super::takeover::CaughtUp;
 use crate::error::Error;
 
 /// The most stream sequences a checkpoint lists.
@@ -311,6 +310,19 @@ pub(crate) async fn save(
     .await
     .map_err(|e| Error::database("recording the takeover checkpoint", e))?;
     Ok(())
+}
+
+/// What a leader's [`catch_up`](super::takeover::catch_up) found.
+#[derive(Debug)]
+pub(crate) struct CaughtUp {
+    /// The consumer's next delivery sequence when it started.
+    pub(crate) next_delivery: u64,
+    /// The last delivered stream sequence when it started.
+    pub(crate) delivered: u64,
+    /// Classified up to here (`delivered`, unless a bound was hit).
+    pub(crate) classified_to: u64,
+    /// The unfinished messages found, by stream sequence.
+    pub(crate) unfinished: Vec<u64>,
 }
 
 #[cfg(test)]

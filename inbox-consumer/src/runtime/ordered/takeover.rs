@@ -42,7 +42,7 @@
 //!    publisher) is read whole, and the id in its body counts; so does an
 //!    unfinished one whose body names another id than its header.
 //! 3. **A hard bound**, in messages and in time
-//!    ([`ConsumerConfig::takeover_scan`](super::ConsumerConfig::takeover_scan)),
+//!    ([`ConsumerConfig::takeover_scan`](crate::runtime::ConsumerConfig::takeover_scan)),
 //!    and on the unfinished events kept. When it is hit, the sequences past
 //!    the last chunk classified are not known: any subject may have an
 //!    unfinished event there. Then the backlog is *unsettled*: the
@@ -60,7 +60,7 @@
 //! unfinished events as the consumer has messages pending
 //! (`num_ack_pending`). That would be sound only if every event the inbox
 //! does not know were pending, and it is not so: a type no route handles is
-//! acked with no inbox row ([`Unrouted::Ack`](super::Unrouted::Ack)), and
+//! acked with no inbox row ([`Unrouted::Ack`](crate::runtime::Unrouted::Ack)), and
 //! would count as unfinished; the stop would then leave a real one unread.
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -75,10 +75,10 @@ use serde_json::Value;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use super::checkpoint::{self, Checkpoint};
-use super::ghosts;
-use super::process::Shared;
+use super::checkpoint::{self, CaughtUp, Checkpoint};
 use crate::error::{Error, ErrorKind};
+use crate::runtime::ghosts;
+use crate::runtime::process::Shared;
 
 /// Messages classified per inbox query.
 pub(crate) const CHUNK: usize = 1_000;
@@ -96,7 +96,7 @@ pub(crate) trait Pending {
     fn stream_sequence(&self) -> u64;
 }
 
-impl Pending for super::Job {
+impl Pending for crate::runtime::Job {
     fn subject(&self) -> &str {
         self.1.subject()
     }
@@ -297,8 +297,21 @@ struct Bounds {
     max_unfinished: usize,
 }
 
+impl Bounds {
+    /// The limits of a read starting now
+    /// ([`ConsumerConfig::takeover_scan`](crate::runtime::ConsumerConfig::takeover_scan)).
+    fn from_now(config: &crate::runtime::ConsumerConfig) -> Self {
+        let (max_messages, max_time) = config.takeover_scan_bounds();
+        Self {
+            deadline: Instant::now() + max_time,
+            max_messages,
+            max_unfinished: max_unfinished(config.max_ack_pending),
+        }
+    }
+}
+
 /// Finds the events that earlier leaders of `consumer` left unfinished,
-/// within the bounds of [`ConsumerConfig::takeover_scan`](super::ConsumerConfig::takeover_scan).
+/// within the bounds of [`ConsumerConfig::takeover_scan`](crate::runtime::ConsumerConfig::takeover_scan).
 ///
 /// # Errors
 /// [`ErrorKind::Nats`](crate::ErrorKind::Nats) if the consumer or a stream
@@ -309,18 +322,9 @@ pub(crate) async fn scan<J: Pending>(
     consumer: &PullConsumer,
 ) -> Result<Takeover<J>, Error> {
     let started = Instant::now();
-    let config = &shared.config;
-    let durable = &config.durable;
-    let (max_messages, max_time) = config.takeover_scan_bounds();
-    let bounds = Bounds {
-        deadline: started + max_time,
-        max_messages,
-        max_unfinished: max_unfinished(config.max_ack_pending),
-    };
-    let info = consumer
-        .get_info()
-        .await
-        .map_err(|e| Error::caused(ErrorKind::Nats, format!("reading consumer `{durable}`"), e))?;
+    let durable = &shared.config.durable;
+    let bounds = Bounds::from_now(&shared.config);
+    let info = consumer_info(consumer, durable).await?;
     let (floor, delivered) = (
         info.ack_floor.stream_sequence,
         info.delivered.stream_sequence,
@@ -333,40 +337,13 @@ pub(crate) async fn scan<J: Pending>(
             checkpoint: Checkpoint::new(delivered, Some(next_delivery), []),
         });
     }
-    let filters = filters_of(&info.config);
-    let stream = shared.js.get_stream(&config.stream).await.map_err(|e| {
-        Error::caused(
-            ErrorKind::Nats,
-            format!("looking up stream `{}`", config.stream),
-            e,
-        )
-    })?;
+    let filters = ghosts::filters_of(&info.config);
+    let stream = open_stream(shared).await?;
 
     // 1. Where the previous leader's checkpoint says to start.
-    let saved = checkpoint::load(&shared.pool, durable).await?;
-    if let Some(saved) = saved.as_ref().filter(|saved| saved.sequence > delivered) {
-        tracing::warn!(
-            consumer = %durable, checkpoint = saved.sequence, delivered,
-            "the takeover checkpoint is past the consumer's last delivered message \
-             (the stream or the durable was created again?): scanning from the ack floor",
-        );
-    }
-    let (start, listed) = start_from(saved, floor, delivered);
     let mut found = Vec::new();
-    // Listed sequences are read whole (their headers alone would need a
-    // request each as well).
-    let mut listed_candidates: Vec<Candidate> = listed
-        .iter()
-        .map(|&sequence| Candidate { sequence, id: None })
-        .collect();
-    classify(
-        shared,
-        &stream,
-        &filters,
-        &mut listed_candidates,
-        &mut found,
-    )
-    .await?;
+    let (start, listed) =
+        from_checkpoint(shared, &stream, &filters, (floor, delivered), &mut found).await?;
 
     // 2. The range from the checkpoint on, in bulk, within the bounds.
     let (ended, scanned) = if start < delivered {
@@ -390,20 +367,13 @@ pub(crate) async fn scan<J: Pending>(
     };
     found.sort_by_key(|f| f.sequence);
     let open: Vec<u64> = found.iter().map(|f| f.sequence).collect();
-    let longest_wait = info
-        .config
-        .backoff
-        .iter()
-        .copied()
-        .max()
-        .unwrap_or_default()
-        .max(info.config.ack_wait);
-    let backlog = backlog_of(found, matches!(ended, Ended::Bounded { .. }), longest_wait);
+    let bounded = matches!(ended, Ended::Bounded { .. });
+    let backlog = backlog_of(found, bounded, longest_wait(&info.config));
     let scanned = Scanned {
         floor,
         delivered,
         start,
-        listed: listed.len(),
+        listed,
         scanned,
         took: started.elapsed(),
     };
@@ -412,6 +382,79 @@ pub(crate) async fn scan<J: Pending>(
         backlog,
         checkpoint: Checkpoint::new(classified_to, next_delivery, open),
     })
+}
+
+/// Reads the durable's info.
+///
+/// # Errors
+/// [`ErrorKind::Nats`] if JetStream does not answer.
+async fn consumer_info(
+    consumer: &PullConsumer,
+    durable: &str,
+) -> Result<async_nats::jetstream::consumer::Info, Error> {
+    consumer
+        .get_info()
+        .await
+        .map_err(|e| Error::caused(ErrorKind::Nats, format!("reading consumer `{durable}`"), e))
+}
+
+/// Looks up the consumer's stream, to read it by sequence.
+///
+/// # Errors
+/// [`ErrorKind::Nats`] if JetStream does not answer.
+async fn open_stream(shared: &Shared) -> Result<Stream, Error> {
+    let name = &shared.config.stream;
+    shared
+        .js
+        .get_stream(name)
+        .await
+        .map_err(|e| Error::caused(ErrorKind::Nats, format!("looking up stream `{name}`"), e))
+}
+
+/// Step 1 of a [`scan`]: where the previous leader's checkpoint says to
+/// start (the ack floor if there is none, or if it is past `delivered`), and
+/// the unfinished among the sequences it lists, put in `found`. Returns the
+/// start and how many sequences were listed.
+///
+/// # Errors
+/// As [`scan`].
+async fn from_checkpoint(
+    shared: &Shared,
+    stream: &Stream,
+    filters: &[String],
+    (floor, delivered): (u64, u64),
+    found: &mut Vec<Found>,
+) -> Result<(u64, usize), Error> {
+    let durable = &shared.config.durable;
+    let saved = checkpoint::load(&shared.pool, durable).await?;
+    if let Some(saved) = saved.as_ref().filter(|saved| saved.sequence > delivered) {
+        tracing::warn!(
+            consumer = %durable, checkpoint = saved.sequence, delivered,
+            "the takeover checkpoint is past the consumer's last delivered message \
+             (the stream or the durable was created again?): scanning from the ack floor",
+        );
+    }
+    let (start, listed) = start_from(saved, floor, delivered);
+    // Listed sequences are read whole (their headers alone would need a
+    // request each as well).
+    let mut candidates: Vec<Candidate> = listed
+        .iter()
+        .map(|&sequence| Candidate { sequence, id: None })
+        .collect();
+    classify(shared, stream, filters, &mut candidates, found).await?;
+    Ok((start, listed.len()))
+}
+
+/// The longest a message can take to come back: the durable's longest
+/// redelivery delay, or its ack wait.
+fn longest_wait(config: &async_nats::jetstream::consumer::Config) -> Duration {
+    config
+        .backoff
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or_default()
+        .max(config.ack_wait)
 }
 
 /// What a takeover's scan went through, for its log line.
@@ -511,31 +554,6 @@ fn backlog_of<J: Pending>(
     backlog
 }
 
-/// The durable's filter subjects.
-pub(super) fn filters_of(config: &async_nats::jetstream::consumer::Config) -> Vec<String> {
-    if config.filter_subjects.is_empty() {
-        [config.filter_subject.clone()]
-            .into_iter()
-            .filter(|f| !f.is_empty())
-            .collect()
-    } else {
-        config.filter_subjects.clone()
-    }
-}
-
-/// What a leader's [`catch_up`] found.
-#[derive(Debug)]
-pub(crate) struct CaughtUp {
-    /// The consumer's next delivery sequence when it started.
-    pub(crate) next_delivery: u64,
-    /// The last delivered stream sequence when it started.
-    pub(crate) delivered: u64,
-    /// Classified up to here (`delivered`, unless a bound was hit).
-    pub(crate) classified_to: u64,
-    /// The unfinished messages found, by stream sequence.
-    pub(crate) unfinished: Vec<u64>,
-}
-
 /// For a leader whose checkpoint is frozen at `after` (its takeover scan hit
 /// its bound, or a delivery did not reach it): classifies the stream from
 /// there to the consumer's last delivered message, as a takeover scan would,
@@ -549,20 +567,8 @@ pub(crate) async fn catch_up(
     consumer: &PullConsumer,
     after: u64,
 ) -> Result<CaughtUp, Error> {
-    let config = &shared.config;
-    let (max_messages, max_time) = config.takeover_scan_bounds();
-    let bounds = Bounds {
-        deadline: Instant::now() + max_time,
-        max_messages,
-        max_unfinished: max_unfinished(config.max_ack_pending),
-    };
-    let info = consumer.get_info().await.map_err(|e| {
-        Error::caused(
-            ErrorKind::Nats,
-            format!("reading consumer `{}`", config.durable),
-            e,
-        )
-    })?;
+    let bounds = Bounds::from_now(&shared.config);
+    let info = consumer_info(consumer, &shared.config.durable).await?;
     let delivered = info.delivered.stream_sequence;
     let mut caught = CaughtUp {
         next_delivery: info.delivered.consumer_sequence.saturating_add(1),
@@ -573,14 +579,8 @@ pub(crate) async fn catch_up(
     if after >= delivered {
         return Ok(caught);
     }
-    let filters = filters_of(&info.config);
-    let stream = shared.js.get_stream(&config.stream).await.map_err(|e| {
-        Error::caused(
-            ErrorKind::Nats,
-            format!("looking up stream `{}`", config.stream),
-            e,
-        )
-    })?;
+    let filters = ghosts::filters_of(&info.config);
+    let stream = open_stream(shared).await?;
     let mut found = Vec::new();
     let range = (after, delivered);
     let (ended, _) = read_stream(shared, &stream, &filters, range, &bounds, &mut found).await?;
@@ -718,54 +718,137 @@ async fn read_range(
         .messages()
         .await
         .map_err(|e| Error::caused(ErrorKind::Nats, "reading the stream for the takeover", e))?;
-    let durable = &shared.config.durable;
-    let mut chunk: Vec<Candidate> = Vec::with_capacity(CHUNK);
-    let mut read_to = after;
-    let mut scanned = 0usize;
-    let mut bound = None;
-    let mut stalls = 0;
-    loop {
-        if scanned >= bounds.max_messages {
-            bound = Some(format!("{} messages", bounds.max_messages));
-            break;
+    let mut read = RangeRead {
+        shared,
+        stream,
+        filters,
+        bounds,
+        found,
+        chunk: Vec::with_capacity(CHUNK),
+        read_to: after,
+        scanned: 0,
+        stalls: 0,
+    };
+    let bound = loop {
+        if read.scanned >= bounds.max_messages {
+            break Some(format!("{} messages", bounds.max_messages));
         }
-        let stall = (Instant::now() + READ_STALL).min(bounds.deadline);
-        let next = match tokio::time::timeout_at(stall, messages.next()).await {
-            Ok(Some(Ok(next))) => Some(next),
+        let message = match read.next(&mut messages).await? {
+            Ok(message) => message,
+            Err(Quiet::Bound(why)) => break Some(why),
+            Err(Quiet::Nothing) => match read.stalled().await? {
+                Some(at) => {
+                    read.classify().await?;
+                    return Ok((Ended::Resume { at }, read.scanned));
+                }
+                None => continue,
+            },
+        };
+        match read.take(&message, to).await? {
+            Took::More => {}
+            Took::Done => break None,
+            Took::Bound(why) => break Some(why),
+        }
+    };
+    // What was read is classified, bound or not (at most one chunk more).
+    read.classify().await?;
+    let ended = match bound {
+        Some(why) => Ended::Bounded {
+            classified_to: read.read_to,
+            why,
+        },
+        None => Ended::Complete,
+    };
+    Ok((ended, read.scanned))
+}
+
+/// One reader's read of a range ([`read_range`]): what it has read so far.
+struct RangeRead<'a> {
+    shared: &'a Shared,
+    stream: &'a Stream,
+    filters: &'a [String],
+    bounds: &'a Bounds,
+    found: &'a mut Vec<Found>,
+    /// Read, not classified yet.
+    chunk: Vec<Candidate>,
+    /// The last stream sequence read.
+    read_to: u64,
+    /// How many messages were read.
+    scanned: usize,
+    /// Looks in a row that brought nothing while more was due.
+    stalls: u32,
+}
+
+/// Why a reader brought no message.
+enum Quiet {
+    /// Nothing within [`READ_STALL`] (or the reader failed).
+    Nothing,
+    /// The time bound ran out.
+    Bound(String),
+}
+
+/// Where a read stands after a message.
+enum Took {
+    More,
+    /// At the range's end, or past it.
+    Done,
+    /// Too many unfinished events.
+    Bound(String),
+}
+
+impl RangeRead<'_> {
+    /// Waits for the reader's next message, for up to [`READ_STALL`] and
+    /// within the time bound; or says why none came.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Nats`] if the reader ended.
+    async fn next(
+        &mut self,
+        messages: &mut pull::Ordered,
+    ) -> Result<Result<async_nats::jetstream::Message, Quiet>, Error> {
+        let stall = (Instant::now() + READ_STALL).min(self.bounds.deadline);
+        match tokio::time::timeout_at(stall, messages.next()).await {
+            Ok(Some(Ok(next))) => Ok(Ok(next)),
             Ok(Some(Err(e))) => {
-                tracing::debug!(consumer = %durable, error = %e, after = read_to, "the takeover's stream reader failed");
-                None
+                tracing::debug!(consumer = %self.shared.config.durable, error = %e, after = self.read_to, "the takeover's stream reader failed");
+                Ok(Err(Quiet::Nothing))
             }
-            Ok(None) => {
-                return Err(Error::new(
-                    crate::ErrorKind::Nats,
-                    "the takeover's stream reader ended early",
-                ));
+            Ok(None) => Err(Error::new(
+                crate::ErrorKind::Nats,
+                "the takeover's stream reader ended early",
+            )),
+            Err(_) if Instant::now() >= self.bounds.deadline => {
+                let why = format!("time, after {} messages", self.scanned);
+                Ok(Err(Quiet::Bound(why)))
             }
-            Err(_) if Instant::now() >= bounds.deadline => {
-                bound = Some(format!("time, after {scanned} messages"));
-                break;
-            }
-            Err(_) => None,
-        };
-        // Nothing came while more is due: if the next stored message is one
-        // no client can read, it is settled and the read goes on after it;
-        // if nothing came twice over, a new reader goes on after what was
-        // read (this one may have lost its connection for good).
-        let Some(message) = next else {
-            stalls += 1;
-            let resume = match ghosts::settle_next(shared, filters, read_to).await? {
+            Err(_) => Ok(Err(Quiet::Nothing)),
+        }
+    }
+
+    /// Nothing came while more is due: if the next stored message is one no
+    /// client can read, it is settled and the read goes on after it; if
+    /// nothing came [`RESTART_AFTER_STALLS`] times over, a new reader goes on
+    /// after what was read (this one may have lost its connection for good).
+    /// Returns where to resume, if a new reader is to.
+    async fn stalled(&mut self) -> Result<Option<u64>, Error> {
+        self.stalls += 1;
+        Ok(
+            match ghosts::settle_next(self.shared, self.filters, self.read_to).await? {
                 Some(at) => Some(at),
-                None if stalls >= RESTART_AFTER_STALLS => Some(read_to),
+                None if self.stalls >= RESTART_AFTER_STALLS => Some(self.read_to),
                 None => None,
-            };
-            if let Some(at) = resume {
-                classify(shared, stream, filters, &mut chunk, found).await?;
-                return Ok((Ended::Resume { at }, scanned));
-            }
-            continue;
-        };
-        stalls = 0;
+            },
+        )
+    }
+
+    /// Takes `message` into the chunk (unless it is past `to`, or a replay
+    /// for another consumer), classifying the chunk once it is full.
+    async fn take(
+        &mut self,
+        message: &async_nats::jetstream::Message,
+        to: u64,
+    ) -> Result<Took, Error> {
+        self.stalls = 0;
         let meta = message.info().map_err(|e| {
             Error::caused(
                 ErrorKind::Nats,
@@ -775,39 +858,45 @@ async fn read_range(
         })?;
         let (sequence, left) = (meta.stream_sequence, meta.pending);
         if sequence > to {
-            break;
+            return Ok(Took::Done);
         }
-        scanned += 1;
-        read_to = sequence;
+        self.scanned += 1;
+        self.read_to = sequence;
         let headers = message.headers.as_ref();
         // A replay for another consumer is acked unhandled when it comes back.
-        if crate::dead_letter::replay_for_another(headers, durable).is_none() {
-            chunk.push(Candidate {
+        if crate::dead_letter::replay_for_another(headers, &self.shared.config.durable).is_none() {
+            self.chunk.push(Candidate {
                 sequence,
                 id: headers.and_then(header_id),
             });
         }
-        if chunk.len() >= CHUNK {
-            classify(shared, stream, filters, &mut chunk, found).await?;
-            if found.len() > bounds.max_unfinished {
-                bound = Some(format!("{} unfinished events", bounds.max_unfinished));
-                break;
+        if self.chunk.len() >= CHUNK {
+            self.classify().await?;
+            if self.found.len() > self.bounds.max_unfinished {
+                return Ok(Took::Bound(format!(
+                    "{} unfinished events",
+                    self.bounds.max_unfinished
+                )));
             }
         }
-        if sequence == to || left == 0 {
-            break;
-        }
+        Ok(if sequence == to || left == 0 {
+            Took::Done
+        } else {
+            Took::More
+        })
     }
-    // What was read is classified, bound or not (at most one chunk more).
-    classify(shared, stream, filters, &mut chunk, found).await?;
-    let ended = match bound {
-        Some(why) => Ended::Bounded {
-            classified_to: read_to,
-            why,
-        },
-        None => Ended::Complete,
-    };
-    Ok((ended, scanned))
+
+    /// Classifies (and empties) the chunk.
+    async fn classify(&mut self) -> Result<(), Error> {
+        classify(
+            self.shared,
+            self.stream,
+            self.filters,
+            &mut self.chunk,
+            self.found,
+        )
+        .await
+    }
 }
 
 /// The event id a message's `Nats-Msg-Id` names, if it is one.
