@@ -9,7 +9,7 @@
 //! window of 10 s (lease 4 s, publish timeout 2 s), so the first backlog is
 //! auditable 12.5 s after it was published, and `--audit-interval 1s`. The
 //! figure is the second drain's rate, and how many rows the audit checked
-//! during it (`outbox_audit_checked_total`).
+//! during it (`outbox_relay_audit_checked_total`).
 
 use std::time::{Duration, Instant};
 
@@ -196,7 +196,7 @@ async fn once(
                 .await
                 .map(|body| {
                     samples(&body)
-                        .filter(|(name, _, _)| *name == "outbox_audit_checked_total")
+                        .filter(|(name, _, _)| *name == "outbox_relay_audit_checked_total")
                         .map(|(_, _, v)| v)
                         .fold(0.0, |a, v| a + v)
                 }),

@@ -492,13 +492,13 @@ impl Phases {
                 .and_then(|(_, rest)| rest.split_once('"'))
                 .map(|(p, _)| p.to_owned());
             match (name, phase) {
-                ("outbox_batch_phase_seconds_sum", Some(p)) => {
+                ("outbox_relay_batch_phase_seconds_sum", Some(p)) => {
                     *out.seconds.entry(p).or_default() += value;
                 }
-                ("outbox_batch_phase_seconds_count", Some(p)) => {
+                ("outbox_relay_batch_phase_seconds_count", Some(p)) => {
                     *out.batches.entry(p).or_default() += value;
                 }
-                ("outbox_published_total", _) => out.published += value,
+                ("outbox_relay_published_total", _) => out.published += value,
                 _ => {}
             }
         }
@@ -890,13 +890,13 @@ mod tests {
     #[test]
     fn phases_from_prometheus_text() {
         // As outbox-relay serves it: a histogram with buckets.
-        let text = "# TYPE outbox_batch_phase_seconds histogram\n\
-            outbox_batch_phase_seconds_bucket{phase=\"claim\",le=\"0.25\"} 10\n\
-            outbox_batch_phase_seconds_bucket{phase=\"claim\",le=\"+Inf\"} 10\n\
-            outbox_batch_phase_seconds_sum{phase=\"claim\"} 1.5\n\
-            outbox_batch_phase_seconds_count{phase=\"claim\"} 10\n\
-            outbox_batch_phase_seconds_sum{phase=\"publish\"} 4.5\n\
-            outbox_published_total{event_type=\"bench.created\"} 2000\n";
+        let text = "# TYPE outbox_relay_batch_phase_seconds histogram\n\
+            outbox_relay_batch_phase_seconds_bucket{phase=\"claim\",le=\"0.25\"} 10\n\
+            outbox_relay_batch_phase_seconds_bucket{phase=\"claim\",le=\"+Inf\"} 10\n\
+            outbox_relay_batch_phase_seconds_sum{phase=\"claim\"} 1.5\n\
+            outbox_relay_batch_phase_seconds_count{phase=\"claim\"} 10\n\
+            outbox_relay_batch_phase_seconds_sum{phase=\"publish\"} 4.5\n\
+            outbox_relay_published_total{event_type=\"bench.created\"} 2000\n";
         let p = Phases::parse(text);
         assert_eq!(p.seconds["claim"], 1.5);
         assert_eq!(p.batches["claim"], 10.0);

@@ -1401,14 +1401,14 @@ impl Phases {
                 0.0
             }
         };
-        let phase = |p: &str| mean("outbox_batch_phase_seconds", &format!("phase=\"{p}\"")) * 1e3;
+        let phase = |p: &str| mean("outbox_relay_batch_phase_seconds", &format!("phase=\"{p}\"")) * 1e3;
         Self {
-            claims: delta("outbox_batch_phase_seconds_count", "phase=\"claim\"")
+            claims: delta("outbox_relay_batch_phase_seconds_count", "phase=\"claim\"")
                 / events.max(1) as f64,
             claim_ms: phase("claim"),
-            publish_ms: mean("outbox_publish_latency_seconds", "") * 1e3,
+            publish_ms: mean("outbox_relay_publish_latency_seconds", "") * 1e3,
             mark_ms: phase("mark"),
-            rows: mean("outbox_batch_rows", ""),
+            rows: mean("outbox_relay_batch_rows", ""),
             handler_ms: mean("inbox_handler_duration_seconds", "") * 1e3,
         }
     }
@@ -1594,7 +1594,7 @@ impl Scraped {
                 "inbox_failed_total" => &mut out.failed,
                 "inbox_handler_duration_seconds_sum" => &mut out.handler_seconds,
                 "inbox_handler_duration_seconds_count" => &mut out.handler_count,
-                "outbox_published_total" => &mut out.published,
+                "outbox_relay_published_total" => &mut out.published,
                 _ => continue,
             };
             *slot += value;
@@ -1724,7 +1724,7 @@ mod tests {
             inbox_handler_duration_seconds_bucket{consumer=\"billing\",event_type=\"subscription.created\",le=\"0.005\"} 19000\n\
             inbox_handler_duration_seconds_sum{consumer=\"billing\",event_type=\"subscription.created\"} 40\n\
             inbox_handler_duration_seconds_count{consumer=\"billing\",event_type=\"subscription.created\"} 20000\n\
-            outbox_published_total{event_type=\"invoice.created\"} 19000\n";
+            outbox_relay_published_total{event_type=\"invoice.created\"} 19000\n";
         let s = Scraped::parse(text);
         assert_eq!(s.handled, 20_000.0);
         assert_eq!(s.handler_seconds, 40.0);

@@ -137,7 +137,7 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
     }
     out.push_str(
         "\nWhere a batch spends its time (share of the phase sums over all rounds; \
-         outbox-relay from `outbox_batch_phase_seconds_sum`, the simple relay timed in-process):\n\n\
+         outbox-relay from `outbox_relay_batch_phase_seconds_sum`, the simple relay timed in-process):\n\n\
          | relay | horizon | claim | publish | mark | batches | rows/batch | ms/batch |\n\
          |---|---:|---:|---:|---:|---:|---:|---:|\n",
     );

@@ -15,7 +15,7 @@
 //! found missing), in the retry lane and due now, and the relay publishes it
 //! again through its normal path, with the same id, in order behind nothing
 //! and ahead of its subject's later unpublished rows. Each such row is
-//! counted (`outbox_audit_republished_total`) and logged at warn level once.
+//! counted (`outbox_relay_audit_republished_total`) and logged at warn level once.
 //!
 //! **Order.** A republished event reaches consumers after the later events
 //! of its subject that the stream kept: a consumer's stale-event filter
@@ -827,7 +827,7 @@ impl Audit {
 
     /// Makes `checked`'s row unpublished again, in the retry lane and due
     /// now, if it still has the position found lost; counts
-    /// `outbox_audit_republished_total` and logs at warn level when it did.
+    /// `outbox_relay_audit_republished_total` and logs at warn level when it did.
     /// Returns whether it did (`false`: published again meanwhile, put back
     /// by another audit, or not lost).
     ///

@@ -8,18 +8,18 @@
 //!
 //! | name | kind | labels |
 //! |---|---|---|
-//! | `outbox_published_total` | counter | `event_type` |
-//! | `outbox_duplicates_acked_total` | counter | `event_type` |
-//! | `outbox_publish_failures_total` | counter | `reason` |
-//! | `outbox_capped_rows_total` | counter | (rows that reached the attempt cap) |
-//! | `outbox_pruned_rows_total` | counter | (published rows deleted by retention) |
-//! | `outbox_batch_rows` | histogram | (rows claimed per batch) |
-//! | `outbox_batch_phase_seconds` | histogram | `phase`: `horizon`, `claim`, `publish`, `mark` |
-//! | `outbox_publish_latency_seconds` | histogram | (publish → PubAck) |
-//! | `outbox_commit_to_ack_seconds` | histogram | (row `created_at` → PubAck) |
-//! | `outbox_backlog_rows` | gauge | (unpublished rows under the cap) |
-//! | `outbox_past_cap_rows` | gauge | (unpublished rows at or past the cap) |
-//! | `outbox_oldest_unpublished_age_seconds` | gauge | |
+//! | `outbox_relay_published_total` | counter | `event_type` |
+//! | `outbox_relay_duplicates_acked_total` | counter | `event_type` |
+//! | `outbox_relay_publish_failures_total` | counter | `reason` |
+//! | `outbox_relay_capped_rows_total` | counter | (rows that reached the attempt cap) |
+//! | `outbox_relay_pruned_rows_total` | counter | (published rows deleted by retention) |
+//! | `outbox_relay_batch_rows` | histogram | (rows claimed per batch) |
+//! | `outbox_relay_batch_phase_seconds` | histogram | `phase`: `horizon`, `claim`, `publish`, `mark` |
+//! | `outbox_relay_publish_latency_seconds` | histogram | (publish → PubAck) |
+//! | `outbox_relay_commit_to_ack_seconds` | histogram | (row `created_at` → PubAck) |
+//! | `outbox_relay_backlog_rows` | gauge | (unpublished rows under the cap) |
+//! | `outbox_relay_past_cap_rows` | gauge | (unpublished rows at or past the cap) |
+//! | `outbox_relay_oldest_unpublished_age_seconds` | gauge | |
 //! | `outbox_relay_database_up` | gauge | 1 while the relay's last database round trip succeeded, else 0 |
 //! | `outbox_relay_broker_up` | gauge | 1 while NATS is connected and publishes are acked, else 0 |
 //! | `outbox_relay_horizon_held_seconds` | gauge | how long the settled horizon has waited for transactions still running (0 when it moves); a relay logs who holds it once this passes 30 s |
@@ -29,10 +29,10 @@
 //! | `outbox_relay_wal_lag_seconds` | gauge | age of the oldest commit read from the slot and not yet confirmed (0 when caught up) |
 //! | `outbox_relay_wal_slot_lost_total` | counter | slots found dropped or invalidated and made again (their rows went through the polling path) |
 //! | `outbox_relay_wal_stranded_total` | counter | rows the WAL source had read and confirmed that were still fresh afterwards (a row made fresh again by plain SQL, or a fault of the relay): they went through the polling path; see the runbook |
-//! | `outbox_relay_wal_slot_lost` | gauge | 1 while the slot's WAL is being reserved past `max_slot_wal_keep_size` (`wal_status` `unreserved`) or it is lost, else 0 |
-//! | `outbox_audit_checked_total` | counter | (published rows whose message the audit read back) |
-//! | `outbox_audit_republished_total` | counter | (rows whose message the stream lost, made unpublished again; once per row) |
-//! | `outbox_audit_lag_seconds` | gauge | (age of the oldest audit mark: rows published after it wait for their check; at least the duplicate window plus its margin) |
+//! | `outbox_relay_wal_slot_at_risk` | gauge | 1 while the slot's WAL is being reserved past `max_slot_wal_keep_size` (`wal_status` `unreserved`) or it is lost, else 0 |
+//! | `outbox_relay_audit_checked_total` | counter | (published rows whose message the audit read back) |
+//! | `outbox_relay_audit_republished_total` | counter | (rows whose message the stream lost, made unpublished again; once per row) |
+//! | `outbox_relay_audit_lag_seconds` | gauge | (age of the oldest audit mark: rows published after it wait for their check; at least the duplicate window plus its margin) |
 //!
 //! The table-wide gauges (backlog, past cap, oldest age) are reported by one
 //! relay, the owner of shard 0, every `stats_interval`; the `_up` gauges by
@@ -46,22 +46,22 @@ use metrics::{
 
 use crate::store::Stats;
 
-pub(crate) const PUBLISHED: &str = "outbox_published_total";
-pub(crate) const AUDIT_CHECKED: &str = "outbox_audit_checked_total";
-pub(crate) const AUDIT_REPUBLISHED: &str = "outbox_audit_republished_total";
-pub(crate) const AUDIT_LAG: &str = "outbox_audit_lag_seconds";
-pub(crate) const DUPLICATES: &str = "outbox_duplicates_acked_total";
-pub(crate) const FAILURES: &str = "outbox_publish_failures_total";
-pub(crate) const CAPPED: &str = "outbox_capped_rows_total";
-pub(crate) const PRUNED: &str = "outbox_pruned_rows_total";
+pub(crate) const PUBLISHED: &str = "outbox_relay_published_total";
+pub(crate) const AUDIT_CHECKED: &str = "outbox_relay_audit_checked_total";
+pub(crate) const AUDIT_REPUBLISHED: &str = "outbox_relay_audit_republished_total";
+pub(crate) const AUDIT_LAG: &str = "outbox_relay_audit_lag_seconds";
+pub(crate) const DUPLICATES: &str = "outbox_relay_duplicates_acked_total";
+pub(crate) const FAILURES: &str = "outbox_relay_publish_failures_total";
+pub(crate) const CAPPED: &str = "outbox_relay_capped_rows_total";
+pub(crate) const PRUNED: &str = "outbox_relay_pruned_rows_total";
 /// The histogram of rows per batch (its buckets are not seconds).
-pub const BATCH_ROWS: &str = "outbox_batch_rows";
-pub(crate) const BATCH_PHASE: &str = "outbox_batch_phase_seconds";
-pub(crate) const PUBLISH_LATENCY: &str = "outbox_publish_latency_seconds";
-pub(crate) const COMMIT_TO_ACK: &str = "outbox_commit_to_ack_seconds";
-pub(crate) const BACKLOG: &str = "outbox_backlog_rows";
-pub(crate) const PAST_CAP: &str = "outbox_past_cap_rows";
-pub(crate) const OLDEST_AGE: &str = "outbox_oldest_unpublished_age_seconds";
+pub const BATCH_ROWS: &str = "outbox_relay_batch_rows";
+pub(crate) const BATCH_PHASE: &str = "outbox_relay_batch_phase_seconds";
+pub(crate) const PUBLISH_LATENCY: &str = "outbox_relay_publish_latency_seconds";
+pub(crate) const COMMIT_TO_ACK: &str = "outbox_relay_commit_to_ack_seconds";
+pub(crate) const BACKLOG: &str = "outbox_relay_backlog_rows";
+pub(crate) const PAST_CAP: &str = "outbox_relay_past_cap_rows";
+pub(crate) const OLDEST_AGE: &str = "outbox_relay_oldest_unpublished_age_seconds";
 pub(crate) const DATABASE_UP: &str = "outbox_relay_database_up";
 pub(crate) const BROKER_UP: &str = "outbox_relay_broker_up";
 pub(crate) const HORIZON_HELD: &str = "outbox_relay_horizon_held_seconds";
@@ -71,7 +71,7 @@ pub(crate) const WAL_LAG_BYTES: &str = "outbox_relay_wal_lag_bytes";
 pub(crate) const WAL_LAG_SECONDS: &str = "outbox_relay_wal_lag_seconds";
 pub(crate) const WAL_SLOT_LOST_TOTAL: &str = "outbox_relay_wal_slot_lost_total";
 pub(crate) const WAL_STRANDED_TOTAL: &str = "outbox_relay_wal_stranded_total";
-pub(crate) const WAL_SLOT_AT_RISK: &str = "outbox_relay_wal_slot_lost";
+pub(crate) const WAL_SLOT_AT_RISK: &str = "outbox_relay_wal_slot_at_risk";
 pub(crate) const CLIENT_CLOSED: &str = "outbox_relay_nats_client_closed_total";
 
 /// Every metric name the relay records.
@@ -310,7 +310,7 @@ pub(crate) fn audit_republished() {
     counter!(AUDIT_REPUBLISHED).increment(1);
 }
 
-/// Sets `outbox_audit_lag_seconds`.
+/// Sets `outbox_relay_audit_lag_seconds`.
 pub(crate) fn audit_lag(seconds: f64) {
     gauge!(AUDIT_LAG).set(seconds);
 }

@@ -106,7 +106,7 @@ async fn metrics_addr_serves_prometheus_text_and_sigterm_exits_zero() {
         || {
             let fetched = http_get(&addr, "/metrics");
             let done = fetched.as_deref().is_some_and(|b| {
-                b.contains("outbox_published_total") && b.contains("outbox_backlog_rows")
+                b.contains("outbox_relay_published_total") && b.contains("outbox_relay_backlog_rows")
             });
             if done {
                 body = fetched.unwrap_or_default();
@@ -117,13 +117,13 @@ async fn metrics_addr_serves_prometheus_text_and_sigterm_exits_zero() {
     .await
     .unwrap();
     assert!(
-        body.contains("outbox_published_total{event_type=\"orders.created\"} 10"),
+        body.contains("outbox_relay_published_total{event_type=\"orders.created\"} 10"),
         "{body}"
     );
     // Histograms of seconds are Prometheus histograms, with buckets.
     assert!(
-        body.contains("# TYPE outbox_publish_latency_seconds histogram")
-            && body.contains("outbox_publish_latency_seconds_bucket{le=\"0.005\"}"),
+        body.contains("# TYPE outbox_relay_publish_latency_seconds histogram")
+            && body.contains("outbox_relay_publish_latency_seconds_bucket{le=\"0.005\"}"),
         "{body}"
     );
     assert!(body.contains("outbox_relay_broker_up 1"), "{body}");

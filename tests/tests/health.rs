@@ -5,8 +5,8 @@
 //!   that went away (the stream then "not checked"), and is ready in between;
 //! - `inbox_consumer::Readiness` names a missing durable consumer;
 //! - the database check fails within its bound when PostgreSQL is down;
-//! - a running consumer exports `inbox_consumer_pending_messages` and
-//!   `inbox_consumer_ack_pending_messages` as JetStream counts them.
+//! - a running consumer exports `inbox_pending_messages` and
+//!   `inbox_ack_pending_messages` as JetStream counts them.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
@@ -220,8 +220,8 @@ async fn a_running_consumer_exports_its_lag() {
         inbox_consumer::runtime::LAG_INTERVAL + WAIT,
         || {
             let now = gauges("lagger");
-            let done = now.get("inbox_consumer_ack_pending_messages") == Some(&2.0)
-                && now.get("inbox_consumer_pending_messages") == Some(&3.0);
+            let done = now.get("inbox_ack_pending_messages") == Some(&2.0)
+                && now.get("inbox_pending_messages") == Some(&3.0);
             seen.lock().unwrap().push(now);
             async move { done }
         },

@@ -914,7 +914,7 @@ async fn the_relay_s_audit_reads_past_a_message_no_client_can_read() {
             .map(|(_, body)| body)
             .unwrap_or_default();
         text.lines()
-            .filter(|l| l.starts_with("outbox_audit_checked_total"))
+            .filter(|l| l.starts_with("outbox_relay_audit_checked_total"))
             .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
             .sum::<f64>()
     };

@@ -277,7 +277,7 @@ async fn rows_the_stream_does_not_capture_wait_without_losing_attempts_then_flow
 
     // Each of the 10 subjects' first row is tried again and again (more
     // often than the cap), and refused as not captured each time.
-    let series = r#"outbox_publish_failures_total{reason="not_captured"}"#;
+    let series = r#"outbox_relay_publish_failures_total{reason="not_captured"}"#;
     world
         .wait(
             "uncaptured rows tried more often than the attempt cap",

@@ -31,8 +31,8 @@
 //!
 //! | name | kind | what |
 //! | --- | --- | --- |
-//! | `inbox_consumer_pending_messages` | gauge | messages not yet delivered to the durable (`num_pending`) |
-//! | `inbox_consumer_ack_pending_messages` | gauge | delivered, not yet acked (`num_ack_pending`) |
+//! | `inbox_pending_messages` | gauge | messages not yet delivered to the durable (`num_pending`) |
+//! | `inbox_ack_pending_messages` | gauge | delivered, not yet acked (`num_ack_pending`) |
 //!
 //! Names follow the Prometheus conventions: counters end `_total`, units are
 //! suffixes in plural base units, gauges carry no `_total`, every name starts
@@ -79,9 +79,9 @@ pub mod names {
     /// Histogram: seconds from the start of a delivery's handling to its commit or failure.
     pub const HANDLER_DURATION: &str = "inbox_handler_duration_seconds";
     /// Gauge: messages not yet delivered to the durable (labels `consumer`, `stream`).
-    pub const PENDING: &str = "inbox_consumer_pending_messages";
+    pub const PENDING: &str = "inbox_pending_messages";
     /// Gauge: messages delivered and not yet acked (labels `consumer`, `stream`).
-    pub const ACK_PENDING: &str = "inbox_consumer_ack_pending_messages";
+    pub const ACK_PENDING: &str = "inbox_ack_pending_messages";
 
     /// Every metric name the consumer records.
     pub const ALL: &[&str] = &[

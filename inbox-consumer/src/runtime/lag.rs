@@ -2,9 +2,9 @@
 //! [`LAG_INTERVAL`] the runtime asks for the consumer's info (bounded by
 //! [`LAG_TIMEOUT`]) and sets, labelled `consumer` and `stream`,
 //!
-//! - `inbox_consumer_pending_messages`: messages of the stream matching the
+//! - `inbox_pending_messages`: messages of the stream matching the
 //!   durable's filter not yet delivered (`num_pending`);
-//! - `inbox_consumer_ack_pending_messages`: delivered, not yet acked
+//! - `inbox_ack_pending_messages`: delivered, not yet acked
 //!   (`num_ack_pending`).
 //!
 //! The same read is kept for the runtime's other tasks

@@ -78,8 +78,8 @@
 //!   see [`position`] and [`ConsumerConfig::start`].
 //! - **Lag** is read from JetStream every [`LAG_INTERVAL`] on a task of its
 //!   own (each request bounded by [`LAG_TIMEOUT`]) and exported as the gauges
-//!   `inbox_consumer_pending_messages` and
-//!   `inbox_consumer_ack_pending_messages` (see [`crate::metrics`]).
+//!   `inbox_pending_messages` and
+//!   `inbox_ack_pending_messages` (see [`crate::metrics`]).
 //! - **Broker outages**: a failed pull is issued again after a pause (a pull
 //!   lost with a restarting broker ends after 7 s); ack failures are logged
 //!   (the redelivery will be a duplicate).

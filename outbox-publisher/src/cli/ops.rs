@@ -11,7 +11,7 @@
 //! [`install_prometheus`] installs the process-wide recorder, rendering every
 //! histogram of seconds as a Prometheus histogram with [`SECONDS_BUCKETS`]
 //! (so `histogram_quantile` aggregates across replicas) and
-//! `outbox_batch_rows` with [`ROWS_BUCKETS`]. The readiness checks are the
+//! `outbox_relay_batch_rows` with [`ROWS_BUCKETS`]. The readiness checks are the
 //! libraries' ([`crate::Readiness`], `inbox_consumer::Readiness`); any
 //! function returning a [`Report`] will do.
 
@@ -34,7 +34,7 @@ pub const SECONDS_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 ];
 
-/// Bucket bounds of `outbox_batch_rows` (rows per batch).
+/// Bucket bounds of `outbox_relay_batch_rows` (rows per batch).
 pub const ROWS_BUCKETS: &[f64] = &[
     1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0,
 ];

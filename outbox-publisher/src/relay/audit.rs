@@ -14,7 +14,7 @@
 //! of the interval, so the audit keeps up with a relay publishing more than
 //! `audit_rows` per interval while taking at most half the time of its
 //! connection and reads, and backs off with a slow broker (the lag gauge,
-//! `outbox_audit_lag_seconds`, shows it falling behind; rows that leave the
+//! `outbox_relay_audit_lag_seconds`, shows it falling behind; rows that leave the
 //! horizon unchecked are not audited). A pass that fails (the broker not reachable, a
 //! timeout, a database error) judges nothing and moves no mark: the same rows
 //! are checked at the next pass.

@@ -10,7 +10,7 @@
 //!   where the loss matters: nothing downstream would ever see these events);
 //!   it applies all of them once, the lost ones from their republished copy.
 //!   The other half (intact) is a control group: never republished, rows
-//!   untouched. The counter (`outbox_audit_republished_total`) and the warn
+//!   untouched. The counter (`outbox_relay_audit_republished_total`) and the warn
 //!   lines count each lost row once, also after the republished rows have
 //!   been audited in turn; the stream holds each id once again.
 //! - **A store lost in a restart**: nats-server stopped, the stream's message
@@ -360,7 +360,7 @@ async fn deleted_messages_are_republished_once_and_applied_once() {
     // checked once, the lost ones twice): no second republish.
     let total = (ids.len() + lost.len()) as f64;
     wait_until("the republished rows audited", WAIT, || async {
-        relay.counter("outbox_audit_checked_total").await >= total
+        relay.counter("outbox_relay_audit_checked_total").await >= total
     })
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", relay.log()));
@@ -373,7 +373,7 @@ async fn deleted_messages_are_republished_once_and_applied_once() {
         relay.log()
     );
     assert!(republished.values().all(|&n| n == 1), "{republished:?}");
-    assert_eq!(relay.counter("outbox_audit_republished_total").await, 10.0);
+    assert_eq!(relay.counter("outbox_relay_audit_republished_total").await, 10.0);
     assert!(relay.log().contains("no message at the sequence"));
     // The control group is untouched.
     let after = positions(&db, &ids).await;
@@ -511,7 +511,7 @@ async fn a_store_lost_in_a_restart_is_republished_and_reused_sequences_told_apar
     .unwrap();
     let total = (everything.len() + lost.len()) as f64;
     wait_until("the republished rows audited", WAIT, || async {
-        relay.counter("outbox_audit_checked_total").await >= total
+        relay.counter("outbox_relay_audit_checked_total").await >= total
     })
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", relay.log()));
@@ -579,7 +579,7 @@ async fn a_pass_while_the_broker_is_down_republishes_nothing() {
     assert_eq!(positions(&db, &ids).await, before);
     server.start_again().unwrap();
     wait_until("the rows audited", WAIT, || async {
-        relay.counter("outbox_audit_checked_total").await >= ids.len() as f64
+        relay.counter("outbox_relay_audit_checked_total").await >= ids.len() as f64
     })
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", relay.log()));
@@ -589,7 +589,7 @@ async fn a_pass_while_the_broker_is_down_republishes_nothing() {
         relay.log()
     );
     assert!(relay.republished().is_empty(), "{}", relay.log());
-    assert_eq!(relay.counter("outbox_audit_republished_total").await, 0.0);
+    assert_eq!(relay.counter("outbox_relay_audit_republished_total").await, 0.0);
     assert_eq!(positions(&db, &ids).await, before);
     relay.stop().await;
 }

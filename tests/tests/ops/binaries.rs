@@ -361,9 +361,9 @@ fn check_name(name: &str, kind: &str) -> Result<(), String> {
 
 #[test]
 fn the_name_rules_reject_what_they_should() {
-    assert!(check_name("outbox_published_total", "counter").is_ok());
-    assert!(check_name("outbox_backlog_rows", "gauge").is_ok());
-    assert!(check_name("outbox_publish_latency_seconds", "histogram").is_ok());
+    assert!(check_name("outbox_relay_published_total", "counter").is_ok());
+    assert!(check_name("outbox_relay_backlog_rows", "gauge").is_ok());
+    assert!(check_name("outbox_relay_publish_latency_seconds", "histogram").is_ok());
     assert!(check_name("outbox_published", "counter").is_err());
     assert!(check_name("outbox_backlog_total", "gauge").is_err());
     assert!(check_name("outbox_batch_size", "histogram").is_err());
@@ -505,7 +505,7 @@ async fn binaries_export_what_the_dashboard_and_alerts_use_and_answer_probes() {
     let js = async_nats::jetstream::new(client);
     relay
         .wait_for("published events", "/metrics", |_, b| {
-            sample(b, "outbox_published_total") >= 5.0
+            sample(b, "outbox_relay_published_total") >= 5.0
         })
         .await;
     // A duplicate: a published event again, under another message id.
@@ -556,18 +556,18 @@ async fn binaries_export_what_the_dashboard_and_alerts_use_and_answer_probes() {
                     && sample(b, "inbox_duplicates_total") >= 1.0
                     && sample(b, "inbox_dead_lettered_total") >= 2.0
                     && sample(b, "inbox_failed_total") >= 1.0
-                    && b.contains("inbox_consumer_pending_messages{")
-                    && b.contains("inbox_consumer_ack_pending_messages{")
+                    && b.contains("inbox_pending_messages{")
+                    && b.contains("inbox_ack_pending_messages{")
                     && b.contains("outbox_relay_broker_up 1")
             },
         )
         .await;
     let (_, relay_text) = relay
         .wait_for("a publish failure and the gauges", "/metrics", |_, b| {
-            b.contains("outbox_publish_failures_total{reason=\"not_captured\"}")
-                && b.contains("outbox_backlog_rows ")
-                && b.contains("outbox_past_cap_rows ")
-                && b.contains("outbox_oldest_unpublished_age_seconds ")
+            b.contains("outbox_relay_publish_failures_total{reason=\"not_captured\"}")
+                && b.contains("outbox_relay_backlog_rows ")
+                && b.contains("outbox_relay_past_cap_rows ")
+                && b.contains("outbox_relay_oldest_unpublished_age_seconds ")
                 && b.contains("outbox_relay_database_up 1")
                 && b.contains("outbox_relay_broker_up 1")
         })
@@ -575,9 +575,9 @@ async fn binaries_export_what_the_dashboard_and_alerts_use_and_answer_probes() {
 
     // Histograms of seconds are Prometheus histograms, with buckets.
     for (text, name) in [
-        (&relay_text, "outbox_publish_latency_seconds"),
-        (&relay_text, "outbox_commit_to_ack_seconds"),
-        (&relay_text, "outbox_batch_phase_seconds"),
+        (&relay_text, "outbox_relay_publish_latency_seconds"),
+        (&relay_text, "outbox_relay_commit_to_ack_seconds"),
+        (&relay_text, "outbox_relay_batch_phase_seconds"),
         (&billing_text, "inbox_handler_duration_seconds"),
     ] {
         assert!(

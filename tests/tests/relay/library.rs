@@ -431,7 +431,7 @@ async fn the_watermark_trap_a_late_commit_with_an_earlier_created_at_is_still_pu
 #[tokio::test]
 async fn poison_rows_block_only_their_own_subject() {
     let _ = snapshotter();
-    let capped_before = counter("outbox_capped_rows_total");
+    let capped_before = counter("outbox_relay_capped_rows_total");
     let db = TestDb::new().await.unwrap();
     let broker = nats().unwrap();
     let config = fast_config()
@@ -539,7 +539,7 @@ async fn poison_rows_block_only_their_own_subject() {
         );
     }
     assert_eq!(stream_messages(broker.url(), "POISON").await.len(), 50);
-    assert!(counter("outbox_capped_rows_total") >= capped_before + 2);
+    assert!(counter("outbox_relay_capped_rows_total") >= capped_before + 2);
 }
 
 #[tokio::test]

@@ -386,7 +386,7 @@ async fn each_component_works_under_its_documented_nats_user_and_no_more() {
     // The relay's audit reads every row back (a dense page: through its
     // range consumer), 6.25 s after it was published.
     wait_until("the relay's audit to check the rows", WAIT, || async {
-        metric(metrics, "outbox_audit_checked_total").await >= 5.0
+        metric(metrics, "outbox_relay_audit_checked_total").await >= 5.0
     })
     .await
     .unwrap();
