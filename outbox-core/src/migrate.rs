@@ -480,20 +480,11 @@ async fn adopt(conn: &mut PgConnection) -> Result<()> {
     if !found {
         return Ok(());
     }
-    let versions: Vec<i64> = MIGRATOR.iter().map(|m| m.version).collect();
     let mut tx = conn
         .begin()
         .await
         .map_err(|e| Error::database("adopting _sqlx_migrations rows", e))?;
-    let theirs: Vec<(i64, String, Vec<u8>)> = sqlx::query_as(
-        "select version, description, checksum from _sqlx_migrations
-          where success and version = any($1)
-          order by version",
-    )
-    .bind(&versions)
-    .fetch_all(&mut *tx)
-    .await
-    .map_err(|e| Error::database("reading _sqlx_migrations", e))?;
+    let theirs = sqlx_rows(&mut tx).await?;
     if theirs.is_empty() {
         return Ok(());
     }
@@ -504,62 +495,95 @@ async fn adopt(conn: &mut PgConnection) -> Result<()> {
     .await
     .map_err(|e| Error::database(&format!("reading {MIGRATION_TABLE}"), e))?;
     let mut kept = Vec::new();
-    for (version, description, checksum) in theirs {
-        let Some(migration) = MIGRATOR
-            .iter()
-            .find(|m| m.version == version && *m.description == *description)
-        else {
-            continue; // same version, another description: not ours
-        };
-        if !ours.contains(&version) {
-            tx.skip(MIGRATION_TABLE, migration).await.map_err(|e| {
-                migrate_error(
-                    &format!(
-                        "recording {} in {MIGRATION_TABLE}",
-                        file_name(migration.version)
-                    ),
-                    e,
-                )
-            })?;
-        }
-        if *checksum == *migration.checksum {
-            kept.push(version);
-        } else {
-            sqlx::query(
-                "delete from _sqlx_migrations
-                  where version = $1 and description = $2 and checksum = $3",
-            )
-            .bind(version)
-            .bind(&description)
-            .bind(&checksum)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| {
-                Error::database(
-                    &format!(
-                        "removing {} from _sqlx_migrations",
-                        file_name(migration.version)
-                    ),
-                    e,
-                )
-            })?;
-        }
+    for row in theirs {
+        kept.extend(adopt_row(&mut tx, &ours, row).await?);
     }
     tx.commit()
         .await
         .map_err(|e| Error::database("adopting _sqlx_migrations rows", e))?;
     if let (Some(first), Some(last)) = (kept.first(), kept.last()) {
-        tracing::warn!(
-            versions = %format!("{first}..={last}"),
-            "the outbox migrations are applied both ways on this database: recorded in \
-             _sqlx_migrations by a migrator of the service's own (from copies of the files) and \
-             in {MIGRATION_TABLE} by outbox_pg::migrate. A binary whose own sqlx::migrate! lacks \
-             the copies fails with \"migration {first} was previously applied but is missing\" \
-             (outbox_pg::explain_migrate_error says so). {}",
-            one_way(*first, *last)
-        );
+        warn_applied_both_ways(*first, *last);
     }
     Ok(())
+}
+/// A row of `_sqlx_migrations`: version, description, checksum.
+type SqlxRow = (i64, String, Vec<u8>);
+
+/// The successful rows of `_sqlx_migrations` under our versions.
+async fn sqlx_rows(conn: &mut PgConnection) -> Result<Vec<SqlxRow>> {
+    let versions: Vec<i64> = MIGRATOR.iter().map(|m| m.version).collect();
+    sqlx::query_as(
+        "select version, description, checksum from _sqlx_migrations
+          where success and version = any($1)
+          order by version",
+    )
+    .bind(&versions)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(|e| Error::database("reading _sqlx_migrations", e))
+}
+
+/// Adopts one row of `_sqlx_migrations`: if it is one of our files (version
+/// and description), records it in [`MIGRATION_TABLE`] unless `ours` has it,
+/// and deletes it if its checksum is not this build's. Its version if it
+/// is ours and kept.
+async fn adopt_row(
+    conn: &mut PgConnection,
+    ours: &[i64],
+    (version, description, checksum): SqlxRow,
+) -> Result<Option<i64>> {
+    let Some(migration) = MIGRATOR
+        .iter()
+        .find(|m| m.version == version && *m.description == *description)
+    else {
+        return Ok(None); // same version, another description: not ours
+    };
+    if !ours.contains(&version) {
+        conn.skip(MIGRATION_TABLE, migration).await.map_err(|e| {
+            migrate_error(
+                &format!(
+                    "recording {} in {MIGRATION_TABLE}",
+                    file_name(migration.version)
+                ),
+                e,
+            )
+        })?;
+    }
+    if *checksum == *migration.checksum {
+        return Ok(Some(version));
+    }
+    sqlx::query(
+        "delete from _sqlx_migrations
+          where version = $1 and description = $2 and checksum = $3",
+    )
+    .bind(version)
+    .bind(&description)
+    .bind(&checksum)
+    .execute(&mut *conn)
+    .await
+    .map_err(|e| {
+        Error::database(
+            &format!(
+                "removing {} from _sqlx_migrations",
+                file_name(migration.version)
+            ),
+            e,
+        )
+    })?;
+    Ok(None)
+}
+
+/// Warns that our migrations `first..=last` are recorded both ways.
+fn warn_applied_both_ways(first: i64, last: i64) {
+    tracing::warn!(
+        versions = %format!("{first}..={last}"),
+        "the outbox migrations are applied both ways on this database: recorded in \
+         _sqlx_migrations by a migrator of the service's own (from copies of the files) and \
+         in {MIGRATION_TABLE} by outbox_pg::migrate. A binary whose own sqlx::migrate! lacks \
+         the copies fails with \"migration {first} was previously applied but is missing\" \
+         (outbox_pg::explain_migrate_error says so). {}",
+        one_way(first, last)
+    );
 }
 
 /// What to do about the outbox's migrations `first..=last` recorded both

@@ -1,5 +1,8 @@
 //! What the `outbox-relay` binary and services that embed a relay share:
-//! logs and traces ([`TelemetryArgs`]: `--log-format`, and with the
+//! the relay's flags, each group building its part of the relay's
+//! configuration ([`StreamArgs`]: the stream; [`RelayArgs`]: batches,
+//! retries, retention, the audit; [`SourceArgs`]: polling or the WAL), logs
+//! and traces ([`TelemetryArgs`]: `--log-format`, and with the
 //! `opentelemetry` feature the OTLP span exporter switch `--otlp-endpoint`),
 //! the metrics and health endpoint ([`OpsServer`]), and (re-exported from
 //! [`outbox_pg::connect`], where consumer services find them too) the
@@ -8,6 +11,9 @@
 mod ops;
 #[cfg(feature = "opentelemetry")]
 mod otlp;
+mod relay;
+mod source;
+mod stream;
 mod telemetry;
 
 pub use ops::{
@@ -17,4 +23,7 @@ pub use ops::{
 pub use outbox_pg::connect::{
     DatabaseArgs, ExposeSecret, NatsArgs, Secret, cancel_on_signal, redact_url,
 };
+pub use relay::RelayArgs;
+pub use source::SourceArgs;
+pub use stream::StreamArgs;
 pub use telemetry::{LogFormat, Telemetry, TelemetryArgs, init_logging};

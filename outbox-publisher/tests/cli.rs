@@ -269,3 +269,90 @@ async fn authenticates_with_a_user_and_password() {
         .messages;
     assert_eq!(count, 20);
 }
+
+/// A flag and the environment variable `--help` names for it.
+type Flag = (String, Option<String>);
+
+/// The flags `outbox-relay --help` lists (but `--help` and `--version`),
+/// each with its environment variable.
+fn help_flags() -> Vec<Flag> {
+    let out = Command::new(BIN).arg("--help").output().unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).unwrap();
+    let mut flags: Vec<Flag> = Vec::new();
+    for line in help.lines() {
+        let option = line.trim_start();
+        let indent = line.len() - option.len();
+        if indent <= 6 && option.starts_with('-') {
+            let long = option.split(' ').find(|word| word.starts_with("--"));
+            let name = long.unwrap().trim_end_matches(',').to_owned();
+            flags.push((name, None));
+        } else if let Some(env) = option.strip_prefix("[env: ") {
+            let env: String = env
+                .chars()
+                .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+                .collect();
+            flags.last_mut().unwrap().1 = Some(env);
+        }
+    }
+    flags.retain(|(name, _)| name != "--help" && name != "--version");
+    flags
+}
+
+/// The rows of docs/relay.md's flag table: the flags and the environment
+/// variables its first column names.
+fn documented_flags() -> Vec<(Vec<String>, Vec<String>)> {
+    let doc = include_str!("../../docs/relay.md");
+    let table = doc.split("## Flags").nth(1).unwrap();
+    let table = table.split("\n## ").next().unwrap();
+    table
+        .lines()
+        .filter(|line| line.starts_with("| `"))
+        .map(|line| {
+            let cell = line.split('|').nth(1).unwrap();
+            let quoted: Vec<&str> = cell.split('`').skip(1).step_by(2).collect();
+            let flags = quoted.iter().filter(|q| q.starts_with("--"));
+            let envs = quoted
+                .iter()
+                .filter(|q| q.starts_with(|c: char| c.is_ascii_uppercase()));
+            (
+                flags.map(|f| (*f).to_owned()).collect(),
+                envs.map(|e| (*e).to_owned()).collect(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn every_flag_of_help_is_in_docs_relay_md_with_its_environment_variable_and_no_other() {
+    let help = help_flags();
+    assert!(help.len() > 40, "{help:?}");
+    let rows = documented_flags();
+    for (flag, env) in &help {
+        let row = rows.iter().find(|(flags, _)| flags.contains(flag));
+        let Some((_, envs)) = row else {
+            panic!("{flag} is not in docs/relay.md's flag table");
+        };
+        if let Some(env) = env {
+            assert!(
+                envs.contains(env),
+                "docs/relay.md's row of {flag} does not name {env}"
+            );
+        }
+    }
+    // Built without the `opentelemetry` feature, the binary has no exporter.
+    let optional = ["--otlp-endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT"];
+    let known = |name: &String| {
+        help.iter()
+            .any(|(flag, env)| flag == name || env.as_ref() == Some(name))
+            || (!cfg!(feature = "opentelemetry") && optional.contains(&name.as_str()))
+    };
+    for (flags, envs) in &rows {
+        for name in flags.iter().chain(envs) {
+            assert!(
+                known(name),
+                "docs/relay.md names {name}, which outbox-relay --help does not"
+            );
+        }
+    }
+}

@@ -3,7 +3,8 @@
 //! schema) is written with `Outbox::enqueue`, relayed, and consumed by
 //! `Consumer::builder`, which subscribes to the router's types only and waits
 //! for a stream that a relay creates after it started.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
+
+mod support;
 
 use std::time::Duration;
 
@@ -106,10 +107,6 @@ async fn database() -> TestDb {
     db
 }
 
-async fn count(db: &TestDb, sql: &'static str) -> i64 {
-    sqlx::query_scalar(sql).fetch_one(&db.pool).await.unwrap()
-}
-
 #[tokio::test]
 async fn typed_events_flow_from_enqueue_to_a_builder_started_before_its_stream() {
     let db = database().await;
@@ -190,7 +187,7 @@ async fn typed_events_flow_from_enqueue_to_a_builder_started_before_its_stream()
         stop.clone().cancelled_owned(),
     ));
     wait_until("five accounts opened", WAIT, || async {
-        count(&db, "select count(*) from accounts").await == 5
+        support::count(&db.pool, "select count(*) from accounts").await == 5
     })
     .await
     .unwrap();
@@ -243,10 +240,16 @@ async fn typed_events_flow_from_enqueue_to_a_builder_started_before_its_stream()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(count(&db, "select count(*) from accounts").await, 5);
-    assert_eq!(count(&db, "select count(*) from inbox_events").await, 5);
     assert_eq!(
-        count(&db, "select count(*) from inbox_dead_letters").await,
+        support::count(&db.pool, "select count(*) from accounts").await,
+        5
+    );
+    assert_eq!(
+        support::count(&db.pool, "select count(*) from inbox_events").await,
+        5
+    );
+    assert_eq!(
+        support::count(&db.pool, "select count(*) from inbox_dead_letters").await,
         0
     );
     let stream_info = js
@@ -393,8 +396,8 @@ async fn a_timeout_layer_through_the_builder_fails_a_slow_handler_and_the_retry_
             .run(stop.clone().cancelled_owned()),
     );
     wait_until("five accounts opened", WAIT, || async {
-        count(&db, "select count(*) from accounts").await == 5
-            && count(&db, "select count(*) from inbox_events").await == 5
+        support::count(&db.pool, "select count(*) from accounts").await == 5
+            && support::count(&db.pool, "select count(*) from inbox_events").await == 5
     })
     .await
     .unwrap();
@@ -404,7 +407,7 @@ async fn a_timeout_layer_through_the_builder_fails_a_slow_handler_and_the_retry_
         "five events, one of them twice (timed out, retried)"
     );
     assert_eq!(
-        count(&db, "select count(*) from inbox_dead_letters").await,
+        support::count(&db.pool, "select count(*) from inbox_dead_letters").await,
         0
     );
     stop.cancel();
@@ -593,10 +596,16 @@ async fn batched_builder(
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(count(&db, "select count(*) from accounts").await, 50);
-    assert_eq!(count(&db, "select count(*) from inbox_events").await, 50);
     assert_eq!(
-        count(&db, "select count(*) from inbox_dead_letters").await,
+        support::count(&db.pool, "select count(*) from accounts").await,
+        50
+    );
+    assert_eq!(
+        support::count(&db.pool, "select count(*) from inbox_events").await,
+        50
+    );
+    assert_eq!(
+        support::count(&db.pool, "select count(*) from inbox_dead_letters").await,
         0
     );
     stop.cancel();

@@ -2,7 +2,6 @@
 //! connection: several outboxes in one database (`tenants`), connection
 //! poolers (`poolers`), drains beside other relays (`once`), settings that
 //! break the relay (`settings`).
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 mod support;
 

@@ -9,7 +9,8 @@
 //! as a template: build the app and the consumer stack from the service crates,
 //! drive the app with `tower::ServiceExt::oneshot`, run the relays and the
 //! consumer as tasks, and wait for outcomes with bounded deadlines.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
+
+mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
@@ -154,15 +155,8 @@ impl World {
         Task { stop, handle }
     }
 
-    async fn count(pool: &PgPool, sql: &str) -> i64 {
-        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
-            .fetch_one(pool)
-            .await
-            .unwrap()
-    }
-
     async fn invoices(&self) -> i64 {
-        Self::count(&self.billing.pool, "select count(*) from invoices").await
+        support::count(&self.billing.pool, "select count(*) from invoices").await
     }
 
     async fn wait_invoices(&self, n: i64) {
@@ -191,7 +185,7 @@ impl World {
     /// Waits until `pool`'s outbox has no unpublished row.
     async fn wait_relayed(pool: &PgPool) {
         wait_until("the outbox relayed", WAIT, || async {
-            Self::count(
+            support::count(
                 pool,
                 "select count(*) from outbox_events where published_at is null",
             )
@@ -415,7 +409,7 @@ async fn a_crash_between_commit_and_ack_makes_one_invoice() {
         BTreeMap::from([(id.clone(), 1)])
     );
     assert_eq!(
-        World::count(
+        support::count(
             &w.billing.pool,
             "select count(*) from outbox_events where event_type = 'invoice.created'"
         )
@@ -423,7 +417,7 @@ async fn a_crash_between_commit_and_ack_makes_one_invoice() {
         1
     );
     assert_eq!(
-        World::count(
+        support::count(
             &w.billing.pool,
             "select count(*) from inbox_events where consumer = 'billing'"
         )
@@ -518,7 +512,7 @@ async fn republishes_after_a_relay_crash_make_one_invoice() {
         BTreeMap::from([(id, 1)])
     );
     assert_eq!(
-        World::count(
+        support::count(
             &w.billing.pool,
             "select count(*) from outbox_events where event_type = 'invoice.created'"
         )
@@ -598,12 +592,12 @@ async fn a_broker_restart_mid_traffic_loses_and_doubles_nothing() {
     );
     assert!(invoices.keys().all(|id| !rolled_back.contains(id)));
     assert_eq!(
-        World::count(&w.subs.pool, "select count(*) from subscriptions").await,
+        support::count(&w.subs.pool, "select count(*) from subscriptions").await,
         accepted.len() as i64,
         "rolled-back requests left no row"
     );
     assert_eq!(
-        World::count(&w.subs.pool, "select count(*) from outbox_events").await,
+        support::count(&w.subs.pool, "select count(*) from outbox_events").await,
         accepted.len() as i64,
         "rolled-back requests left no event"
     );
@@ -662,7 +656,7 @@ async fn a_cancellation_that_overtakes_its_creation_waits_for_it() {
     let seen = Seen::default();
     let billing = w.billing_with(StackOptions::default(), &seen, false).await;
     wait_until("the invoice voided", WAIT, || async {
-        World::count(
+        support::count(
             &w.billing.pool,
             "select count(*) from invoices where voided_at is not null",
         )

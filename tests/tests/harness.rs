@@ -1,8 +1,6 @@
 //! The harness itself: real servers start, and the fault operations the other
 //! suites rely on (broker stop / kill -9 / restart, Postgres restart) work.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
-
 use std::time::Duration;
 
 use outbox_testkit::{NatsServer, PgServer, TestDb, wait_until};

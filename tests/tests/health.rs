@@ -8,8 +8,6 @@
 //! - a running consumer exports `inbox_pending_messages` and
 //!   `inbox_ack_pending_messages` as JetStream counts them.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
-
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};

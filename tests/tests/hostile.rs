@@ -15,7 +15,6 @@
 //! durable.
 //!
 //! The binaries are built by `scripts/test` before the tests run.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 mod support;
 

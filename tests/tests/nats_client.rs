@@ -11,7 +11,6 @@
 //!   saying so in their logs.
 //!
 //! The binaries are built by `scripts/test` before the tests run.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 mod support;
 

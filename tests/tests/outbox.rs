@@ -1,7 +1,7 @@
 //! outbox-pg against a real PostgreSQL: the transactional write, validation,
 //! batch inserts and the migrated schema.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
+mod support;
 
 use outbox_pg::{Envelope, ErrorKind, Outbox, SchemaRegistry};
 use outbox_testkit::TestDb;
@@ -33,13 +33,6 @@ async fn business_table(db: &TestDb) {
         .unwrap();
 }
 
-async fn count(db: &TestDb, sql: &str) -> i64 {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
-        .fetch_one(&db.pool)
-        .await
-        .unwrap()
-}
-
 #[tokio::test]
 async fn commit_writes_row_and_event_together() {
     let db = TestDb::new().await.unwrap();
@@ -56,7 +49,10 @@ async fn commit_writes_row_and_event_together() {
     assert_eq!(id, event.id());
     tx.commit().await.unwrap();
 
-    assert_eq!(count(&db, "select count(*) from subscriptions").await, 1);
+    assert_eq!(
+        support::count(&db.pool, "select count(*) from subscriptions").await,
+        1
+    );
     let row = sqlx::query(
         "select id, event_type, source, subject, time, data, created_at, published_at, attempts
            from outbox_events",
@@ -94,15 +90,24 @@ async fn rollback_leaves_neither_row_nor_event() {
     outbox.enqueue(&mut tx, &created("sub_1")).await.unwrap();
     tx.rollback().await.unwrap();
 
-    assert_eq!(count(&db, "select count(*) from subscriptions").await, 0);
-    assert_eq!(count(&db, "select count(*) from outbox_events").await, 0);
+    assert_eq!(
+        support::count(&db.pool, "select count(*) from subscriptions").await,
+        0
+    );
+    assert_eq!(
+        support::count(&db.pool, "select count(*) from outbox_events").await,
+        0
+    );
 
     // Dropping the transaction without commit is a rollback too.
     {
         let mut tx = db.pool.begin().await.unwrap();
         outbox.enqueue(&mut tx, &created("sub_2")).await.unwrap();
     }
-    assert_eq!(count(&db, "select count(*) from outbox_events").await, 0);
+    assert_eq!(
+        support::count(&db.pool, "select count(*) from outbox_events").await,
+        0
+    );
 }
 
 #[tokio::test]
@@ -132,7 +137,10 @@ async fn schema_violation_is_named_and_writes_nothing() {
     // The transaction is still usable: validation happens before any statement.
     sqlx::query("select 1").execute(&mut *tx).await.unwrap();
     tx.commit().await.unwrap();
-    assert_eq!(count(&db, "select count(*) from outbox_events").await, 0);
+    assert_eq!(
+        support::count(&db.pool, "select count(*) from outbox_events").await,
+        0
+    );
 }
 
 #[tokio::test]
@@ -145,7 +153,10 @@ async fn unknown_event_type_is_named() {
     assert_eq!(err.kind(), ErrorKind::UnknownEventType);
     assert!(err.to_string().contains("subscription.exploded"), "{err}");
     tx.commit().await.unwrap();
-    assert_eq!(count(&db, "select count(*) from outbox_events").await, 0);
+    assert_eq!(
+        support::count(&db.pool, "select count(*) from outbox_events").await,
+        0
+    );
 }
 
 #[tokio::test]
@@ -158,7 +169,10 @@ async fn a_batch_with_one_invalid_event_writes_none() {
     let err = outbox.enqueue_all(&mut tx, &events).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::SchemaViolation);
     tx.commit().await.unwrap();
-    assert_eq!(count(&db, "select count(*) from outbox_events").await, 0);
+    assert_eq!(
+        support::count(&db.pool, "select count(*) from outbox_events").await,
+        0
+    );
 }
 
 const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
@@ -177,7 +191,10 @@ async fn refused_and_nothing_written(
     assert_eq!(err.kind(), kind, "{err}");
     sqlx::query("select 1").execute(&mut *tx).await.unwrap();
     tx.commit().await.unwrap();
-    assert_eq!(count(db, "select count(*) from outbox_events").await, 0);
+    assert_eq!(
+        support::count(&db.pool, "select count(*) from outbox_events").await,
+        0
+    );
     err.to_string()
 }
 
@@ -353,7 +370,10 @@ async fn a_message_over_the_limit_is_too_large_and_writes_nothing() {
         .await
         .unwrap();
     tx.commit().await.unwrap();
-    assert_eq!(count(&db, "select count(*) from outbox_events").await, 1);
+    assert_eq!(
+        support::count(&db.pool, "select count(*) from outbox_events").await,
+        1
+    );
 }
 
 #[tokio::test]
@@ -423,11 +443,14 @@ async fn thousand_events_in_one_statement() {
         "ids returned in input order"
     );
     assert_eq!(
-        count(&db, "select n::bigint from insert_statements").await,
+        support::count(&db.pool, "select n::bigint from insert_statements").await,
         1,
         "INSERT statements issued for 1,000 events"
     );
-    assert_eq!(count(&db, "select count(*) from outbox_events").await, 1000);
+    assert_eq!(
+        support::count(&db.pool, "select count(*) from outbox_events").await,
+        1000
+    );
     let stored: Vec<uuid::Uuid> = sqlx::query_scalar("select id from outbox_events order by id")
         .fetch_all(&db.pool)
         .await

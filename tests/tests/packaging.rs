@@ -3,7 +3,6 @@
 //! crate carries what crates.io shows (description, readme, licence files,
 //! keywords, categories). `scripts/package-check` in CI checks that each
 //! packages and compiles from its package alone.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::Path;

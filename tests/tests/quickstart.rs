@@ -1,7 +1,6 @@
 //! The quickstart, as a new user runs it: the `quickstart` binary against
 //! real servers, a typed event written, relayed, read back and consumed by
 //! `Consumer::builder`.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 use std::process::Command;
 

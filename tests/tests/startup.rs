@@ -14,8 +14,6 @@
 //! built by `scripts/test` (`cargo build --workspace --bins`) before the tests
 //! run.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
-
 mod support;
 
 use std::path::{Path, PathBuf};

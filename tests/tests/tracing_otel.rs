@@ -8,7 +8,6 @@
 //! (`opentelemetry_sdk`'s `InMemorySpanExporter`), and the test reads the
 //! parent chain from them. Single and batch mode, and the subscriptions
 //! service's request span reaching the row.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 use std::sync::OnceLock;
 use std::time::Duration;

@@ -19,8 +19,6 @@
 //! - `--threads 2` (a multi-threaded runtime, beside the default single
 //!   thread): each event once, in order.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
-
 mod support;
 
 use support::{count_where, stream_count};

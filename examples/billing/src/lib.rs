@@ -36,8 +36,9 @@
 //! | `--start` | auto | where the durable starts if billing creates it: after the position the inbox records (nothing past the inbox window applied again), `all` (a replay), `new`, or a stream sequence |
 //! | `--unordered` | | every replica consumes at once; a subscription's events may then be handled out of order across replicas (the handlers stay right, through retries) |
 //! | `--lease-timeout` | 15s | how long a silent leader keeps the lead before a standby takes over (a dead process is replaced at once) |
-//! | `--stream` | `OUTBOX` | |
-//! | `--subjects` | `subscription.>,invoice.>` | the stream's subjects, if billing's relay creates it |
+//! | `--stream` (`OUTBOX_STREAM`) | `OUTBOX` | |
+//! | `--subjects` (`OUTBOX_SUBJECTS`) | `subscription.>,invoice.>` | the stream's subjects, if billing's relay creates it |
+//! | `--add-subjects`, `--stream-storage`, `--stream-replicas`, `--duplicate-window` | | what the relay's stream must be, as for `outbox-relay` (docs/relay.md) |
 //! | `--no-relay` | | leave billing's outbox to a separate `outbox-relay` |
 //! | `--max-deliver` | 50 | deliveries before a failing event is dead-lettered (billing counts them; the broker redelivers without limit, and a database that cannot be reached never spends them) |
 //! | `--ack-wait` | 30s | redelivery after a silent consumer |

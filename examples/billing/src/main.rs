@@ -18,10 +18,10 @@ use example_billing::{
     default_schemas_dir, service,
 };
 use inbox_consumer::connect::{DatabaseArgs, NatsArgs, cancel_on_signal};
-use inbox_consumer::{Readiness, Start};
+use inbox_consumer::{ConsumerConfig, Readiness, Start};
 use outbox_pg::{Outbox, SchemaRegistry};
-use outbox_publisher::cli::{TelemetryArgs, parse_ops_addr, serve_ops};
-use outbox_publisher::{Relay, RelayConfig, StreamSpec};
+use outbox_publisher::cli::{StreamArgs, TelemetryArgs, parse_ops_addr, serve_ops};
+use outbox_publisher::{Relay, RelayConfig};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
 
@@ -32,7 +32,8 @@ const STREAM_PATIENCE: Duration = Duration::from_secs(30);
 #[command(
     name = "billing",
     version,
-    about = "Billing consumer: one invoice per subscription, through the inbox"
+    about = "Billing consumer: one invoice per subscription, through the inbox",
+    mut_arg("subjects", |a| a.default_value("subscription.>,invoice.>"))
 )]
 struct Args {
     /// Billing's database.
@@ -66,17 +67,9 @@ struct Args {
     #[arg(long, default_value = "auto", value_parser = parse_start)]
     start: Start,
 
-    /// JetStream stream to consume from (and the relay publishes into).
-    #[arg(long, default_value = "OUTBOX")]
-    stream: String,
-
-    /// Subjects of the stream, if billing's relay creates it (comma-separated).
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "subscription.>,invoice.>"
-    )]
-    subjects: Vec<String>,
+    /// The stream to consume from, which the in-process relay publishes into.
+    #[command(flatten)]
+    stream: StreamArgs,
 
     /// Do not run the in-process relay for billing's own outbox.
     #[arg(long)]
@@ -201,7 +194,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
         readiness.set(Readiness::new(
             pool.clone(),
             nats.clone(),
-            args.stream.clone(),
+            args.stream.name().to_owned(),
             args.consumer.clone(),
         ));
         match serve(&args, &pool, &outbox, nats, &shutdown).await {
@@ -243,7 +236,7 @@ async fn serve(
     let round = shutdown.child_token();
     let relay = (!args.no_relay).then(|| {
         let (pool, nats, stop) = (pool.clone(), nats.clone(), round.clone());
-        let stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());
+        let stream = args.stream.spec();
         tokio::spawn(async move {
             // Rows a crashed replica had claimed are taken over after 10 s.
             let config = RelayConfig::default()
@@ -295,37 +288,20 @@ async fn consume(
     nats: async_nats::Client,
     round: &CancellationToken,
 ) -> Result<(), Round> {
-    let concurrency = args.concurrency.max(1);
-    // Without the inbox (a test mode) deliveries go one at a time.
-    let batch = if args.no_dedupe {
-        1
-    } else {
-        usize::from(args.batch)
-    };
-    // Room for every slot to fill its batch, and for the next batches.
-    let buffered = (concurrency * batch * 2).max(256);
-    let config = consumer_config(&args.stream, &args.consumer)
-        .concurrency(concurrency)
-        .max_batch(batch)
-        .max_buffered(buffered)
-        .max_ack_pending(i64::try_from(buffered * 2).unwrap_or(i64::MAX).max(1_000))
-        .max_deliver(args.max_deliver)
-        .ack_wait(args.ack_wait)
-        .ordered(!args.unordered)
-        .lease_timeout(args.lease_timeout)
-        .start(args.start);
+    let (concurrency, batch) = (args.concurrency.max(1), batch(args));
     let js = async_nats::jetstream::new(nats);
     let creating = |e: &dyn std::fmt::Display| {
         format!(
             "creating consumer `{}` on stream `{}`: {e}",
-            args.consumer, args.stream
+            args.consumer,
+            args.stream.name()
         )
     };
     // A permission the NATS user lacks stops the start, naming the subject,
     // rather than a wait for a stream that does not answer.
     let consumer = tokio::select! {
         () = round.cancelled() => return Ok(()),
-        consumer = connect_consumer(js, pool.clone(), config, STREAM_PATIENCE) => consumer.map_err(|e| {
+        consumer = connect_consumer(js, pool.clone(), config(args), STREAM_PATIENCE) => consumer.map_err(|e| {
             if e.kind() == inbox_consumer::ErrorKind::ClientClosed {
                 Round::ClientClosed(creating(&e))
             } else {
@@ -338,22 +314,9 @@ async fn consume(
     outbox_pg::check_privileges(pool, outbox_pg::privilege::WRITER, "outbox_writer")
         .await
         .map_err(|e| Round::Failed(e.to_string().into()))?;
-    let mut options = StackOptions::default();
-    if let Some(p) = args.crash_after_commit {
-        let seed = args.seed.unwrap_or_else(clock_seed);
-        tracing::warn!(
-            probability = p,
-            seed,
-            "TEST ONLY: crashing after commits, before acks"
-        );
-        options = options.crash_after_commit(CrashAfterCommitLayer::new(p, seed));
-    }
-    if args.no_dedupe {
-        tracing::warn!("TEST ONLY: running without the inbox; redeliveries will be handled again");
-        options = options.dedupe(false);
-    }
+    let options = stack_options(args);
     tracing::info!(
-        consumer = %args.consumer, stream = %args.stream, concurrency, batch,
+        consumer = %args.consumer, stream = %args.stream.name(), concurrency, batch,
         ordered = !args.unordered, "billing consuming",
     );
     let stopped = round.clone().cancelled_owned();
@@ -373,6 +336,53 @@ async fn consume(
         }
         ran => ran.map_err(|e| Round::Failed(e.into())),
     }
+}
+
+/// Most deliveries handled in one transaction: `--batch`, or one at a
+/// time without the inbox (a test mode).
+fn batch(args: &Args) -> usize {
+    if args.no_dedupe {
+        1
+    } else {
+        usize::from(args.batch)
+    }
+}
+
+/// The durable consumer the flags describe.
+fn config(args: &Args) -> ConsumerConfig {
+    let (concurrency, batch) = (args.concurrency.max(1), batch(args));
+    // Room for every slot to fill its batch, and for the next batches.
+    let buffered = (concurrency * batch * 2).max(256);
+    consumer_config(args.stream.name(), &args.consumer)
+        .concurrency(concurrency)
+        .max_batch(batch)
+        .max_buffered(buffered)
+        .max_ack_pending(i64::try_from(buffered * 2).unwrap_or(i64::MAX).max(1_000))
+        .max_deliver(args.max_deliver)
+        .ack_wait(args.ack_wait)
+        .ordered(!args.unordered)
+        .lease_timeout(args.lease_timeout)
+        .start(args.start)
+}
+
+/// The handler stack's options: the test modes the flags ask for, each
+/// warned of.
+fn stack_options(args: &Args) -> StackOptions {
+    let mut options = StackOptions::default();
+    if let Some(p) = args.crash_after_commit {
+        let seed = args.seed.unwrap_or_else(clock_seed);
+        tracing::warn!(
+            probability = p,
+            seed,
+            "TEST ONLY: crashing after commits, before acks"
+        );
+        options = options.crash_after_commit(CrashAfterCommitLayer::new(p, seed));
+    }
+    if args.no_dedupe {
+        tracing::warn!("TEST ONLY: running without the inbox; redeliveries will be handled again");
+        options = options.dedupe(false);
+    }
+    options
 }
 
 fn clock_seed() -> u64 {

@@ -32,8 +32,9 @@
 //! | `--nats-url` (`NATS_URL`) | `nats://127.0.0.1:4222` | for the in-process relay |
 //! | `--nats-user`/`--nats-password`, `--nats-token`, `--nats-nkey` (each secret also as `--*-file`), `--nats-creds`, `--nats-tls-ca`, `--nats-tls-cert`/`--nats-tls-key` | | credentials and TLS, as for `outbox-relay` (docs/security.md, "Production connections") |
 //! | `--no-relay` | | publish with a separate `outbox-relay` instead |
-//! | `--stream` | `OUTBOX` | |
-//! | `--subjects` | `subscription.>,invoice.>` | the stream's subjects, if the relay creates it |
+//! | `--stream` (`OUTBOX_STREAM`) | `OUTBOX` | |
+//! | `--subjects` (`OUTBOX_SUBJECTS`) | `subscription.>,invoice.>` | the stream's subjects, if the relay creates it |
+//! | `--add-subjects`, `--stream-storage`, `--stream-replicas`, `--duplicate-window` | | what the relay's stream must be, as for `outbox-relay` (docs/relay.md) |
 //! | `--schemas` | `schemas/events` | the event schemas (falls back to the workspace's) |
 //! | `--fault-injection` | off | honour `x-fault: rollback` (tests and demos only) |
 //! | `--metrics-addr` | | `/metrics` (the in-process relay's), `/healthz`, `/readyz` (database; with the relay, NATS and the stream) |

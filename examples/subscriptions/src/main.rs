@@ -19,17 +19,23 @@ use example_subscriptions::{AppState, default_schemas_dir, router};
 use outbox_pg::health::{self, Probe, Report};
 use outbox_pg::{Outbox, SchemaRegistry};
 use outbox_publisher::cli::{
-    DatabaseArgs, NatsArgs, TelemetryArgs, cancel_on_signal, parse_ops_addr, serve_ops,
+    DatabaseArgs, LateReadiness, NatsArgs, StreamArgs, TelemetryArgs, cancel_on_signal,
+    parse_ops_addr, serve_ops,
 };
-use outbox_publisher::{Relay, RelayConfig, StreamSpec};
+use outbox_publisher::{Relay, RelayConfig};
 use sqlx::postgres::PgPoolOptions;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+
+/// The in-process relay's error, sent back from its task.
+type BoxError = Box<dyn Error + Send + Sync>;
 
 #[derive(Debug, Parser)]
 #[command(
     name = "subscriptions",
     version,
-    about = "Subscriptions HTTP service: each write and its event in one transaction"
+    about = "Subscriptions HTTP service: each write and its event in one transaction",
+    mut_arg("subjects", |a| a.default_value("subscription.>,invoice.>"))
 )]
 struct Args {
     /// This service's database.
@@ -47,17 +53,9 @@ struct Args {
     #[arg(long)]
     no_relay: bool,
 
-    /// JetStream stream the relay publishes into.
-    #[arg(long, default_value = "OUTBOX")]
-    stream: String,
-
-    /// Subjects of the stream, if the relay creates it (comma-separated).
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "subscription.>,invoice.>"
-    )]
-    subjects: Vec<String>,
+    /// The stream the in-process relay publishes into.
+    #[command(flatten)]
+    stream: StreamArgs,
 
     /// Directory of the event schemas [default: schemas/events, else the
     /// workspace's schemas/events].
@@ -130,58 +128,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
         readiness.set(Readiness::Database(pool.clone()));
         None
     } else {
-        let nats = args.nats.connect("subscriptions").await?;
-        let set_ready = {
-            let (readiness, pool, stream) = (readiness.clone(), pool.clone(), args.stream.clone());
-            move |nats: &async_nats::Client| {
-                readiness.set(Readiness::Relay(Box::new(
-                    outbox_publisher::Readiness::new(pool.clone(), nats.clone(), stream.clone()),
-                )));
-            }
-        };
-        set_ready(&nats);
-        let stream = StreamSpec::new(args.stream.clone(), args.subjects.clone());
-        let (pool, stop, nats_args) = (pool.clone(), shutdown.clone(), args.nats.clone());
-        Some(tokio::spawn(async move {
-            let mut nats = nats;
-            loop {
-                let result = Relay::run_jetstream(
-                    pool.clone(),
-                    nats,
-                    stream.clone(),
-                    RelayConfig::default(),
-                    stop.clone().cancelled_owned(),
-                )
-                .await;
-                let e = match result {
-                    Ok(()) => return Ok(()),
-                    Err(e) => e,
-                };
-                if e.kind() == outbox_publisher::ErrorKind::ClientClosed && !stop.is_cancelled() {
-                    // A closed client never publishes again: a new one,
-                    // from the same flags.
-                    tracing::warn!(error = %e, "building a new NATS client from the same flags");
-                    match nats_args.connect("subscriptions").await {
-                        Ok(client) => {
-                            set_ready(&client);
-                            nats = client;
-                            continue;
-                        }
-                        Err(e) => {
-                            tracing::error!(error = %e, "the in-process relay stopped; shutting down");
-                            stop.cancel();
-                            return Err(Box::<dyn Error + Send + Sync>::from(e));
-                        }
-                    }
-                }
-                // A relay that cannot run (its role lacks a privilege, the
-                // stream differs) stops the service rather than leaving its
-                // events unpublished unnoticed.
-                tracing::error!(error = %e, "the in-process relay stopped; shutting down");
-                stop.cancel();
-                return Err(e.into());
-            }
-        }))
+        Some(spawn_relay(&args, &pool, &readiness, &shutdown).await?)
     };
 
     let app = router(
@@ -202,6 +149,69 @@ async fn run() -> Result<(), Box<dyn Error>> {
     // The spans not exported yet, before the process exits.
     telemetry.shutdown();
     Ok(())
+}
+
+/// The in-process relay's task: connects to NATS, then runs the relay
+/// until `shutdown`.
+async fn spawn_relay(
+    args: &Args,
+    pool: &sqlx::PgPool,
+    readiness: &LateReadiness<Readiness>,
+    shutdown: &CancellationToken,
+) -> Result<JoinHandle<Result<(), BoxError>>, Box<dyn Error>> {
+    let nats = args.nats.connect("subscriptions").await?;
+    let set_ready = {
+        let (readiness, pool) = (readiness.clone(), pool.clone());
+        let stream = args.stream.name().to_owned();
+        move |nats: &async_nats::Client| {
+            readiness.set(Readiness::Relay(Box::new(
+                outbox_publisher::Readiness::new(pool.clone(), nats.clone(), stream.clone()),
+            )));
+        }
+    };
+    set_ready(&nats);
+    let stream = args.stream.spec();
+    let (pool, stop, nats_args) = (pool.clone(), shutdown.clone(), args.nats.clone());
+    Ok(tokio::spawn(async move {
+        let mut nats = nats;
+        loop {
+            let result = Relay::run_jetstream(
+                pool.clone(),
+                nats,
+                stream.clone(),
+                RelayConfig::default(),
+                stop.clone().cancelled_owned(),
+            )
+            .await;
+            let e = match result {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            if e.kind() == outbox_publisher::ErrorKind::ClientClosed && !stop.is_cancelled() {
+                // A closed client never publishes again: a new one,
+                // from the same flags.
+                tracing::warn!(error = %e, "building a new NATS client from the same flags");
+                match nats_args.connect("subscriptions").await {
+                    Ok(client) => {
+                        set_ready(&client);
+                        nats = client;
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "the in-process relay stopped; shutting down");
+                        stop.cancel();
+                        return Err(BoxError::from(e));
+                    }
+                }
+            }
+            // A relay that cannot run (its role lacks a privilege, the
+            // stream differs) stops the service rather than leaving its
+            // events unpublished unnoticed.
+            tracing::error!(error = %e, "the in-process relay stopped; shutting down");
+            stop.cancel();
+            return Err(e.into());
+        }
+    }))
 }
 
 /// What `/readyz` checks: the relay's dependencies, or (`--no-relay`) the

@@ -309,26 +309,46 @@ impl NatsArgs {
             seen.observe(&event, &client, &inbox);
             std::future::ready(())
         });
-        if let Some(credentials) = self.servers()?.credentials {
-            if self.nats_user.is_some()
-                || self.password()?.is_some()
-                || self.token()?.is_some()
-                || self.nats_nkey.is_some()
-                || self.nats_nkey_file.is_some()
-                || self.nats_creds.is_some()
-            {
-                return Err(Error::new(
-                    ErrorKind::Config,
-                    "--nats-url carries credentials and so do the --nats-* flags: give them once",
-                ));
-            }
-            options = match credentials {
-                UrlCredentials::UserPassword { user, password } => {
-                    options.user_and_password(user, password.expose_secret().to_owned())
-                }
-                UrlCredentials::Token(token) => options.token(token.expose_secret().to_owned()),
-            };
+        let options = self.with_url_credentials(options)?;
+        let options = self.with_flag_credentials(options).await?;
+        self.with_tls(options)
+    }
+
+    /// `options` with the credentials `--nats-url` carries, if any; refused
+    /// if the `--nats-*` flags give credentials too.
+    fn with_url_credentials(
+        &self,
+        options: async_nats::ConnectOptions,
+    ) -> Result<async_nats::ConnectOptions> {
+        let Some(credentials) = self.servers()?.credentials else {
+            return Ok(options);
+        };
+        if self.nats_user.is_some()
+            || self.password()?.is_some()
+            || self.token()?.is_some()
+            || self.nats_nkey.is_some()
+            || self.nats_nkey_file.is_some()
+            || self.nats_creds.is_some()
+        {
+            return Err(Error::new(
+                ErrorKind::Config,
+                "--nats-url carries credentials and so do the --nats-* flags: give them once",
+            ));
         }
+        Ok(match credentials {
+            UrlCredentials::UserPassword { user, password } => {
+                options.user_and_password(user, password.expose_secret().to_owned())
+            }
+            UrlCredentials::Token(token) => options.token(token.expose_secret().to_owned()),
+        })
+    }
+
+    /// `options` with the credentials of the flags: user and password,
+    /// token, nkey seed, credentials file.
+    async fn with_flag_credentials(
+        &self,
+        mut options: async_nats::ConnectOptions,
+    ) -> Result<async_nats::ConnectOptions> {
         match (&self.nats_user, self.password()?) {
             (Some(user), Some(password)) => {
                 options =
@@ -363,24 +383,28 @@ impl NatsArgs {
                 .with_source(e)
             })?;
         }
+        Ok(options)
+    }
+
+    /// `options` requiring TLS with the flags' root certificates and client
+    /// certificate, where given.
+    fn with_tls(
+        &self,
+        mut options: async_nats::ConnectOptions,
+    ) -> Result<async_nats::ConnectOptions> {
         if let Some(ca) = &self.nats_tls_ca {
             options = options.add_root_certificates(ca.clone()).require_tls(true);
         }
         match (&self.nats_tls_cert, &self.nats_tls_key) {
-            (Some(cert), Some(key)) => {
-                options = options
-                    .add_client_certificate(cert.clone(), key.clone())
-                    .require_tls(true);
-            }
-            (None, None) => {}
-            _ => {
-                return Err(Error::new(
-                    ErrorKind::Config,
-                    "--nats-tls-cert and --nats-tls-key go together",
-                ));
-            }
+            (Some(cert), Some(key)) => Ok(options
+                .add_client_certificate(cert.clone(), key.clone())
+                .require_tls(true)),
+            (None, None) => Ok(options),
+            _ => Err(Error::new(
+                ErrorKind::Config,
+                "--nats-tls-cert and --nats-tls-key go together",
+            )),
         }
-        Ok(options)
     }
 
     /// Connects as `name`.

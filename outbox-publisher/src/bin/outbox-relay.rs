@@ -56,14 +56,13 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use outbox_publisher::cli::{
-    DatabaseArgs, ExposeSecret, NatsArgs, Secret, TelemetryArgs, cancel_on_signal, parse_ops_addr,
-    serve_ops,
+    DatabaseArgs, NatsArgs, RelayArgs, SourceArgs, StreamArgs, TelemetryArgs, cancel_on_signal,
+    parse_ops_addr, serve_ops,
 };
-use outbox_publisher::{
-    ErrorKind, Readiness, Relay, RelayConfig, StorageType, StreamSpec, WalSource,
-};
+use outbox_publisher::{ErrorKind, Readiness, Relay, RelayConfig, StreamSpec};
+use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -87,124 +86,14 @@ struct Args {
     #[command(flatten)]
     nats: NatsArgs,
 
-    /// JetStream stream to publish into (created if missing and --subjects is given).
-    #[arg(long, env = "OUTBOX_STREAM", default_value = "OUTBOX")]
-    stream: String,
+    #[command(flatten)]
+    stream: StreamArgs,
 
-    /// Subjects the stream captures, comma-separated (e.g. 'subscription.>,invoice.>').
-    #[arg(long, env = "OUTBOX_SUBJECTS", value_delimiter = ',')]
-    subjects: Vec<String>,
+    #[command(flatten)]
+    relay: RelayArgs,
 
-    /// Add the --subjects an existing stream lacks to it (keeping all of its
-    /// own) instead of refusing to start; without it the refusal names the
-    /// `nats stream edit` command that adds them.
-    #[arg(long, env = "OUTBOX_ADD_SUBJECTS")]
-    add_subjects: bool,
-
-    /// How often the stream's config (subjects, limits) is read again while
-    /// the relay runs; it is also read at once when a row's type looks
-    /// uncaptured or the broker refuses a message. A row whose type the
-    /// stream does not capture waits this long before it is tried again,
-    /// without losing an attempt.
-    #[arg(long, env = "OUTBOX_STREAM_REFRESH", default_value = "30s", value_parser = humantime::parse_duration)]
-    stream_refresh: Duration,
-
-    /// Required stream storage (file or memory); new streams use file.
-    #[arg(long, value_enum)]
-    stream_storage: Option<Storage>,
-
-    /// Required stream replicas; new streams use 1.
-    #[arg(long)]
-    stream_replicas: Option<usize>,
-
-    /// Required stream duplicate window (e.g. 2m); new streams use 2m.
-    #[arg(long, value_parser = humantime::parse_duration)]
-    duplicate_window: Option<Duration>,
-
-    /// Rows read per batch (1–5000).
-    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 1000)]
-    batch_size: usize,
-
-    /// Concurrent claim → publish → mark loops in this process.
-    #[arg(long, env = "OUTBOX_WORKERS", default_value_t = 2)]
-    workers: usize,
-
-    /// Poll interval when no notification arrives (e.g. 500ms).
-    #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "500ms", value_parser = humantime::parse_duration)]
-    poll_interval: Duration,
-
-    /// Failed publishes after which a row is left alone.
-    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = 20)]
-    max_attempts: i32,
-
-    /// First retry delay after a failure; doubles per attempt.
-    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
-    backoff_base: Duration,
-
-    /// Cap on the retry delay.
-    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
-    max_backoff: Duration,
-
-    /// How often to log, at info, what this relay published since the line
-    /// before, the backlog and the age of the oldest unpublished row; 0 logs none.
-    #[arg(long, env = "OUTBOX_PROGRESS_INTERVAL", default_value = "1m", value_parser = humantime::parse_duration)]
-    progress_interval: Duration,
-
-    /// Bound on one publish and its PubAck.
-    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
-    publish_timeout: Duration,
-
-    /// How long a relay that stops answering keeps its shards before another
-    /// replica takes them over; also bounds one batch. The stream's duplicate
-    /// window must be longer than this plus the publish timeout.
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
-    lease: Duration,
-
-    /// Delete published rows older than this (e.g. 7d); 0 disables retention.
-    #[arg(long, env = "OUTBOX_RETENTION", default_value = "7d", value_parser = humantime::parse_duration)]
-    retention: Duration,
-
-    /// Audit rows published within this horizon: read each one's message back
-    /// from the stream by its PubAck sequence and publish again a row whose
-    /// message the stream lost (rows younger than the duplicate window plus a
-    /// quarter of it, 1–30 s, wait). 0 disables the audit.
-    #[arg(long, env = "OUTBOX_AUDIT_HORIZON", default_value = "15m", value_parser = humantime::parse_duration)]
-    audit_horizon: Duration,
-
-    /// Pause between audit passes.
-    #[arg(long, env = "OUTBOX_AUDIT_INTERVAL", default_value = "30s", value_parser = humantime::parse_duration)]
-    audit_interval: Duration,
-
-    /// Refuse to start on a durability that can lose acknowledged events: a
-    /// stream with 1 replica or memory storage, or the audit disabled.
-    #[arg(long, env = "OUTBOX_REQUIRE_DURABLE")]
-    require_durable: bool,
-
-    /// Where new rows come from: `poll` claims them from the table (any
-    /// number of replicas share the work); `wal` reads them from a logical
-    /// replication slot (needs wal_level=logical and a role with
-    /// REPLICATION; one replica leads, the others stand by). Rows written
-    /// before the slot, and those of a slot that was lost, go through the
-    /// polling path first.
-    #[arg(long, env = "OUTBOX_SOURCE", value_enum, default_value = "poll")]
-    source: SourceArg,
-
-    /// With --source wal: the replication slot's (and publication's) name.
-    /// Default outbox_relay_<database>_<schema>.
-    #[arg(long, env = "OUTBOX_WAL_SLOT", value_name = "NAME")]
-    wal_slot: Option<String>,
-
-    /// With --source wal: the PostgreSQL URL of the replication connection
-    /// (same database and role rules as DATABASE_URL). Give the server's own
-    /// address when DATABASE_URL goes through a pooler: PgBouncer does not
-    /// carry the replication protocol. Default: the database URL.
-    #[arg(
-        long,
-        env = "OUTBOX_WAL_URL",
-        hide_env_values = true,
-        value_name = "URL"
-    )]
-    wal_url: Option<Secret>,
+    #[command(flatten)]
+    source: SourceArgs,
 
     /// Drain the table, then exit (through the polling path, whatever --source).
     #[arg(long)]
@@ -229,16 +118,32 @@ struct Args {
     telemetry: TelemetryArgs,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum SourceArg {
-    Poll,
-    Wal,
-}
+impl Args {
+    /// The relay's configuration, validated: `--once` drains through the
+    /// polling path whatever `--source`.
+    fn config(&self) -> Result<RelayConfig, outbox_publisher::Error> {
+        let config = self.relay.config();
+        let config = if self.once {
+            config
+        } else {
+            self.source.apply(config, &self.database)?
+        };
+        config.validate()?;
+        Ok(config)
+    }
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum Storage {
-    File,
-    Memory,
+    /// The async runtime `--threads` asks for.
+    fn runtime(&self) -> std::io::Result<tokio::runtime::Runtime> {
+        let mut builder = match self.threads {
+            1 => tokio::runtime::Builder::new_current_thread(),
+            n => {
+                let mut builder = tokio::runtime::Builder::new_multi_thread();
+                builder.worker_threads(usize::from(n));
+                builder
+            }
+        };
+        builder.enable_all().build()
+    }
 }
 
 fn main() -> ExitCode {
@@ -250,15 +155,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let mut builder = match args.threads {
-        1 => tokio::runtime::Builder::new_current_thread(),
-        n => {
-            let mut builder = tokio::runtime::Builder::new_multi_thread();
-            builder.worker_threads(usize::from(n));
-            builder
-        }
-    };
-    let runtime = match builder.enable_all().build() {
+    let runtime = match args.runtime() {
         Ok(rt) => rt,
         Err(e) => {
             error!(error = %e, "cannot start the async runtime");
@@ -282,37 +179,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let ops_shutdown = CancellationToken::new();
     let _stop_ops = ops_shutdown.clone().drop_guard();
     let readiness = serve_ops::<Readiness>(args.metrics_addr, ops_shutdown.clone()).await?;
-
-    let config = RelayConfig::default()
-        .batch_size(args.batch_size)
-        .workers(args.workers)
-        .poll_interval(args.poll_interval)
-        .max_attempts(args.max_attempts)
-        .backoff_base(args.backoff_base)
-        .backoff_max(args.max_backoff)
-        .publish_timeout(args.publish_timeout)
-        .lease(args.lease)
-        .retention((!args.retention.is_zero()).then_some(args.retention))
-        .audit_horizon((!args.audit_horizon.is_zero()).then_some(args.audit_horizon))
-        .audit_interval(args.audit_interval)
-        .require_durable(args.require_durable)
-        .stream_refresh(args.stream_refresh)
-        .progress_interval(args.progress_interval);
-    let config = if args.source == SourceArg::Wal && !args.once {
-        let url = match &args.wal_url {
-            Some(url) => url.clone(),
-            None => args.database.url()?,
-        };
-        let mut wal = WalSource::from_url(url.expose_secret())?;
-        if let Some(slot) = &args.wal_slot {
-            wal = wal.slot(slot.clone());
-        }
-        config.source_wal(wal)
-    } else {
-        config
-    };
-    config.validate()?;
-
+    let config = args.config()?;
     let pool = args
         .database
         .connect(
@@ -321,20 +188,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 .acquire_timeout(Duration::from_secs(10)),
         )
         .await?;
-    let mut stream =
-        StreamSpec::new(args.stream.clone(), args.subjects.clone()).add_subjects(args.add_subjects);
-    if let Some(storage) = args.stream_storage {
-        stream = stream.storage(match storage {
-            Storage::File => StorageType::File,
-            Storage::Memory => StorageType::Memory,
-        });
-    }
-    if let Some(n) = args.stream_replicas {
-        stream = stream.replicas(n);
-    }
-    if let Some(d) = args.duplicate_window {
-        stream = stream.duplicate_window(d);
-    }
+    let stream = args.stream.spec();
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(
         shutdown.clone(),
@@ -348,47 +202,73 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         readiness.set(Readiness::new(
             pool.clone(),
             nats.clone(),
-            args.stream.clone(),
+            args.stream.name().to_owned(),
         ));
-        let ran = async {
-            // A broker that is down at start is waited for, not an error; a
-            // permission the NATS user lacks (its request is never answered)
-            // stops the start, naming the subject.
-            let connected = tokio::select! {
-                connected = Relay::connect_jetstream(
-                    pool.clone(),
-                    nats,
-                    stream.clone(),
-                    config.clone(),
-                    shutdown.cancelled(),
-                ) => connected?,
-                denied = args.nats.permission_denied() => return Err(denied.into()),
-            };
-            let Some(relay) = connected else {
-                return Ok(ExitCode::SUCCESS);
-            };
-            if args.once {
-                let report = relay.drain().await?;
-                info!(
-                    published = report.published,
-                    duplicates = report.duplicates,
-                    failed = report.failed,
-                    "drained outbox"
-                );
-                return Ok(if report.failed == 0 {
-                    ExitCode::SUCCESS
-                } else {
-                    ExitCode::from(1)
-                });
-            }
-            relay.run(shutdown.cancelled()).await?;
-            Ok::<_, outbox_publisher::Error>(ExitCode::SUCCESS)
+        let round = Round {
+            args: &args,
+            pool: &pool,
+            stream: &stream,
+            config: &config,
+            shutdown: &shutdown,
         };
-        match ran.await {
+        match round.run(nats).await {
             Err(e) if e.kind() == ErrorKind::ClientClosed && !shutdown.is_cancelled() => {
                 warn!(error = %e, "building a new NATS client from the same flags");
             }
             ran => return Ok(ran?),
         }
     }
+}
+
+/// The relay on one NATS client, until shutdown, the drain's end
+/// (`--once`), or an error.
+struct Round<'a> {
+    args: &'a Args,
+    pool: &'a PgPool,
+    stream: &'a StreamSpec,
+    config: &'a RelayConfig,
+    shutdown: &'a CancellationToken,
+}
+
+impl Round<'_> {
+    async fn run(self, nats: async_nats::Client) -> Result<ExitCode, outbox_publisher::Error> {
+        // A broker that is down at start is waited for, not an error; a
+        // permission the NATS user lacks (its request is never answered)
+        // stops the start, naming the subject.
+        let connected = tokio::select! {
+            connected = Relay::connect_jetstream(
+                self.pool.clone(),
+                nats,
+                self.stream.clone(),
+                self.config.clone(),
+                self.shutdown.cancelled(),
+            ) => connected?,
+            denied = self.args.nats.permission_denied() => return Err(denied.into()),
+        };
+        let Some(relay) = connected else {
+            return Ok(ExitCode::SUCCESS);
+        };
+        if self.args.once {
+            return drain(relay).await;
+        }
+        relay.run(self.shutdown.cancelled()).await?;
+        Ok(ExitCode::SUCCESS)
+    }
+}
+
+/// `--once`: drains the table; 0 when every claimed row was published, 1
+/// when some failed and wait in backoff.
+async fn drain(relay: Relay) -> Result<ExitCode, outbox_publisher::Error> {
+    let report = relay.drain().await?;
+    info!(
+        published = report.published,
+        duplicates = report.duplicates,
+        failed = report.failed,
+        "drained outbox"
+    );
+    Ok(if report.failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }

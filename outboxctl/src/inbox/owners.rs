@@ -104,27 +104,7 @@ pub(crate) async fn list(db: &Database, args: &ListArgs, json: bool) -> Result<(
 
 pub(crate) async fn set(db: &Database, args: &SetArgs, json: bool) -> Result<()> {
     let pool = db.connect_as_owner(&[TABLE]).await?;
-    let role = sqlx::query_file!("queries/role_for_owner.sql", &args.role)
-        .fetch_one(&pool)
-        .await
-        .map_err(|e| Error::database("looking the role up", e))?;
-    if !role.exists {
-        return Err(Error::new(
-            ErrorKind::NotFound,
-            format!("role `{}` does not exist", args.role),
-        ));
-    }
-    if role.shared {
-        return Err(Error::new(
-            ErrorKind::Config,
-            format!(
-                "role `{}` has every consumer's role (each member of outbox_consumer) as a \
-                 member: owning `{}`, it would give every consumer that consumer's rows; give \
-                 it a role of its own",
-                args.role, args.consumer
-            ),
-        ));
-    }
+    check_role(&pool, args).await?;
     let mut tx = pool
         .begin()
         .await
@@ -136,32 +116,11 @@ pub(crate) async fn set(db: &Database, args: &SetArgs, json: bool) -> Result<()>
             .map_err(|e| Error::database("reading the consumer's owner", e))?;
     let registered = match (&previous, &args.stream) {
         (Some(_), _) => {
-            sqlx::query_file!("queries/inbox_owner_set.sql", &args.consumer, &args.role)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| Error::database("changing the consumer's owner", e))?;
+            change_owner(&mut tx, args).await?;
             false
         }
         (None, Some(stream)) => {
-            let done = sqlx::query_file!(
-                "queries/inbox_owner_register.sql",
-                &args.consumer,
-                &args.role,
-                stream
-            )
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| Error::database("registering the consumer", e))?;
-            if done.rows_affected() == 0 {
-                return Err(Error::new(
-                    ErrorKind::InvalidState,
-                    format!(
-                        "consumer `{}` was registered meanwhile (its runtime started): run \
-                         set-owner again to hand it over",
-                        args.consumer
-                    ),
-                ));
-            }
+            register(&mut tx, args, stream).await?;
             true
         }
         (None, None) => {
@@ -185,6 +144,67 @@ pub(crate) async fn set(db: &Database, args: &SetArgs, json: bool) -> Result<()>
         registered,
     };
     output::print(&changed, json)
+}
+
+/// Refuses a role that does not exist, or one every consumer's role is a
+/// member of (owning a consumer, it would give every consumer its rows).
+async fn check_role(pool: &sqlx::PgPool, args: &SetArgs) -> Result<()> {
+    let role = sqlx::query_file!("queries/role_for_owner.sql", &args.role)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| Error::database("looking the role up", e))?;
+    if !role.exists {
+        return Err(Error::new(
+            ErrorKind::NotFound,
+            format!("role `{}` does not exist", args.role),
+        ));
+    }
+    if role.shared {
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!(
+                "role `{}` has every consumer's role (each member of outbox_consumer) as a \
+                 member: owning `{}`, it would give every consumer that consumer's rows; give \
+                 it a role of its own",
+                args.role, args.consumer
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Hands the registered consumer over to the role.
+async fn change_owner(tx: &mut sqlx::PgConnection, args: &SetArgs) -> Result<()> {
+    sqlx::query_file!("queries/inbox_owner_set.sql", &args.consumer, &args.role)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| Error::database("changing the consumer's owner", e))?;
+    Ok(())
+}
+
+/// Registers the consumer, on `stream`, for the role; refused if its
+/// runtime registered it meanwhile.
+async fn register(tx: &mut sqlx::PgConnection, args: &SetArgs, stream: &str) -> Result<()> {
+    let done = sqlx::query_file!(
+        "queries/inbox_owner_register.sql",
+        &args.consumer,
+        &args.role,
+        stream
+    )
+    .execute(&mut *tx)
+    .await
+    .map_err(|e| Error::database("registering the consumer", e))?;
+    if done.rows_affected() == 0 {
+        return Err(Error::new(
+            ErrorKind::InvalidState,
+            format!(
+                "consumer `{}` was registered meanwhile (its runtime started): run \
+                 set-owner again to hand it over",
+                args.consumer
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn not_registered(consumer: &str) -> Error {

@@ -16,6 +16,7 @@
 
 use std::io::Write;
 
+use chrono::{DateTime, Utc};
 use serde::Serialize;
 use uuid::Uuid;
 
@@ -53,6 +54,9 @@ struct Retried {
     already_claimable_ids: Vec<Uuid>,
 }
 
+/// The transaction `retry` runs in.
+type Tx = sqlx::Transaction<'static, sqlx::Postgres>;
+
 pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
     let ids = parse_ids(&args.ids)?;
     if let Some(entity) = &args.entity
@@ -62,91 +66,137 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
     }
     let pool = db.connect(&[TABLE]).await?;
     let mut tx = super::begin(&pool).await?;
-
     let report = if let Some(entity) = &args.entity {
-        let retried = sqlx::query_file_scalar!("queries/retry_entity.sql", entity)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(|e| Error::database("retrying the entity's rows", e))?;
-        let already_claimable =
-            sqlx::query_file_scalar!("queries/retry_entity_main_lane.sql", entity)
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(|e| Error::database("counting the entity's claimable rows", e))?;
-        Retried {
-            retried,
-            already_claimable,
-            already_claimable_ids: Vec::new(),
-        }
+        retry_entity(&mut tx, entity).await?
     } else if args.all_stuck {
-        let retried = sqlx::query_file_scalar!("queries/retry_all_stuck.sql")
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(|e| Error::database("retrying the stuck rows", e))?;
-        Retried {
-            retried,
-            already_claimable: 0,
-            already_claimable_ids: Vec::new(),
-        }
+        retry_all_stuck(&mut tx).await?
     } else {
-        let found = sqlx::query_file!("queries/retry_lookup.sql", &ids)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(|e| Error::database("reading the rows", e))?;
-        let unknown: Vec<String> = ids
-            .iter()
-            .filter(|id| !found.iter().any(|r| r.id == **id))
-            .map(Uuid::to_string)
-            .collect();
-        if !unknown.is_empty() {
-            return Err(Error::new(
-                ErrorKind::NotFound,
-                format!(
-                    "no outbox row with id {}; nothing was changed",
-                    unknown.join(", ")
-                ),
-            ));
-        }
-        for r in &found {
-            if let Some(skipped_at) = &r.skipped_at {
-                return Err(Error::new(
-                    ErrorKind::InvalidState,
-                    format!(
-                        "row {} was skipped at {} by {}: a skipped row is not retried; nothing was changed",
-                        r.id,
-                        when(Some(*skipped_at)),
-                        r.skipped_by.as_deref().unwrap_or("an unknown operator")
-                    ),
-                ));
-            }
-            if let Some(published_at) = &r.published_at {
-                return Err(Error::new(
-                    ErrorKind::InvalidState,
-                    format!(
-                        "row {} was published at {}: nothing to retry; nothing was changed",
-                        r.id,
-                        when(Some(*published_at))
-                    ),
-                ));
-            }
-        }
-        let mut claimable: Vec<Uuid> = found.iter().filter(|r| r.main_lane).map(|r| r.id).collect();
-        claimable.sort_unstable();
-        claimable.dedup();
-        let retried = sqlx::query_file_scalar!("queries/retry_ids.sql", &ids)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(|e| Error::database("retrying the rows", e))?;
-        Retried {
-            retried,
-            already_claimable: claimable.len() as i64,
-            already_claimable_ids: claimable,
-        }
+        retry_ids(&mut tx, &ids).await?
     };
     tx.commit()
         .await
         .map_err(|e| Error::database("committing the retry", e))?;
     print(&report, json)
+}
+
+/// `--entity`: the subject's rows of the retry lane, and a count of its
+/// main-lane rows.
+async fn retry_entity(tx: &mut Tx, entity: &str) -> Result<Retried> {
+    let retried = sqlx::query_file_scalar!("queries/retry_entity.sql", entity)
+        .fetch_all(&mut **tx)
+        .await
+        .map_err(|e| Error::database("retrying the entity's rows", e))?;
+    let already_claimable = sqlx::query_file_scalar!("queries/retry_entity_main_lane.sql", entity)
+        .fetch_one(&mut **tx)
+        .await
+        .map_err(|e| Error::database("counting the entity's claimable rows", e))?;
+    Ok(Retried {
+        retried,
+        already_claimable,
+        already_claimable_ids: Vec::new(),
+    })
+}
+
+/// `--all-stuck`: every row past the cap or failing.
+async fn retry_all_stuck(tx: &mut Tx) -> Result<Retried> {
+    let retried = sqlx::query_file_scalar!("queries/retry_all_stuck.sql")
+        .fetch_all(&mut **tx)
+        .await
+        .map_err(|e| Error::database("retrying the stuck rows", e))?;
+    Ok(Retried {
+        retried,
+        already_claimable: 0,
+        already_claimable_ids: Vec::new(),
+    })
+}
+
+/// One row named on the command line, as found.
+#[derive(Debug)]
+struct Found {
+    id: Uuid,
+    published_at: Option<DateTime<Utc>>,
+    skipped_at: Option<DateTime<Utc>>,
+    skipped_by: Option<String>,
+    main_lane: bool,
+}
+
+/// The rows named: each checked first, then those of the retry lane retried.
+async fn retry_ids(tx: &mut Tx, ids: &[Uuid]) -> Result<Retried> {
+    let found: Vec<Found> = sqlx::query_file!("queries/retry_lookup.sql", ids)
+        .fetch_all(&mut **tx)
+        .await
+        .map_err(|e| Error::database("reading the rows", e))?
+        .into_iter()
+        .map(|r| Found {
+            id: r.id,
+            published_at: r.published_at,
+            skipped_at: r.skipped_at,
+            skipped_by: r.skipped_by,
+            main_lane: r.main_lane,
+        })
+        .collect();
+    check_retryable(ids, &found)?;
+    let claimable = main_lane_ids(&found);
+    let retried = sqlx::query_file_scalar!("queries/retry_ids.sql", ids)
+        .fetch_all(&mut **tx)
+        .await
+        .map_err(|e| Error::database("retrying the rows", e))?;
+    Ok(Retried {
+        retried,
+        already_claimable: claimable.len() as i64,
+        already_claimable_ids: claimable,
+    })
+}
+
+/// Refuses the retry, naming the row, if an id is unknown, or a row was
+/// skipped or published.
+fn check_retryable(ids: &[Uuid], found: &[Found]) -> Result<()> {
+    let unknown: Vec<String> = ids
+        .iter()
+        .filter(|id| !found.iter().any(|r| r.id == **id))
+        .map(Uuid::to_string)
+        .collect();
+    if !unknown.is_empty() {
+        return Err(Error::new(
+            ErrorKind::NotFound,
+            format!(
+                "no outbox row with id {}; nothing was changed",
+                unknown.join(", ")
+            ),
+        ));
+    }
+    for r in found {
+        if let Some(skipped_at) = &r.skipped_at {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!(
+                    "row {} was skipped at {} by {}: a skipped row is not retried; nothing was changed",
+                    r.id,
+                    when(Some(*skipped_at)),
+                    r.skipped_by.as_deref().unwrap_or("an unknown operator")
+                ),
+            ));
+        }
+        if let Some(published_at) = &r.published_at {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!(
+                    "row {} was published at {}: nothing to retry; nothing was changed",
+                    r.id,
+                    when(Some(*published_at))
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The rows found in the main lane (claimable already), each once, sorted.
+fn main_lane_ids(found: &[Found]) -> Vec<Uuid> {
+    let mut claimable: Vec<Uuid> = found.iter().filter(|r| r.main_lane).map(|r| r.id).collect();
+    claimable.sort_unstable();
+    claimable.dedup();
+    claimable
 }
 
 impl Report for Retried {
@@ -177,5 +227,57 @@ impl Report for Retried {
             )?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn found(n: u128, main_lane: bool) -> Found {
+        Found {
+            id: Uuid::from_u128(n),
+            published_at: None,
+            skipped_at: None,
+            skipped_by: None,
+            main_lane,
+        }
+    }
+
+    #[test]
+    fn an_unknown_id_is_named() {
+        let ids = [Uuid::from_u128(1), Uuid::from_u128(2)];
+        let err = check_retryable(&ids, &[found(1, false)]).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::NotFound);
+        assert!(err.to_string().contains(&Uuid::from_u128(2).to_string()));
+        assert!(check_retryable(&ids, &[found(1, false), found(2, true)]).is_ok());
+    }
+
+    #[test]
+    fn a_skipped_or_published_row_is_refused() {
+        let ids = [Uuid::from_u128(1)];
+        let mut row = found(1, false);
+        row.published_at = Some(Utc::now());
+        let err = check_retryable(&ids, &[row]).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidState);
+        assert!(err.to_string().contains("was published at"));
+        let mut row = found(1, false);
+        row.skipped_at = Some(Utc::now());
+        let err = check_retryable(&ids, &[row]).unwrap_err();
+        assert!(err.to_string().contains("by an unknown operator"), "{err}");
+    }
+
+    #[test]
+    fn main_lane_ids_are_sorted_and_distinct() {
+        let rows = [
+            found(3, true),
+            found(1, true),
+            found(2, false),
+            found(3, true),
+        ];
+        assert_eq!(
+            main_lane_ids(&rows),
+            [Uuid::from_u128(1), Uuid::from_u128(3)]
+        );
     }
 }

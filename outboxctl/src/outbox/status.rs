@@ -158,6 +158,30 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
 
 async fn read(pool: &PgPool, args: &Args) -> Result<Status> {
     let cap = args.cap.max_attempts;
+    let types = event_types(pool, cap).await?;
+    let totals = totals(types.values());
+    let event_types = types
+        .into_iter()
+        .map(|(event_type, counts)| TypeCounts { event_type, counts })
+        .collect();
+    let blocked_subjects = blocked_subjects(pool, cap, args.blocked).await?;
+    let relays = relays(pool).await?;
+    let shards_owned = shards_owned(&relays);
+    let consumer_leaders = consumer_leaders(pool).await?;
+    Ok(Status {
+        max_attempts: cap,
+        totals,
+        event_types,
+        blocked_subjects,
+        relays,
+        shards_owned,
+        consumer_leaders,
+    })
+}
+
+/// The counts of each event type: its unpublished rows by state (`cap`
+/// parks), and its rows published in the last hour.
+async fn event_types(pool: &PgPool, cap: i32) -> Result<BTreeMap<String, Counts>> {
     let unpublished = sqlx::query_file!("queries/status_types.sql", cap)
         .fetch_all(pool)
         .await
@@ -180,23 +204,29 @@ async fn read(pool: &PgPool, args: &Args) -> Result<Status> {
     for r in published {
         types.entry(r.event_type).or_default().published_last_hour = r.published;
     }
+    Ok(types)
+}
+
+/// The counts of all event types together.
+fn totals<'a>(types: impl IntoIterator<Item = &'a Counts>) -> Counts {
     let mut totals = Counts::default();
-    for c in types.values() {
+    for c in types {
         totals.add(c);
     }
-    let event_types = types
-        .into_iter()
-        .map(|(event_type, counts)| TypeCounts { event_type, counts })
-        .collect();
+    totals
+}
 
+/// The blocked subjects (`cap` parks), the `limit` with the most rows
+/// waiting listed, and how many there are.
+async fn blocked_subjects(pool: &PgPool, cap: i32, limit: i64) -> Result<BlockedSubjects> {
     // At least one row, so the window's total is there to read.
-    let mut blocked = sqlx::query_file!("queries/status_blocked.sql", cap, args.blocked.max(1))
+    let mut blocked = sqlx::query_file!("queries/status_blocked.sql", cap, limit.max(1))
         .fetch_all(pool)
         .await
         .map_err(|e| Error::database("finding blocked subjects", e))?;
     let total = blocked.first().map_or(0, |r| r.total);
-    blocked.truncate(usize::try_from(args.blocked).unwrap_or(usize::MAX));
-    let blocked_subjects = BlockedSubjects {
+    blocked.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
+    Ok(BlockedSubjects {
         total,
         shown: blocked
             .into_iter()
@@ -211,8 +241,11 @@ async fn read(pool: &PgPool, args: &Args) -> Result<Status> {
                 waiting: r.waiting,
             })
             .collect(),
-    };
+    })
+}
 
+/// The relays holding shards of this outbox, from `pg_locks`.
+async fn relays(pool: &PgPool) -> Result<Vec<Relay>> {
     // The relays of this outbox only: those of other schemas' outboxes hold
     // locks of their own.
     let namespace = outbox_pg::Namespace::of_table(pool, "outbox_events")
@@ -224,7 +257,7 @@ async fn read(pool: &PgPool, args: &Args) -> Result<Status> {
                  migrations first",
             )
         })?;
-    let relays: Vec<Relay> = sqlx::query_file!(
+    Ok(sqlx::query_file!(
         "queries/status_relays.sql",
         namespace.relay_members_key(),
         namespace.relay_shards_key()
@@ -242,20 +275,29 @@ async fn read(pool: &PgPool, args: &Args) -> Result<Status> {
         workers: r.workers,
         shards: r.shards,
     })
-    .collect();
+    .collect())
+}
+
+/// How many distinct shards the relays own between them.
+fn shards_owned(relays: &[Relay]) -> usize {
     let mut owned: Vec<i32> = relays
         .iter()
         .flat_map(|r| r.shards.iter().copied())
         .collect();
     owned.sort_unstable();
     owned.dedup();
+    owned.len()
+}
 
-    let consumer_leaders = match sqlx::query_file!("queries/status_leaders.sql")
+/// The ordered consumers' leaders, or `None` without an `inbox_leases`
+/// table.
+async fn consumer_leaders(pool: &PgPool) -> Result<Option<Vec<Leader>>> {
+    match sqlx::query_file!("queries/status_leaders.sql")
         .fetch_all(pool)
         .await
         .map_err(|e| Error::database("reading inbox_leases", e))
     {
-        Ok(rows) => Some(
+        Ok(rows) => Ok(Some(
             rows.into_iter()
                 .map(|r| Leader {
                     consumer: r.consumer,
@@ -265,20 +307,10 @@ async fn read(pool: &PgPool, args: &Args) -> Result<Status> {
                     released: r.released,
                 })
                 .collect(),
-        ),
-        Err(e) if e.kind() == ErrorKind::MissingTable => None,
-        Err(e) => return Err(e),
-    };
-
-    Ok(Status {
-        max_attempts: cap,
-        totals,
-        event_types,
-        blocked_subjects,
-        relays,
-        shards_owned: owned.len(),
-        consumer_leaders,
-    })
+        )),
+        Err(e) if e.kind() == ErrorKind::MissingTable => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 fn count_cell(n: i64) -> String {
@@ -296,6 +328,23 @@ fn oldest(c: &Counts) -> String {
 
 impl Report for Status {
     fn human(&self, out: &mut dyn Write) -> std::io::Result<()> {
+        self.write_backlog(out)?;
+        writeln!(out)?;
+        self.write_blocked(out)?;
+        writeln!(out)?;
+        self.write_relays(out)?;
+        self.write_leaders(out)
+    }
+}
+
+/// A table's header row.
+fn header(titles: &[&str]) -> Vec<String> {
+    titles.iter().map(|&t| t.to_owned()).collect()
+}
+
+impl Status {
+    /// The backlog's totals, the last hour's, and a table of event types.
+    fn write_backlog(&self, out: &mut dyn Write) -> std::io::Result<()> {
         let t = &self.totals;
         writeln!(
             out,
@@ -310,136 +359,191 @@ impl Report for Status {
             t.skipped
         )?;
         writeln!(out, "published in the last hour: {}", t.published_last_hour)?;
-        if !self.event_types.is_empty() {
-            writeln!(out)?;
-            let mut rows = vec![
-                [
-                    "event type",
-                    "unpublished",
-                    "oldest",
-                    "backoff",
-                    "deferred",
-                    "parked",
-                    "skipped",
-                    "published/1h",
-                ]
-                .map(String::from)
-                .to_vec(),
-            ];
-            for e in &self.event_types {
-                let c = &e.counts;
-                rows.push(vec![
-                    shown(&e.event_type),
-                    count_cell(c.unpublished),
-                    oldest(c),
-                    count_cell(c.in_backoff),
-                    count_cell(c.deferred),
-                    count_cell(c.parked),
-                    count_cell(c.skipped),
-                    count_cell(c.published_last_hour),
-                ]);
-            }
-            table(out, &rows)?;
+        if self.event_types.is_empty() {
+            return Ok(());
         }
-
         writeln!(out)?;
+        let mut rows = vec![header(&[
+            "event type",
+            "unpublished",
+            "oldest",
+            "backoff",
+            "deferred",
+            "parked",
+            "skipped",
+            "published/1h",
+        ])];
+        for e in &self.event_types {
+            let c = &e.counts;
+            rows.push(vec![
+                shown(&e.event_type),
+                count_cell(c.unpublished),
+                oldest(c),
+                count_cell(c.in_backoff),
+                count_cell(c.deferred),
+                count_cell(c.parked),
+                count_cell(c.skipped),
+                count_cell(c.published_last_hour),
+            ]);
+        }
+        table(out, &rows)
+    }
+
+    /// How many subjects are blocked, and a table of those listed.
+    fn write_blocked(&self, out: &mut dyn Write) -> std::io::Result<()> {
         let b = &self.blocked_subjects;
         if b.total == 0 {
-            writeln!(out, "blocked subjects: none")?;
-        } else {
-            let listed = if (b.shown.len() as i64) < b.total {
-                format!(" ({} with the most rows waiting)", b.shown.len())
-            } else {
-                String::new()
-            };
-            writeln!(
-                out,
-                "blocked subjects: {}{listed} — see `outboxctl stuck`, then `retry` or `skip` the head row",
-                b.total
-            )?;
-            let mut rows = vec![
-                [
-                    "subject",
-                    "waiting",
-                    "head row",
-                    "type",
-                    "attempts",
-                    "last error",
-                ]
-                .map(String::from)
-                .to_vec(),
-            ];
-            for s in &b.shown {
-                rows.push(vec![
-                    shown(&s.subject),
-                    s.waiting.to_string(),
-                    s.head_id.to_string(),
-                    shown(&s.event_type),
-                    s.attempts.to_string(),
-                    short(s.last_error.as_deref().unwrap_or("-"), 60),
-                ]);
-            }
-            table(out, &rows)?;
+            return writeln!(out, "blocked subjects: none");
         }
+        let listed = if (b.shown.len() as i64) < b.total {
+            format!(" ({} with the most rows waiting)", b.shown.len())
+        } else {
+            String::new()
+        };
+        writeln!(
+            out,
+            "blocked subjects: {}{listed} — see `outboxctl stuck`, then `retry` or `skip` the head row",
+            b.total
+        )?;
+        let mut rows = vec![header(&[
+            "subject",
+            "waiting",
+            "head row",
+            "type",
+            "attempts",
+            "last error",
+        ])];
+        for s in &b.shown {
+            rows.push(vec![
+                shown(&s.subject),
+                s.waiting.to_string(),
+                s.head_id.to_string(),
+                shown(&s.event_type),
+                s.attempts.to_string(),
+                short(s.last_error.as_deref().unwrap_or("-"), 60),
+            ]);
+        }
+        table(out, &rows)
+    }
 
-        writeln!(out)?;
+    /// How many relays hold shards, and a table of them.
+    fn write_relays(&self, out: &mut dyn Write) -> std::io::Result<()> {
         if self.relays.is_empty() {
-            writeln!(out, "relays: none holds shards in this database")?;
-        } else {
-            writeln!(
-                out,
-                "relays: {} ({} of {SHARDS} shards owned)",
-                self.relays.len(),
-                self.shards_owned
-            )?;
-            let mut rows = vec![
-                [
-                    "pid",
-                    "application",
-                    "client",
-                    "since",
-                    "state",
-                    "workers",
-                    "shards",
-                ]
-                .map(String::from)
-                .to_vec(),
-            ];
-            for r in &self.relays {
-                rows.push(vec![
-                    r.pid.to_string(),
-                    r.application_name.clone().unwrap_or_else(|| "-".into()),
-                    r.client_addr.clone().unwrap_or_else(|| "local".into()),
-                    when(r.backend_start),
-                    r.state.clone().unwrap_or_else(|| "-".into()),
-                    r.workers.map_or_else(|| "-".into(), |w| w.to_string()),
-                    r.shards.len().to_string(),
-                ]);
-            }
-            table(out, &rows)?;
+            return writeln!(out, "relays: none holds shards in this database");
         }
+        writeln!(
+            out,
+            "relays: {} ({} of {SHARDS} shards owned)",
+            self.relays.len(),
+            self.shards_owned
+        )?;
+        let mut rows = vec![header(&[
+            "pid",
+            "application",
+            "client",
+            "since",
+            "state",
+            "workers",
+            "shards",
+        ])];
+        for r in &self.relays {
+            rows.push(vec![
+                r.pid.to_string(),
+                r.application_name.clone().unwrap_or_else(|| "-".into()),
+                r.client_addr.clone().unwrap_or_else(|| "local".into()),
+                when(r.backend_start),
+                r.state.clone().unwrap_or_else(|| "-".into()),
+                r.workers.map_or_else(|| "-".into(), |w| w.to_string()),
+                r.shards.len().to_string(),
+            ]);
+        }
+        table(out, &rows)
+    }
 
-        if let Some(leaders) = &self.consumer_leaders
-            && !leaders.is_empty()
-        {
-            writeln!(out)?;
-            writeln!(out, "ordered consumers' leaders:")?;
-            let mut rows = vec![
-                ["consumer", "holder", "epoch", "since", "released"]
-                    .map(String::from)
-                    .to_vec(),
-            ];
-            for l in leaders {
-                rows.push(vec![
-                    l.consumer.clone(),
-                    l.holder.clone(),
-                    l.epoch.to_string(),
-                    when(l.acquired_at),
-                    if l.released { "yes" } else { "no" }.to_owned(),
-                ]);
-            }
-            table(out, &rows)?;
+    /// A table of the ordered consumers' leaders, if there are any.
+    fn write_leaders(&self, out: &mut dyn Write) -> std::io::Result<()> {
+        let Some(leaders) = self.consumer_leaders.as_ref().filter(|l| !l.is_empty()) else {
+            return Ok(());
+        };
+        writeln!(out)?;
+        writeln!(out, "ordered consumers' leaders:")?;
+        let mut rows = vec![header(&[
+            "consumer", "holder", "epoch", "since", "released",
+        ])];
+        for l in leaders {
+            rows.push(vec![
+                l.consumer.clone(),
+                l.holder.clone(),
+                l.epoch.to_string(),
+                when(l.acquired_at),
+                if l.released { "yes" } else { "no" }.to_owned(),
+            ]);
         }
-        Ok(())
+        table(out, &rows)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn relay(shards: &[i32]) -> Relay {
+        Relay {
+            pid: 1,
+            application_name: None,
+            client_addr: None,
+            backend_start: None,
+            state: None,
+            workers: None,
+            shards: shards.to_vec(),
+        }
+    }
+
+    #[test]
+    fn a_shard_listed_by_two_relays_counts_once() {
+        assert_eq!(shards_owned(&[]), 0);
+        assert_eq!(shards_owned(&[relay(&[3, 1]), relay(&[1, 2])]), 3);
+    }
+
+    #[test]
+    fn totals_add_the_counts_and_keep_the_oldest_age() {
+        let a = Counts {
+            unpublished: 2,
+            parked: 1,
+            oldest_unpublished_age_secs: Some(5.0),
+            ..Counts::default()
+        };
+        let b = Counts {
+            unpublished: 3,
+            published_last_hour: 7,
+            ..Counts::default()
+        };
+        let t = totals([&a, &b]);
+        assert_eq!((t.unpublished, t.parked, t.published_last_hour), (5, 1, 7));
+        assert_eq!(t.oldest_unpublished_age_secs, Some(5.0));
+    }
+
+    #[test]
+    fn an_empty_outbox_reads_as_such() {
+        let status = Status {
+            max_attempts: 20,
+            totals: Counts::default(),
+            event_types: Vec::new(),
+            blocked_subjects: BlockedSubjects {
+                total: 0,
+                shown: Vec::new(),
+            },
+            relays: Vec::new(),
+            shards_owned: 0,
+            consumer_leaders: Some(Vec::new()),
+        };
+        let mut out = Vec::new();
+        status.human(&mut out).unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "backlog: 0 unpublished (oldest -): 0 fresh, 0 in backoff, 0 deferred, 0 parked \
+             (cap 20); 0 skipped\npublished in the last hour: 0\n\nblocked subjects: none\n\n\
+             relays: none holds shards in this database\n"
+        );
     }
 }

@@ -3,8 +3,6 @@
 //! commit and ack produce double invoices, and the run must fail with
 //! applied-twice > 0.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
-
 #[test]
 fn without_dedupe_the_checker_reports_double_invoices() {
     let out = super::support::demo(&[

@@ -8,8 +8,6 @@
 //! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
 //! before the tests run.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
-
 #[test]
 fn a_seeded_chaos_run_keeps_every_invariant() {
     chaos(&["--duration", "60"]);

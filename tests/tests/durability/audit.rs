@@ -33,7 +33,6 @@
 //! The test stream has a 5 s duplicate window (lease 2 s + publish timeout
 //! 1 s must fit in it), so a row is audited 6.25 s after it was published.
 //! The binaries are built by `scripts/test` before the tests run.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;

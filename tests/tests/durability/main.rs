@@ -2,7 +2,6 @@
 //! against real PostgreSQL and nats-server: the audit that reads published rows
 //! back from the stream and republishes the lost, and the durability stated at
 //! start. Each module says what it covers.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 #[path = "../support/mod.rs"]
 mod support;

@@ -14,7 +14,6 @@
 //!   inbox retention against the redelivery window, and warns on 1 replica.
 //!
 //! The binaries are built by `scripts/test` before the tests run.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 use std::time::Duration;
 

@@ -16,7 +16,6 @@
 //!   ordered, the later events of those subjects wait for them;
 //! - with a service between the dedupe and the router, no group is formed:
 //!   each event reaches the handler alone, still several per transaction.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 use std::time::Duration;
 

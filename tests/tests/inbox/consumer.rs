@@ -1,7 +1,6 @@
 //! inbox-consumer against real PostgreSQL and nats-server: transactional dedupe,
 //! ack after commit, retries, dead letters, per-subject order, replicas,
 //! consume → produce, stale events, shutdown and retention.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 use std::collections::HashMap;
 use std::sync::Arc;

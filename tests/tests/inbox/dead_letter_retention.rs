@@ -8,7 +8,6 @@
 //! - `retention::prune_dead_letters` (for a tool: one consumer or all)
 //!   deletes in batches until none is left past the cutoff.
 //! - A window of `None` keeps every dead letter.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 use std::time::Duration;
 

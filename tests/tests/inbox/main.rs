@@ -3,7 +3,6 @@
 //! order, replicas, consume → produce), the runtime under load, set-based
 //! handlers, panics, where a new durable starts, and dead-letter retention.
 //! Each module says what it covers; `world` is what they share.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 #[path = "../support/mod.rs"]
 mod support;

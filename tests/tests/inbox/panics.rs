@@ -11,7 +11,6 @@
 //!   events of the panicking event's subject wait until it is dead-lettered;
 //! - the runtime never exits: it goes on consuming events published after,
 //!   then shuts down cleanly.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 use std::time::Duration;
 

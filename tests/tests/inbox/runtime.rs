@@ -11,7 +11,6 @@
 //!   is retried without spending the delivery budget, and the broker's own
 //!   delivery limit is unlimited;
 //! - a type no route handles is acked and counted, not dead-lettered.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;

@@ -10,7 +10,6 @@
 //!   (`Start::All`);
 //! - a recorded position past the end of the stream (the stream created
 //!   anew) is refused at start, naming why.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 use inbox_consumer::{Consumer, ErrorKind, Start};
 use outbox_pg::Envelope;

@@ -129,10 +129,7 @@ pub(crate) async fn world(stream: &str) -> World {
 
 impl World {
     pub(crate) async fn count(&self, sql: &str) -> i64 {
-        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
-            .fetch_one(&self.db.pool)
-            .await
-            .unwrap()
+        crate::support::count(&self.db.pool, sql).await
     }
 
     pub(crate) async fn publish_raw(&self, subject: &str, body: Vec<u8>, msg_id: &str) {

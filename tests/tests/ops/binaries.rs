@@ -17,8 +17,6 @@
 //! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
 //! before the tests run.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -6,8 +6,6 @@
 //! installs it (and exports `PROMTOOL_BIN`). Without it this test fails,
 //! saying how to install it.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

@@ -22,7 +22,6 @@
 //!
 //! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
 //! before the tests run.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -35,6 +34,8 @@ use inbox_consumer::metrics::names::REPLAYS_IGNORED;
 use inbox_consumer::prelude::*;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use outbox_testkit::{TestDb, wait_until};
+
+use super::support::count;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use sqlx::PgTransaction;
@@ -208,13 +209,6 @@ async fn outboxctl_text(database_url: &str, args: &[&str]) -> Run {
     }
 }
 
-async fn scalar(db: &TestDb, sql: &str) -> i64 {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
-        .fetch_one(&db.pool)
-        .await
-        .unwrap()
-}
-
 async fn execute(db: &TestDb, sql: &str) {
     sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
         .execute(&db.pool)
@@ -281,381 +275,459 @@ fn status_of<'a>(status: &'a Value, consumer: &str) -> &'a Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_dead_letter_is_replayed_to_its_consumer_only_and_applied_once() {
     snapshotter();
-    let db = TestDb::new().await.unwrap();
-    execute(
-        &db,
-        "create table applied (consumer text not null, event_id uuid not null, n bigint not null);
-         create table refuse (consumer text not null, n bigint not null);
-         insert into refuse values ('alpha', 2);",
-    )
-    .await;
-    let nats = outbox_testkit::nats().unwrap();
-    let client = async_nats::connect(nats.url()).await.unwrap();
-    let js = jetstream::new(client.clone());
-    let stream_name = "OCTL_INBOX_REPLAY";
-    js.create_stream(stream::Config {
-        name: stream_name.into(),
-        subjects: vec!["octlinbox.>".into()],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let mut scene = ReplayScene::start().await;
+    let id = scene.dead_letter_is_listed_and_shown().await;
+    scene.inbox_status_counts_each_consumer().await;
+    scene.people_read_aligned_tables(id).await;
+    scene.replay_is_applied_by_its_consumer_only(id).await;
+    scene.a_second_replay_is_a_duplicate(id).await;
+    scene.stop_consumers().await;
+    scene.inbox_prune_deletes_old_rows().await;
+    scene.dead_letters_purge_deletes_old_letters().await;
+}
 
-    // alpha one at a time, beta batched, gamma ordered: the replay header is
-    // honoured on every path.
-    let stop = CancellationToken::new();
-    let builder = |durable: &'static str| {
-        Consumer::builder(db.pool.clone(), client.clone(), stream_name, durable)
-            .handler(Apply { consumer: durable })
-            .stream_patience(WAIT)
-    };
-    let consumers = vec![
-        tokio::spawn(builder("alpha").run(stop.clone().cancelled_owned())),
-        tokio::spawn(
-            builder("beta")
-                .batched(8)
-                .run(stop.clone().cancelled_owned()),
-        ),
-        tokio::spawn(
-            builder("gamma")
-                .configure(|c| c.ordered(true))
-                .run(stop.clone().cancelled_owned()),
-        ),
-    ];
+/// The stream of [`ReplayScene`].
+const REPLAY_STREAM: &str = "OCTL_INBOX_REPLAY";
 
-    let e1 = publish_thing(&js, 1).await;
-    let e2 = publish_thing(&js, 2).await;
-    let e3 = publish_thing(&js, 3).await;
-    for durable in ["alpha", "beta", "gamma"] {
-        wait_until(
-            &format!("{durable} to finish the three events"),
-            WAIT,
-            || settled(&js, stream_name, durable, 3),
-        )
-        .await
-        .unwrap();
-    }
-    assert_eq!(
-        scalar(&db, "select count(*) from applied where consumer = 'alpha'").await,
-        2
-    );
-    assert_eq!(
-        scalar(
+/// Three consumers of one stream (alpha one at a time, beta batched, gamma
+/// ordered: the replay header is honoured on every path), alpha refusing
+/// thing 2 (`e2`), which is dead-lettered.
+struct ReplayScene {
+    js: jetstream::Context,
+    stop: CancellationToken,
+    consumers: Vec<tokio::task::JoinHandle<inbox_consumer::Result<()>>>,
+    e1: Uuid,
+    e2: Uuid,
+    nats: outbox_testkit::NatsHandle,
+    db: TestDb,
+}
+
+impl ReplayScene {
+    /// The tables, the stream, the consumers, and three events they have
+    /// all settled: alpha applied two, beta and gamma three each.
+    async fn start() -> Self {
+        let db = TestDb::new().await.unwrap();
+        execute(
             &db,
-            "select count(*) from applied where consumer in ('beta', 'gamma')"
+            "create table applied (consumer text not null, event_id uuid not null, n bigint not null);
+             create table refuse (consumer text not null, n bigint not null);
+             insert into refuse values ('alpha', 2);",
         )
-        .await,
-        6
-    );
-    let url = db.url();
-
-    // list and show: the one dead letter, alpha's, of e2.
-    let list = outboxctl(url, &["dead-letters", "list"]).await.json();
-    assert_eq!(list["total"], 1, "{list}");
-    let letter = &list["dead_letters"][0];
-    assert_eq!(letter["consumer"], "alpha");
-    assert_eq!(letter["event_id"], e2.to_string());
-    assert_eq!(letter["reason"], "rejected");
-    assert_eq!(letter["stream"], stream_name);
-    assert_eq!(letter["replay_count"], 0);
-    assert!(letter["replayed_at"].is_null());
-    let id = letter["id"].as_i64().unwrap();
-    let none = outboxctl(url, &["dead-letters", "list", "--consumer", "beta"])
-        .await
-        .json();
-    assert_eq!(none["total"], 0, "{none}");
-    let by_reason = outboxctl(url, &["dead-letters", "list", "--reason", "rejected"])
-        .await
-        .json();
-    assert_eq!(by_reason["total"], 1, "{by_reason}");
-
-    let show = outboxctl(url, &["dead-letters", "show", &id.to_string()])
-        .await
-        .json();
-    assert_eq!(show["id"], id);
-    assert_eq!(show["payload"]["encoding"], "json", "{show}");
-    assert_eq!(show["payload"]["value"]["id"], e2.to_string());
-    assert_eq!(show["payload"]["value"]["data"]["n"], 2);
-    assert_eq!(show["headers"]["x-origin"], json!(["octl-test"]), "{show}");
-    assert_eq!(show["headers"]["Nats-Msg-Id"], json!([e2.to_string()]));
-    assert!(
-        show["error"]
-            .as_str()
-            .unwrap()
-            .contains("alpha refuses thing 2"),
-        "{show}"
-    );
-
-    // inbox status: rows per consumer, alpha's dead letter, gamma's lease.
-    let status = outboxctl(url, &["inbox", "status"]).await.json();
-    let alpha = status_of(&status, "alpha");
-    assert_eq!(alpha["inbox"]["rows"], 2, "{status}");
-    assert_eq!(alpha["dead_letters"]["total"], 1);
-    assert_eq!(alpha["dead_letters"]["not_replayed"], 1);
-    assert!(alpha["lease"].is_null());
-    assert!(alpha["inbox"]["oldest_handled_at"].is_string());
-    assert_eq!(status_of(&status, "beta")["inbox"]["rows"], 3);
-    assert_eq!(status_of(&status, "beta")["dead_letters"]["total"], 0);
-    let gamma = status_of(&status, "gamma");
-    assert_eq!(gamma["inbox"]["rows"], 3);
-    assert!(gamma["lease"]["epoch"].as_i64().unwrap() >= 1, "{status}");
-    assert!(gamma["lease"]["holder"].is_string());
-    let only = outboxctl(url, &["inbox", "status", "--consumer", "beta"])
-        .await
-        .json();
-    assert_eq!(only["consumers"].as_array().unwrap().len(), 1, "{only}");
-    let unknown = outboxctl(url, &["inbox", "status", "--consumer", "nobody"]).await;
-    let line = unknown.failure("not_found");
-    assert!(
-        line.contains("`nobody`") && line.contains("alpha"),
-        "{line}"
-    );
-
-    // The same for people: aligned tables.
-    for args in [
-        &["inbox", "status"][..],
-        &["dead-letters", "list"],
-        &["dead-letters", "show", &id.to_string()],
-    ] {
-        let text = outboxctl_text(url, args).await;
-        assert_eq!(text.code, Some(0), "{}", text.stderr);
-        println!("$ outboxctl {}\n{}", args.join(" "), text.stdout);
-        assert!(text.stdout.contains("alpha"), "{}", text.stdout);
-        assert!(serde_json::from_str::<Value>(&text.stdout).is_err());
-    }
-
-    // Only the replay header keeps beta and gamma from applying e2 again:
-    // their inbox rows of it go.
-    execute(
-        &db,
-        &format!(
-            "delete from inbox_events where consumer in ('beta', 'gamma') and event_id = '{e2}'"
-        ),
-    )
-    .await;
-    execute(&db, "delete from refuse").await;
-    assert_eq!(messages(&js, stream_name).await, 3);
-
-    let nats_url = format!("--nats-url={}", nats.url());
-    let replay = outboxctl(url, &["dead-letters", "replay", &id.to_string(), &nats_url])
-        .await
-        .json();
-    let replayed = &replay["replayed"][0];
-    assert_eq!(replayed["id"], id, "{replay}");
-    assert_eq!(replayed["consumer"], "alpha");
-    assert_eq!(replayed["event_id"], e2.to_string());
-    assert_eq!(replayed["msg_id"], format!("replay:alpha:{id}:1"));
-    assert_eq!(replayed["stream_sequence"], 4);
-    assert_eq!(replayed["duplicate"], false);
-    assert_eq!(replayed["replay_count"], 1);
-    assert!(replayed["replayed_at"].is_string());
-
-    wait_until("alpha to apply the replayed event", WAIT, || async {
-        scalar(
-            &db,
-            &format!("select count(*) from applied where consumer = 'alpha' and event_id = '{e2}'"),
-        )
-        .await
-            == 1
-    })
-    .await
-    .unwrap();
-    for durable in ["alpha", "beta", "gamma"] {
-        wait_until(&format!("{durable} to ack the replay"), WAIT, || {
-            settled(&js, stream_name, durable, 4)
+        .await;
+        let nats = outbox_testkit::nats().unwrap();
+        let client = async_nats::connect(nats.url()).await.unwrap();
+        let js = jetstream::new(client.clone());
+        js.create_stream(stream::Config {
+            name: REPLAY_STREAM.into(),
+            subjects: vec!["octlinbox.>".into()],
+            ..Default::default()
         })
         .await
         .unwrap();
+
+        let stop = CancellationToken::new();
+        let builder = |durable: &'static str| {
+            Consumer::builder(db.pool.clone(), client.clone(), REPLAY_STREAM, durable)
+                .handler(Apply { consumer: durable })
+                .stream_patience(WAIT)
+        };
+        let consumers = vec![
+            tokio::spawn(builder("alpha").run(stop.clone().cancelled_owned())),
+            tokio::spawn(
+                builder("beta")
+                    .batched(8)
+                    .run(stop.clone().cancelled_owned()),
+            ),
+            tokio::spawn(
+                builder("gamma")
+                    .configure(|c| c.ordered(true))
+                    .run(stop.clone().cancelled_owned()),
+            ),
+        ];
+
+        let e1 = publish_thing(&js, 1).await;
+        let e2 = publish_thing(&js, 2).await;
+        publish_thing(&js, 3).await;
+        let scene = Self {
+            js,
+            stop,
+            consumers,
+            e1,
+            e2,
+            nats,
+            db,
+        };
+        scene.wait_settled("finish the three events", 3).await;
+        assert_eq!(
+            count(
+                &scene.db.pool,
+                "select count(*) from applied where consumer = 'alpha'"
+            )
+            .await,
+            2
+        );
+        assert_eq!(
+            count(
+                &scene.db.pool,
+                "select count(*) from applied where consumer in ('beta', 'gamma')"
+            )
+            .await,
+            6
+        );
+        scene
     }
-    // alpha's inbox holds the original id; beta and gamma neither applied
-    // nor recorded it again.
-    assert_eq!(
-        scalar(
-            &db,
+
+    fn url(&self) -> &str {
+        self.db.url()
+    }
+
+    /// Waits until every consumer has acked the stream up to `sequence`.
+    async fn wait_settled(&self, what: &str, sequence: u64) {
+        for durable in ["alpha", "beta", "gamma"] {
+            wait_until(&format!("{durable} to {what}"), WAIT, || {
+                settled(&self.js, REPLAY_STREAM, durable, sequence)
+            })
+            .await
+            .unwrap();
+        }
+    }
+
+    /// `dead-letters list` and `show`: the one dead letter, alpha's, of
+    /// `e2`; its id.
+    async fn dead_letter_is_listed_and_shown(&self) -> i64 {
+        let (url, e2) = (self.url(), self.e2);
+        let list = outboxctl(url, &["dead-letters", "list"]).await.json();
+        assert_eq!(list["total"], 1, "{list}");
+        let letter = &list["dead_letters"][0];
+        assert_eq!(letter["consumer"], "alpha");
+        assert_eq!(letter["event_id"], e2.to_string());
+        assert_eq!(letter["reason"], "rejected");
+        assert_eq!(letter["stream"], REPLAY_STREAM);
+        assert_eq!(letter["replay_count"], 0);
+        assert!(letter["replayed_at"].is_null());
+        let id = letter["id"].as_i64().unwrap();
+        let none = outboxctl(url, &["dead-letters", "list", "--consumer", "beta"])
+            .await
+            .json();
+        assert_eq!(none["total"], 0, "{none}");
+        let by_reason = outboxctl(url, &["dead-letters", "list", "--reason", "rejected"])
+            .await
+            .json();
+        assert_eq!(by_reason["total"], 1, "{by_reason}");
+
+        let show = outboxctl(url, &["dead-letters", "show", &id.to_string()])
+            .await
+            .json();
+        assert_eq!(show["id"], id);
+        assert_eq!(show["payload"]["encoding"], "json", "{show}");
+        assert_eq!(show["payload"]["value"]["id"], e2.to_string());
+        assert_eq!(show["payload"]["value"]["data"]["n"], 2);
+        assert_eq!(show["headers"]["x-origin"], json!(["octl-test"]), "{show}");
+        assert_eq!(show["headers"]["Nats-Msg-Id"], json!([e2.to_string()]));
+        assert!(
+            show["error"]
+                .as_str()
+                .unwrap()
+                .contains("alpha refuses thing 2"),
+            "{show}"
+        );
+        id
+    }
+
+    /// `inbox status`: rows per consumer, alpha's dead letter, gamma's lease.
+    async fn inbox_status_counts_each_consumer(&self) {
+        let url = self.url();
+        let status = outboxctl(url, &["inbox", "status"]).await.json();
+        let alpha = status_of(&status, "alpha");
+        assert_eq!(alpha["inbox"]["rows"], 2, "{status}");
+        assert_eq!(alpha["dead_letters"]["total"], 1);
+        assert_eq!(alpha["dead_letters"]["not_replayed"], 1);
+        assert!(alpha["lease"].is_null());
+        assert!(alpha["inbox"]["oldest_handled_at"].is_string());
+        assert_eq!(status_of(&status, "beta")["inbox"]["rows"], 3);
+        assert_eq!(status_of(&status, "beta")["dead_letters"]["total"], 0);
+        let gamma = status_of(&status, "gamma");
+        assert_eq!(gamma["inbox"]["rows"], 3);
+        assert!(gamma["lease"]["epoch"].as_i64().unwrap() >= 1, "{status}");
+        assert!(gamma["lease"]["holder"].is_string());
+        let only = outboxctl(url, &["inbox", "status", "--consumer", "beta"])
+            .await
+            .json();
+        assert_eq!(only["consumers"].as_array().unwrap().len(), 1, "{only}");
+        let unknown = outboxctl(url, &["inbox", "status", "--consumer", "nobody"]).await;
+        let line = unknown.failure("not_found");
+        assert!(
+            line.contains("`nobody`") && line.contains("alpha"),
+            "{line}"
+        );
+    }
+
+    /// The same for people: aligned tables.
+    async fn people_read_aligned_tables(&self, id: i64) {
+        for args in [
+            &["inbox", "status"][..],
+            &["dead-letters", "list"],
+            &["dead-letters", "show", &id.to_string()],
+        ] {
+            let text = outboxctl_text(self.url(), args).await;
+            assert_eq!(text.code, Some(0), "{}", text.stderr);
+            println!("$ outboxctl {}\n{}", args.join(" "), text.stdout);
+            assert!(text.stdout.contains("alpha"), "{}", text.stdout);
+            assert!(serde_json::from_str::<Value>(&text.stdout).is_err());
+        }
+    }
+
+    /// `--nats-url` of the scene's server.
+    fn nats_url(&self) -> String {
+        format!("--nats-url={}", self.nats.url())
+    }
+
+    /// `dead-letters replay`: alpha applies `e2` once under its original id;
+    /// beta and gamma, whose inbox rows of it are deleted first (only the
+    /// replay header keeps them from applying it again), ack it unhandled.
+    async fn replay_is_applied_by_its_consumer_only(&self, id: i64) {
+        let (db, url, e2) = (&self.db, self.url(), self.e2);
+        execute(
+            db,
             &format!(
-                "select count(*) from inbox_events where consumer = 'alpha' and event_id = '{e2}'"
+                "delete from inbox_events where consumer in ('beta', 'gamma') and event_id = '{e2}'"
             ),
         )
-        .await,
-        1
-    );
-    for durable in ["beta", "gamma"] {
-        assert_eq!(
-            scalar(
-                &db,
-                &format!(
-                    "select count(*) from applied where consumer = '{durable}' and event_id = '{e2}'"
-                ),
-            )
-            .await,
-            1,
-            "{durable} applied the replay meant for alpha"
-        );
-        assert_eq!(
-            scalar(
-                &db,
-                &format!(
-                    "select count(*) from inbox_events where consumer = '{durable}' and event_id = '{e2}'"
-                ),
-            )
-            .await,
-            0,
-            "{durable} handled the replay meant for alpha"
-        );
-    }
+        .await;
+        execute(db, "delete from refuse").await;
+        assert_eq!(messages(&self.js, REPLAY_STREAM).await, 3);
 
-    let ignored = BTreeMap::from([("beta".to_owned(), 1), ("gamma".to_owned(), 1)]);
-    assert_eq!(replays_ignored(), ignored);
-
-    // Again, on purpose: a new message id gets it into the stream; alpha's
-    // inbox finds it a duplicate.
-    let again = outboxctl(url, &["dead-letters", "replay", &id.to_string(), &nats_url])
+        let replay = outboxctl(
+            url,
+            &["dead-letters", "replay", &id.to_string(), &self.nats_url()],
+        )
         .await
         .json();
-    assert_eq!(again["replayed"][0]["replay_count"], 2, "{again}");
-    assert_eq!(
-        again["replayed"][0]["msg_id"],
-        format!("replay:alpha:{id}:2")
-    );
-    assert_eq!(again["replayed"][0]["stream_sequence"], 5);
-    for durable in ["alpha", "beta", "gamma"] {
-        wait_until(&format!("{durable} to ack the second replay"), WAIT, || {
-            settled(&js, stream_name, durable, 5)
+        let replayed = &replay["replayed"][0];
+        assert_eq!(replayed["id"], id, "{replay}");
+        assert_eq!(replayed["consumer"], "alpha");
+        assert_eq!(replayed["event_id"], e2.to_string());
+        assert_eq!(replayed["msg_id"], format!("replay:alpha:{id}:1"));
+        assert_eq!(replayed["stream_sequence"], 4);
+        assert_eq!(replayed["duplicate"], false);
+        assert_eq!(replayed["replay_count"], 1);
+        assert!(replayed["replayed_at"].is_string());
+
+        wait_until("alpha to apply the replayed event", WAIT, || async {
+            count(
+                &db.pool,
+                &format!(
+                    "select count(*) from applied where consumer = 'alpha' and event_id = '{e2}'"
+                ),
+            )
+            .await
+                == 1
         })
         .await
         .unwrap();
-    }
-    assert_eq!(
-        scalar(
-            &db,
-            &format!("select count(*) from applied where event_id = '{e2}'")
-        )
-        .await,
-        3,
-        "one effect per consumer"
-    );
-    assert_eq!(
-        scalar(&db, "select count(*) from inbox_dead_letters").await,
-        1
-    );
-    assert_eq!(
-        replays_ignored(),
-        ignored,
-        "the second replay, ignored again"
-    );
-    let list = outboxctl(url, &["dead-letters", "list"]).await.json();
-    assert_eq!(list["dead_letters"][0]["replay_count"], 2, "{list}");
-    let status = outboxctl(url, &["inbox", "status", "--consumer", "alpha"])
-        .await
-        .json();
-    assert_eq!(status_of(&status, "alpha")["inbox"]["rows"], 3, "{status}");
-    assert_eq!(
-        status_of(&status, "alpha")["dead_letters"]["not_replayed"],
-        0
-    );
-
-    stop.cancel();
-    for consumer in consumers {
-        consumer.await.unwrap().unwrap();
-    }
-
-    // inbox prune: alpha's e1 row set back 20 days; the default window is 14.
-    execute(
-        &db,
-        &format!(
-            "update inbox_events set handled_at = now() - interval '20 days'
-              where consumer = 'alpha' and event_id = '{e1}'"
-        ),
-    )
-    .await;
-    let inbox_rows = "select count(*) from inbox_events";
-    let before = scalar(&db, inbox_rows).await;
-    let dry = outboxctl(url, &["inbox", "prune", "--dry-run"])
-        .await
-        .json();
-    assert_eq!(dry["dry_run"], true, "{dry}");
-    assert_eq!(dry["total"], 1);
-    assert_eq!(dry["older_than_seconds"], 14.0 * 86_400.0);
-    let alpha = dry["consumers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["consumer"] == "alpha")
-        .unwrap();
-    assert_eq!(alpha["would_delete"], 1, "{dry}");
-    assert_eq!(
-        scalar(&db, inbox_rows).await,
-        before,
-        "a dry run deletes nothing"
-    );
-    let pruned = outboxctl(url, &["inbox", "prune"]).await.json();
-    assert_eq!(pruned["total"], 1, "{pruned}");
-    assert_eq!(scalar(&db, inbox_rows).await, before - 1);
-    assert_eq!(
-        scalar(
-            &db,
-            &format!(
-                "select count(*) from inbox_events where event_id = '{e1}' and consumer = 'alpha'"
+        self.wait_settled("ack the replay", 4).await;
+        // alpha's inbox holds the original id; beta and gamma neither applied
+        // nor recorded it again.
+        assert_eq!(
+            count(
+                &db.pool,
+                &format!(
+                    "select count(*) from inbox_events where consumer = 'alpha' and event_id = '{e2}'"
+                ),
             )
-        )
-        .await,
-        0
-    );
-    let short = outboxctl(url, &["inbox", "prune", "--older-than", "10m"]).await;
-    let line = short.failure("config");
-    assert!(line.contains("--force"), "{line}");
-    assert_eq!(scalar(&db, inbox_rows).await, before - 1);
-    let forced = outboxctl(
-        url,
-        &[
-            "inbox",
-            "prune",
-            "--older-than",
-            "10m",
-            "--force",
-            "--dry-run",
-            "--consumer",
-            "beta",
-        ],
-    )
-    .await
-    .json();
-    assert_eq!(forced["consumers"][0]["consumer"], "beta", "{forced}");
-    assert_eq!(forced["consumers"][0]["would_delete"], 0);
-    let _ = e3;
+            .await,
+            1
+        );
+        for durable in ["beta", "gamma"] {
+            assert_eq!(
+                count(
+                    &db.pool,
+                    &format!(
+                        "select count(*) from applied where consumer = '{durable}' and event_id = '{e2}'"
+                    ),
+                )
+                .await,
+                1,
+                "{durable} applied the replay meant for alpha"
+            );
+            assert_eq!(
+                count(
+                    &db.pool,
+                    &format!(
+                        "select count(*) from inbox_events where consumer = '{durable}' and event_id = '{e2}'"
+                    ),
+                )
+                .await,
+                0,
+                "{durable} handled the replay meant for alpha"
+            );
+        }
+        assert_eq!(replays_ignored(), Self::ignored());
+    }
 
-    // dead-letters purge: the dead letter set back 40 days.
-    execute(
-        &db,
-        "update inbox_dead_letters set created_at = now() - interval '40 days'",
-    )
-    .await;
-    let keep = outboxctl(url, &["dead-letters", "purge", "--older-than", "60d"])
+    /// Replays beta and gamma ignored, counted.
+    fn ignored() -> BTreeMap<String, u64> {
+        BTreeMap::from([("beta".to_owned(), 1), ("gamma".to_owned(), 1)])
+    }
+
+    /// Again, on purpose: a new message id gets it into the stream; alpha's
+    /// inbox finds it a duplicate.
+    async fn a_second_replay_is_a_duplicate(&self, id: i64) {
+        let (db, url, e2) = (&self.db, self.url(), self.e2);
+        let again = outboxctl(
+            url,
+            &["dead-letters", "replay", &id.to_string(), &self.nats_url()],
+        )
         .await
         .json();
-    assert_eq!(keep["total"], 0, "{keep}");
-    let dry = outboxctl(
-        url,
-        &["dead-letters", "purge", "--older-than", "30d", "--dry-run"],
-    )
-    .await
-    .json();
-    assert_eq!(dry["total"], 1, "{dry}");
-    assert_eq!(dry["consumers"][0]["consumer"], "alpha");
-    assert_eq!(dry["consumers"][0]["would_delete"], 1);
-    assert_eq!(
-        scalar(&db, "select count(*) from inbox_dead_letters").await,
-        1
-    );
-    let purged = outboxctl(url, &["dead-letters", "purge", "--older-than", "30d"])
+        assert_eq!(again["replayed"][0]["replay_count"], 2, "{again}");
+        assert_eq!(
+            again["replayed"][0]["msg_id"],
+            format!("replay:alpha:{id}:2")
+        );
+        assert_eq!(again["replayed"][0]["stream_sequence"], 5);
+        self.wait_settled("ack the second replay", 5).await;
+        assert_eq!(
+            count(
+                &db.pool,
+                &format!("select count(*) from applied where event_id = '{e2}'")
+            )
+            .await,
+            3,
+            "one effect per consumer"
+        );
+        assert_eq!(
+            count(&db.pool, "select count(*) from inbox_dead_letters").await,
+            1
+        );
+        assert_eq!(
+            replays_ignored(),
+            Self::ignored(),
+            "the second replay, ignored again"
+        );
+        let list = outboxctl(url, &["dead-letters", "list"]).await.json();
+        assert_eq!(list["dead_letters"][0]["replay_count"], 2, "{list}");
+        let status = outboxctl(url, &["inbox", "status", "--consumer", "alpha"])
+            .await
+            .json();
+        assert_eq!(status_of(&status, "alpha")["inbox"]["rows"], 3, "{status}");
+        assert_eq!(
+            status_of(&status, "alpha")["dead_letters"]["not_replayed"],
+            0
+        );
+    }
+
+    /// Stops the consumers, each of which ends without an error.
+    async fn stop_consumers(&mut self) {
+        self.stop.cancel();
+        for consumer in self.consumers.drain(..) {
+            consumer.await.unwrap().unwrap();
+        }
+    }
+
+    /// `inbox prune`: alpha's `e1` row set back 20 days; the default window
+    /// is 14, a short one is refused without `--force`.
+    async fn inbox_prune_deletes_old_rows(&self) {
+        let (db, url, e1) = (&self.db, self.url(), self.e1);
+        execute(
+            db,
+            &format!(
+                "update inbox_events set handled_at = now() - interval '20 days'
+                  where consumer = 'alpha' and event_id = '{e1}'"
+            ),
+        )
+        .await;
+        let inbox_rows = "select count(*) from inbox_events";
+        let before = count(&db.pool, inbox_rows).await;
+        let dry = outboxctl(url, &["inbox", "prune", "--dry-run"])
+            .await
+            .json();
+        assert_eq!(dry["dry_run"], true, "{dry}");
+        assert_eq!(dry["total"], 1);
+        assert_eq!(dry["older_than_seconds"], 14.0 * 86_400.0);
+        let alpha = dry["consumers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["consumer"] == "alpha")
+            .unwrap();
+        assert_eq!(alpha["would_delete"], 1, "{dry}");
+        assert_eq!(
+            count(&db.pool, inbox_rows).await,
+            before,
+            "a dry run deletes nothing"
+        );
+        let pruned = outboxctl(url, &["inbox", "prune"]).await.json();
+        assert_eq!(pruned["total"], 1, "{pruned}");
+        assert_eq!(count(&db.pool, inbox_rows).await, before - 1);
+        assert_eq!(
+            count(
+                &db.pool,
+                &format!(
+                    "select count(*) from inbox_events where event_id = '{e1}' and consumer = 'alpha'"
+                )
+            )
+            .await,
+            0
+        );
+        let short = outboxctl(url, &["inbox", "prune", "--older-than", "10m"]).await;
+        let line = short.failure("config");
+        assert!(line.contains("--force"), "{line}");
+        assert_eq!(count(&db.pool, inbox_rows).await, before - 1);
+        let forced = outboxctl(
+            url,
+            &[
+                "inbox",
+                "prune",
+                "--older-than",
+                "10m",
+                "--force",
+                "--dry-run",
+                "--consumer",
+                "beta",
+            ],
+        )
         .await
         .json();
-    assert_eq!(purged["total"], 1, "{purged}");
-    assert_eq!(purged["consumers"][0]["deleted"], 1);
-    assert_eq!(
-        scalar(&db, "select count(*) from inbox_dead_letters").await,
-        0
-    );
+        assert_eq!(forced["consumers"][0]["consumer"], "beta", "{forced}");
+        assert_eq!(forced["consumers"][0]["would_delete"], 0);
+    }
+
+    /// `dead-letters purge`: the dead letter set back 40 days.
+    async fn dead_letters_purge_deletes_old_letters(&self) {
+        let (db, url) = (&self.db, self.url());
+        execute(
+            db,
+            "update inbox_dead_letters set created_at = now() - interval '40 days'",
+        )
+        .await;
+        let keep = outboxctl(url, &["dead-letters", "purge", "--older-than", "60d"])
+            .await
+            .json();
+        assert_eq!(keep["total"], 0, "{keep}");
+        let dry = outboxctl(
+            url,
+            &["dead-letters", "purge", "--older-than", "30d", "--dry-run"],
+        )
+        .await
+        .json();
+        assert_eq!(dry["total"], 1, "{dry}");
+        assert_eq!(dry["consumers"][0]["consumer"], "alpha");
+        assert_eq!(dry["consumers"][0]["would_delete"], 1);
+        assert_eq!(
+            count(&db.pool, "select count(*) from inbox_dead_letters").await,
+            1
+        );
+        let purged = outboxctl(url, &["dead-letters", "purge", "--older-than", "30d"])
+            .await
+            .json();
+        assert_eq!(purged["total"], 1, "{purged}");
+        assert_eq!(purged["consumers"][0]["deleted"], 1);
+        assert_eq!(
+            count(&db.pool, "select count(*) from inbox_dead_letters").await,
+            0
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -682,8 +754,8 @@ async fn errors_are_one_line_and_publish_nothing() {
              returning id"
         )
     };
-    let id = scalar(&db, &insert(stream_name)).await;
-    let moved = scalar(&db, &insert("ELSEWHERE")).await;
+    let id = count(&db.pool, &insert(stream_name)).await;
+    let moved = count(&db.pool, &insert("ELSEWHERE")).await;
     let url = db.url();
     let nats_url = format!("--nats-url={}", nats.url());
 
@@ -711,8 +783,8 @@ async fn errors_are_one_line_and_publish_nothing() {
     assert!(!line.contains(&format!("{id},")), "{line}");
     assert_eq!(messages(&js, stream_name).await, 0, "nothing published");
     assert_eq!(
-        scalar(
-            &db,
+        count(
+            &db.pool,
             "select coalesce(sum(replay_count), 0)::bigint from inbox_dead_letters"
         )
         .await,
@@ -735,8 +807,8 @@ async fn errors_are_one_line_and_publish_nothing() {
         "{line}"
     );
     assert_eq!(
-        scalar(
-            &db,
+        count(
+            &db.pool,
             &format!("select replay_count::bigint from inbox_dead_letters where id = {moved}")
         )
         .await,
@@ -891,8 +963,8 @@ async fn consumer_names_are_claimed_beforehand_and_handed_over() {
         .failure("config");
     assert!(line.contains("every consumer's role"), "{line}");
     assert_eq!(
-        scalar(
-            &db,
+        count(
+            &db.pool,
             &format!("select count(*) from inbox_consumers where owner = '{y}'")
         )
         .await,

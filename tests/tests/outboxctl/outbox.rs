@@ -20,8 +20,6 @@
 //! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
 //! before the tests run.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
-
 use super::support::count_where;
 
 use std::path::PathBuf;

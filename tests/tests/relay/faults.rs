@@ -18,8 +18,6 @@
 //! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
 //! before the tests run.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
-
 use super::support::{blocking, count, count_where, insert_events, jetstream_client, stream_count};
 
 use std::collections::{BTreeMap, HashMap, HashSet};

@@ -1,8 +1,6 @@
 //! The relay against real PostgreSQL and nats-server: delivery, ordering across
 //! replicas and broker restarts, backoff, poison rows, retention, wake-ups.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
-
 use std::collections::{HashMap, HashSet};
 use std::sync::OnceLock;
 use std::time::Duration;

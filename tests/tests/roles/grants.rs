@@ -34,8 +34,6 @@
 //! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
 //! before the tests run.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
-
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 

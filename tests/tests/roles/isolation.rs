@@ -17,8 +17,6 @@
 //!   is named (role and pid) by the standby it keeps from leading; once it
 //!   lets go, the standby leads.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
-
 use std::io::Write;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;

@@ -2,7 +2,6 @@
 //! that way: TLS, credentials from files and the environment, secrets never
 //! logged, each NATS user allowed what its component does and no more. Each
 //! module says what it covers.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step is a failed test
 
 #[path = "../support/mod.rs"]
 mod support;
