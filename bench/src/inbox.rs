@@ -1401,7 +1401,12 @@ impl Phases {
                 0.0
             }
         };
-        let phase = |p: &str| mean("outbox_relay_batch_phase_seconds", &format!("phase=\"{p}\"")) * 1e3;
+        let phase = |p: &str| {
+            mean(
+                "outbox_relay_batch_phase_seconds",
+                &format!("phase=\"{p}\""),
+            ) * 1e3
+        };
         Self {
             claims: delta("outbox_relay_batch_phase_seconds_count", "phase=\"claim\"")
                 / events.max(1) as f64,

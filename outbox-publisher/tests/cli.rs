@@ -106,7 +106,8 @@ async fn metrics_addr_serves_prometheus_text_and_sigterm_exits_zero() {
         || {
             let fetched = http_get(&addr, "/metrics");
             let done = fetched.as_deref().is_some_and(|b| {
-                b.contains("outbox_relay_published_total") && b.contains("outbox_relay_backlog_rows")
+                b.contains("outbox_relay_published_total")
+                    && b.contains("outbox_relay_backlog_rows")
             });
             if done {
                 body = fetched.unwrap_or_default();

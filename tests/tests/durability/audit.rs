@@ -372,7 +372,10 @@ async fn deleted_messages_are_republished_once_and_applied_once() {
         relay.log()
     );
     assert!(republished.values().all(|&n| n == 1), "{republished:?}");
-    assert_eq!(relay.counter("outbox_relay_audit_republished_total").await, 10.0);
+    assert_eq!(
+        relay.counter("outbox_relay_audit_republished_total").await,
+        10.0
+    );
     assert!(relay.log().contains("no message at the sequence"));
     // The control group is untouched.
     let after = positions(&db, &ids).await;
@@ -588,7 +591,10 @@ async fn a_pass_while_the_broker_is_down_republishes_nothing() {
         relay.log()
     );
     assert!(relay.republished().is_empty(), "{}", relay.log());
-    assert_eq!(relay.counter("outbox_relay_audit_republished_total").await, 0.0);
+    assert_eq!(
+        relay.counter("outbox_relay_audit_republished_total").await,
+        0.0
+    );
     assert_eq!(positions(&db, &ids).await, before);
     relay.stop().await;
 }
