@@ -171,7 +171,7 @@ async fn the_readme_programs_build_in_a_fresh_crate_and_run_against_real_servers
         programs.len()
     );
     let paths: HashMap<&str, &str> = [
-        ("outbox-pg", "outbox-core"),
+        ("outbox-pg", "outbox-pg"),
         ("outbox-publisher", "outbox-publisher"),
         ("inbox-consumer", "inbox-consumer"),
     ]

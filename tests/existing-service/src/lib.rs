@@ -29,12 +29,12 @@ pub fn app_migrations_dir() -> PathBuf {
 }
 
 /// The folder the outbox's SQL files are copied from: `OUTBOX_MIGRATIONS_DIR`
-/// if set, else `outbox-core/migrations` of this workspace (what a service
+/// if set, else `outbox-pg/migrations` of this workspace (what a service
 /// would copy from the `outbox-pg` package).
 pub fn outbox_migrations_dir() -> PathBuf {
     match std::env::var_os("OUTBOX_MIGRATIONS_DIR") {
         Some(dir) => PathBuf::from(dir),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../outbox-core/migrations"),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../outbox-pg/migrations"),
     }
 }
 

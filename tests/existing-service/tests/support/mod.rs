@@ -12,7 +12,7 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::PgPoolOptions;
 
 /// The outbox's migrations as an earlier release embedded them (the files of
-/// `migrations/` before they moved into `outbox-core/` and became idempotent),
+/// `migrations/` before they moved into `outbox-pg/` and became idempotent),
 /// recorded in `_sqlx_migrations` as that release's `outbox_pg::migrate` did.
 pub(crate) static EARLIER_RELEASE: Migrator = sqlx::migrate!("./tests/fixtures/outbox-pg-0.1");
 

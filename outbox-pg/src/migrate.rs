@@ -1,5 +1,5 @@
 //! The schema: `outbox_events`, `inbox_events` and their companions, from the
-//! SQL files in `outbox-core/migrations/`, applied either by this library at
+//! SQL files in `outbox-pg/migrations/`, applied either by this library at
 //! start-up or by the service's own migration tool, beside the service's own
 //! migrations and without touching their history.
 //!
@@ -50,7 +50,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 use crate::error::{Error, ErrorKind, Result};
 use crate::privilege::is_insufficient_privilege;
 
-/// The embedded migrations: the files of `outbox-core/migrations/`, for the
+/// The embedded migrations: the files of `outbox-pg/migrations/`, for the
 /// service's own migration tool or to read the SQL.
 ///
 /// Each entry has the file's `version`, `description`, `sql` and sqlx
@@ -429,7 +429,7 @@ fn not_up_to_date(role: &str, pending: &[String], cause: Error) -> Error {
         format!(
             "the outbox schema is not up to date (pending: {}) and role `{role}` may not change \
              it ({cause}): run the migrations as the schema owner (outbox_pg::migrate, or the \
-             files of outbox-core/migrations/), then ops/sql/roles.sql",
+             files of outbox-pg/migrations/), then ops/sql/roles.sql",
             pending.join(", ")
         ),
     )

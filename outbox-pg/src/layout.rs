@@ -48,7 +48,7 @@ const COLUMNS: &[&str] = &[
 const TRIGGERS: &[&str] = &["outbox_events_assign_seq", "outbox_events_notify"];
 
 const MIGRATE: &str = "run the outbox migrations as the schema owner (outbox_pg::migrate, or the \
-                       files of outbox-core/migrations/ in order), with the search_path the \
+                       files of outbox-pg/migrations/ in order), with the search_path the \
                        services use";
 
 /// Checks that the outbox the pool's `search_path` leads to is complete, as a
