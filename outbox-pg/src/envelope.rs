@@ -14,7 +14,9 @@
 //!
 //! The relay adds the CloudEvents `sequence` extension, the row's insert-order
 //! number, as a zero-padded decimal string (see [`format_sequence`]):
-//! `"sequence":"00000000000000000042"`.
+//! `"sequence":"00000000000000000042"`. A scheduled event's message carries
+//! `scheduledfor` (its due time, RFC 3339) in its place: it is not part of
+//! its entity's order.
 
 use std::fmt;
 use std::str::FromStr;
@@ -186,6 +188,7 @@ pub struct Envelope<T = serde_json::Value> {
     traceparent: Option<String>,
     tracestate: Option<String>,
     sequence: Option<u64>,
+    scheduled_for: Option<DateTime<Utc>>,
 }
 
 impl<T> Envelope<T> {
@@ -335,6 +338,23 @@ impl<T> Envelope<T> {
         self.sequence
     }
 
+    /// The `scheduledfor` extension, if set: the due time of a scheduled
+    /// event (`Outbox::schedule`). Such an event belongs to no entity order:
+    /// it carries no `sequence`, and a consumer's stale-event guard lets it
+    /// through whatever it applied before.
+    pub fn scheduled_for(&self) -> Option<DateTime<Utc>> {
+        self.scheduled_for
+    }
+
+    /// Sets the `scheduledfor` extension (see [`Envelope::scheduled_for`]).
+    /// The relay sets it on a scheduled row's message, in place of
+    /// `sequence`.
+    #[must_use]
+    pub fn with_scheduled_for(mut self, due: DateTime<Utc>) -> Self {
+        self.scheduled_for = Some(due.trunc_subsecs(6));
+        self
+    }
+
     /// Replaces the payload, keeping every attribute.
     pub fn map_data<U>(self, f: impl FnOnce(T) -> U) -> Envelope<U> {
         Envelope {
@@ -347,6 +367,7 @@ impl<T> Envelope<T> {
             traceparent: self.traceparent,
             tracestate: self.tracestate,
             sequence: self.sequence,
+            scheduled_for: self.scheduled_for,
         }
     }
 
@@ -363,6 +384,7 @@ impl<T> Envelope<T> {
             traceparent: self.traceparent.clone(),
             tracestate: self.tracestate.clone(),
             sequence: self.sequence,
+            scheduled_for: self.scheduled_for,
         }
     }
 
@@ -396,6 +418,7 @@ impl<T> Envelope<T> {
             traceparent: None,
             tracestate: None,
             sequence: None,
+            scheduled_for: None,
         })
     }
 
@@ -412,6 +435,7 @@ impl<T> Envelope<T> {
             traceparent: self.traceparent.as_deref(),
             tracestate: self.tracestate.as_deref(),
             sequence: self.sequence.map(format_sequence),
+            scheduledfor: self.scheduled_for,
             data,
         }
     }
@@ -587,6 +611,7 @@ impl<T: DeserializeOwned> Envelope<T> {
         env.traceparent = wire.traceparent;
         env.tracestate = wire.tracestate;
         env.sequence = sequence;
+        env.scheduled_for = wire.scheduledfor.map(|t| t.trunc_subsecs(6));
         Ok(env)
     }
 }
@@ -609,6 +634,11 @@ struct Wire<'a, T> {
     tracestate: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     sequence: Option<String>,
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "serialize_scheduled_for"
+    )]
+    scheduledfor: Option<DateTime<Utc>>,
     data: &'a T,
 }
 
@@ -617,6 +647,16 @@ fn serialize_time<S: serde::Serializer>(
     s: S,
 ) -> std::result::Result<S::Ok, S::Error> {
     s.serialize_str(&t.to_rfc3339_opts(SecondsFormat::AutoSi, true))
+}
+
+fn serialize_scheduled_for<S: serde::Serializer>(
+    t: &Option<DateTime<Utc>>,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    match t {
+        Some(t) => serialize_time(t, s),
+        None => s.serialize_none(),
+    }
 }
 
 /// Structured-mode JSON as read.
@@ -634,6 +674,7 @@ struct OwnedWire {
     tracestate: Option<String>,
     /// Read loosely, to name the attribute when it is not a digit string.
     sequence: Option<serde_json::Value>,
+    scheduledfor: Option<DateTime<Utc>>,
     #[serde(default)]
     data: serde_json::Value,
 }

@@ -41,11 +41,21 @@ const COLUMNS: &[&str] = &[
     "skipped_at",
     "published_stream",
     "published_seq",
+    "due_at",
+    "released_at",
+    "cancelled_at",
+    "cancelled_by",
 ];
 
-/// The triggers of `outbox_events`: the seq every row gets at insert, and
-/// the wake-up the relays listen for.
-const TRIGGERS: &[&str] = &["outbox_events_assign_seq", "outbox_events_notify"];
+/// The triggers of `outbox_events`: the seq every row gets at insert, the
+/// wake-up the relays listen for, and the scheduled rows' due time and
+/// wake-up.
+const TRIGGERS: &[&str] = &[
+    "outbox_events_assign_seq",
+    "outbox_events_notify",
+    "outbox_events_schedule",
+    "outbox_events_notify_due",
+];
 
 const MIGRATE: &str = "run the outbox migrations as the schema owner (outbox_pg::migrate, or the \
                        files of outbox-pg/migrations/ in order), with the search_path the \

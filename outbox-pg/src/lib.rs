@@ -108,6 +108,7 @@ mod outbox;
 pub mod pooler;
 pub mod privilege;
 pub mod ready;
+mod schedule;
 mod schema;
 mod sequence;
 #[cfg(feature = "signal")]
@@ -150,6 +151,7 @@ pub use pooler::{require_sessions, require_sessions_at_start};
 pub use privilege::{
     Privilege, check_privileges, check_privileges_at_start, is_insufficient_privilege,
 };
+pub use schedule::{Cancellation, Due};
 pub use schema::{SCHEMA_SUFFIX, SchemaRegistry};
 /// The crate [`Event`] derives schemas with, re-exported so a service uses
 /// the same version (`#[derive(outbox_pg::schemars::JsonSchema)]`).

@@ -13,6 +13,7 @@
 //! | relays' member locks | `(0x6f62_7201, workers)` | `(hashtext('outbox_relay.members:S'), workers)` |
 //! | relays' shard locks | `(0x6f62_7202, shard)` | `(hashtext('outbox_relay.shards:S'), shard)` |
 //! | wake-up channel | `outbox_events` | `outbox_events.S` (hashed when over 63 bytes) |
+//! | scheduled events' wake-up channel | `outbox_events_due` | `outbox_events_due.S` (hashed when over 63 bytes) |
 //! | ordered consumers' leader, fence and subject locks | `hashtext('inbox_consumer.leader')`, … | `hashtext('inbox_consumer.leader:S')`, … |
 //! | the migration lock taken by [`migrate`](crate::migrate) | `(1868721409, 0)` | `(1868721409, hashtext('S'))` |
 //!
@@ -40,6 +41,7 @@ pub struct Namespace {
     members_key: i32,
     shards_key: i32,
     channel: String,
+    due_channel: String,
 }
 
 impl Namespace {
@@ -67,6 +69,7 @@ impl Namespace {
             members_key: r.members_key,
             shards_key: r.shards_key,
             channel: r.channel,
+            due_channel: r.due_channel,
         }))
     }
 
@@ -90,5 +93,13 @@ impl Namespace {
     /// The channel the outbox's insert trigger notifies on.
     pub fn notify_channel(&self) -> &str {
         &self.channel
+    }
+
+    /// The channel the outbox's trigger notifies on when a transaction
+    /// schedules events (`outbox_events_due`, or `outbox_events_due.S`):
+    /// the relay's due lane listens on it, and hears nothing of immediate
+    /// events.
+    pub fn due_channel(&self) -> &str {
+        &self.due_channel
     }
 }

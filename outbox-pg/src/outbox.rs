@@ -24,7 +24,7 @@ pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 1_048_576;
 pub struct Outbox {
     schemas: Option<SchemaRegistry>,
     max_message_size: usize,
-    persistent: bool,
+    pub(crate) persistent: bool,
 }
 
 impl Outbox {
@@ -131,7 +131,7 @@ impl Outbox {
         tx: &mut PgTransaction<'_>,
         events: &[Envelope<T>],
     ) -> Result<Vec<EventId>> {
-        let rows = Rows::build(self, events)?;
+        let rows = Rows::build(self, events, false)?;
         if rows.ids.is_empty() {
             return Ok(Vec::new());
         }
@@ -155,22 +155,32 @@ impl Outbox {
     }
 }
 
+/// Bytes of the `scheduledfor` attribute on a scheduled event's message,
+/// at its longest: `,"scheduledfor":"2026-12-06T08:00:00.123456Z"`.
+const SCHEDULED_FOR_LEN: usize = 45;
+
 /// Column arrays for the `unnest` insert.
 #[derive(Default)]
-struct Rows {
-    ids: Vec<Uuid>,
-    event_types: Vec<String>,
-    sources: Vec<String>,
-    subjects: Vec<String>,
-    times: Vec<chrono::DateTime<chrono::Utc>>,
-    data: Vec<serde_json::Value>,
-    traceparents: Vec<Option<String>>,
-    tracestates: Vec<Option<String>>,
+pub(crate) struct Rows {
+    pub(crate) ids: Vec<Uuid>,
+    pub(crate) event_types: Vec<String>,
+    pub(crate) sources: Vec<String>,
+    pub(crate) subjects: Vec<String>,
+    pub(crate) times: Vec<chrono::DateTime<chrono::Utc>>,
+    pub(crate) data: Vec<serde_json::Value>,
+    pub(crate) traceparents: Vec<Option<String>>,
+    pub(crate) tracestates: Vec<Option<String>>,
 }
 
 impl Rows {
-    /// Validates every event, then lays them out as columns.
-    fn build<T: Serialize>(outbox: &Outbox, events: &[Envelope<T>]) -> Result<Self> {
+    /// Validates every event, then lays them out as columns. A `scheduled`
+    /// event's message is measured with the `scheduledfor` attribute the
+    /// relay adds.
+    pub(crate) fn build<T: Serialize>(
+        outbox: &Outbox,
+        events: &[Envelope<T>],
+        scheduled: bool,
+    ) -> Result<Self> {
         let mut rows = Rows::default();
         let fallback = fallback(events);
         for event in events {
@@ -195,7 +205,8 @@ impl Rows {
             // Measured as the relay will send it: the jsonb text of `data`
             // (see Envelope::message_size), not the compact text above.
             let size =
-                event.message_size_with_trace(rendered_len(&data), traceparent, tracestate)?;
+                event.message_size_with_trace(rendered_len(&data), traceparent, tracestate)?
+                    + if scheduled { SCHEDULED_FOR_LEN } else { 0 };
             if size > outbox.max_message_size {
                 return Err(Error::new(
                     ErrorKind::TooLarge,
@@ -263,7 +274,7 @@ mod tests {
     }
 
     fn refused(outbox: &Outbox, events: &[Envelope<Value>]) -> Error {
-        match Rows::build(outbox, events) {
+        match Rows::build(outbox, events, false) {
             Ok(_) => panic!("accepted"),
             Err(e) => e,
         }
@@ -280,7 +291,7 @@ mod tests {
             event(json!({"n": 2})).with_trace_context(TRACEPARENT.into(), Some("k=v".into())),
             event(nested(crate::MAX_JSON_DEPTH)),
         ];
-        let rows = Rows::build(&Outbox::unvalidated(), &events).unwrap();
+        let rows = Rows::build(&Outbox::unvalidated(), &events, false).unwrap();
         assert_eq!(rows.ids.len(), 3);
     }
 
@@ -303,7 +314,7 @@ mod tests {
                 event(json!({})),
                 event(json!({})).with_trace_context(TRACEPARENT.into(), Some("k=v".into())),
             ];
-            let rows = Rows::build(&Outbox::unvalidated(), &events).unwrap();
+            let rows = Rows::build(&Outbox::unvalidated(), &events, false).unwrap();
             assert_eq!(
                 rows.traceparents,
                 [
@@ -329,7 +340,7 @@ mod tests {
             assert_eq!(err.kind(), ErrorKind::TooLarge);
         });
         // Outside any span with an OpenTelemetry context: none is written.
-        let rows = Rows::build(&Outbox::unvalidated(), &[event(json!({}))]).unwrap();
+        let rows = Rows::build(&Outbox::unvalidated(), &[event(json!({}))], false).unwrap();
         assert_eq!(rows.traceparents, [None]);
         let bare = event(json!({}));
         assert_eq!(bare.with_current_trace_context().traceparent(), None);
@@ -416,6 +427,7 @@ mod tests {
         Rows::build(
             &Outbox::unvalidated().max_message_size(size),
             std::slice::from_ref(&env),
+            false,
         )
         .unwrap();
         let err = refused(&Outbox::unvalidated().max_message_size(size - 1), &[env]);

@@ -11,6 +11,8 @@
 --    order: one index range scan that starts past every row already published,
 --    so dead entries of published rows are never read again.
 -- 2. retry: rows of these shards in the retry lane whose time has come.
+--    Scheduled rows (due_at set) are not in it: the due lane publishes them
+--    (due_claim.sql), and they neither block nor wait behind these.
 -- 3. blocker: per candidate, the first earlier row of its subject that waits in
 --    the retry lane and is not itself a candidate (in backoff, or parked past
 --    the cap). A blocked candidate is not published; the caller defers it. A
@@ -51,6 +53,7 @@ retry as (
      and e.published_at is null
      and e.next_attempt_at is not null
      and e.next_attempt_at <= now()
+     and e.due_at is null
      and e.attempts < $4
      and e.skipped_at is null
    order by e.next_attempt_at
@@ -70,6 +73,7 @@ retrying as (
                   where r.shard = any($1::smallint[])
                     and r.published_at is null
                     and r.next_attempt_at is not null
+                    and r.due_at is null
                     and r.skipped_at is null) as found
 ),
 -- Sizes without rendering the JSON where the stored size tells: for a
@@ -111,7 +115,8 @@ select c.id as "id!", c.seq as "seq!", c.shard as "shard!", c.retry as "retry!",
        b.seq is not null and (b.attempts >= $4 or not isfinite(b.next_attempt_at)) as "blocker_parked!",
        case when b.seq is not null and b.attempts < $4 and isfinite(b.next_attempt_at)
             then b.next_attempt_at end as "blocker_due?: _",
-       coalesce(b.next_attempt_at <= now(), false) as "blocker_due_now!"
+       coalesce(b.next_attempt_at <= now(), false) as "blocker_due_now!",
+       null::timestamptz as "due_at?: _", null::float8 as "late_secs?"
   from budget c
   left join lateral (
     select p.seq, p.attempts, p.next_attempt_at
@@ -121,6 +126,7 @@ select c.id as "id!", c.seq as "seq!", c.shard as "shard!", c.retry as "retry!",
        and p.subject = c.subject
        and p.published_at is null
        and p.next_attempt_at is not null
+       and p.due_at is null
        and p.skipped_at is null
        and p.seq < c.seq
        and p.id <> all((select ids from ids)::uuid[])

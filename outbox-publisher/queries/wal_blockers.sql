@@ -2,7 +2,8 @@
 -- first earlier row of the subject waiting in the retry lane (in backoff,
 -- parked, or due), which holds every later row of the subject back. Looked
 -- up by the subject's hash (outbox_events_retry_subject_idx), then the
--- subject itself. Subjects with nothing waiting return no row.
+-- subject itself. Subjects with nothing waiting return no row. Scheduled rows
+-- (the due lane) hold nothing back.
 select c.subject as "subject!",
        b.attempts >= $3 or not isfinite(b.next_attempt_at) as "parked!",
        case when b.attempts < $3 and isfinite(b.next_attempt_at) then b.next_attempt_at end
@@ -15,6 +16,7 @@ select c.subject as "subject!",
        and p.subject = c.subject
        and p.published_at is null
        and p.next_attempt_at is not null
+       and p.due_at is null
        and p.skipped_at is null
        and p.seq < c.seq
      order by p.seq

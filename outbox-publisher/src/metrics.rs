@@ -62,6 +62,9 @@ pub(crate) const COMMIT_TO_ACK: &str = "outbox_relay_commit_to_ack_seconds";
 pub(crate) const BACKLOG: &str = "outbox_relay_backlog_rows";
 pub(crate) const PAST_CAP: &str = "outbox_relay_past_cap_rows";
 pub(crate) const OLDEST_AGE: &str = "outbox_relay_oldest_unpublished_age_seconds";
+pub(crate) const SCHEDULED: &str = "outbox_relay_scheduled_rows";
+pub(crate) const NEXT_DUE: &str = "outbox_relay_scheduled_next_due_timestamp_seconds";
+pub(crate) const LATENESS: &str = "outbox_relay_scheduled_lateness_seconds";
 pub(crate) const DATABASE_UP: &str = "outbox_relay_database_up";
 pub(crate) const BROKER_UP: &str = "outbox_relay_broker_up";
 pub(crate) const HORIZON_HELD: &str = "outbox_relay_horizon_held_seconds";
@@ -88,6 +91,9 @@ pub const NAMES: &[&str] = &[
     BACKLOG,
     PAST_CAP,
     OLDEST_AGE,
+    SCHEDULED,
+    NEXT_DUE,
+    LATENESS,
     DATABASE_UP,
     BROKER_UP,
     HORIZON_HELD,
@@ -154,7 +160,22 @@ fn describe_table() {
     describe_gauge!(
         OLDEST_AGE,
         Unit::Seconds,
-        "Age of the oldest unpublished row"
+        "Age of the oldest unpublished row (a scheduled row's: since its due time)"
+    );
+    describe_gauge!(
+        SCHEDULED,
+        Unit::Count,
+        "Scheduled rows not due yet (not in the backlog)"
+    );
+    describe_gauge!(
+        NEXT_DUE,
+        Unit::Seconds,
+        "When the earliest scheduled row falls due (Unix time; 0 when none)"
+    );
+    describe_histogram!(
+        LATENESS,
+        Unit::Seconds,
+        "Scheduled rows: due time to PubAck, by the database's clock at the take"
     );
 }
 
@@ -336,6 +357,13 @@ pub(crate) fn stats(stats: &Stats) {
     gauge!(BACKLOG).set(stats.backlog as f64);
     gauge!(PAST_CAP).set(stats.past_cap as f64);
     gauge!(OLDEST_AGE).set(stats.oldest_age_secs);
+    gauge!(SCHEDULED).set(stats.scheduled as f64);
+    gauge!(NEXT_DUE).set(stats.next_due.unwrap_or(0.0));
+}
+
+/// Records how late a scheduled row was published.
+pub(crate) fn lateness(seconds: f64) {
+    histogram!(LATENESS).record(seconds);
 }
 
 /// Sets `outbox_relay_database_up`.

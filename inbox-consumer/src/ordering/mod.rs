@@ -26,6 +26,11 @@
 //! - **An event without a `sequence`** (published before the relay sent one,
 //!   or by another producer) keeps the time rule: it is stale if an applied
 //!   event of its subject has a **later** `time`. Equal times are applied.
+//! - **A scheduled event** (it carries `scheduledfor`, its due time, and no
+//!   `sequence`: see [`Envelope::scheduled_for`](outbox_pg::Envelope::scheduled_for))
+//!   is never stale. It is published at its due time, after any number of
+//!   later immediate events of its subject, and belongs to no entity order;
+//!   a handler that must not apply it after some state checks that state.
 //!
 //! A subject with events of both kinds compares like with like, as far as it
 //! can. An event with a sequence is compared only with applied events that
@@ -263,6 +268,11 @@ where
         Box::pin(async move {
             let (tx, delivery) = request.parts_mut();
             let (consumer, subject, id) = (delivery.consumer(), delivery.subject(), delivery.id());
+            // A scheduled event belongs to no entity order: published at its
+            // due time, after any number of later immediate events.
+            if delivery.envelope().scheduled_for().is_some() {
+                return inner.call(request).await.map_err(Into::into);
+            }
             lock_subject(tx, consumer, subject).await?;
             match delivery.envelope().sequence() {
                 Some(sequence) => {

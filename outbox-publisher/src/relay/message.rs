@@ -53,7 +53,8 @@ fn too_large(message: impl Into<String>) -> PublishFailure {
 }
 
 /// The message for a row: the CloudEvents JSON envelope, with the row's `seq`
-/// as the `sequence` extension, on subject `event_type`. `max_payload` is the
+/// as the `sequence` extension (a scheduled row: its due time as
+/// `scheduledfor`), on subject `event_type`. `max_payload` is the
 /// broker's limit for one message (payload and headers).
 pub(crate) fn to_message(
     row: &ClaimedRow,
@@ -96,8 +97,13 @@ pub(crate) fn to_message(
         time,
         raw,
     )
-    .map_err(core)?
-    .with_sequence(seq);
+    .map_err(core)?;
+    // A scheduled row belongs to no entity order (see outbox_pg::Due): its
+    // due time travels in place of the sequence.
+    let envelope = match row.due_at {
+        Some(due) => envelope.with_scheduled_for(due),
+        None => envelope.with_sequence(seq),
+    };
     let envelope = match &row.traceparent {
         Some(tp) => envelope.with_trace_context(tp.clone(), row.tracestate.clone()),
         None => envelope,
@@ -143,6 +149,24 @@ mod tests {
         assert_eq!(json["sequence"], "00000000000000000042");
         assert_eq!(json["data"]["n"], 1);
         assert_eq!(message.subject, "a.b");
+    }
+
+    #[test]
+    fn a_scheduled_row_carries_its_due_time_and_no_sequence() {
+        let due = chrono::DateTime::parse_from_rfc3339("2026-12-20T08:00:00.5Z")
+            .unwrap()
+            .with_timezone(&chrono::Utc);
+        let scheduled = ClaimedRow {
+            due_at: Some(due),
+            ..row()
+        };
+        let message = to_message(&scheduled, 1 << 20).unwrap();
+        let json: serde_json::Value = serde_json::from_slice(&message.payload).unwrap();
+        assert!(json.get("sequence").is_none(), "{json}");
+        assert_eq!(json["scheduledfor"], "2026-12-20T08:00:00.500Z");
+        let back = outbox_pg::Envelope::<serde_json::Value>::from_json(&message.payload).unwrap();
+        assert_eq!(back.scheduled_for(), Some(due));
+        assert_eq!(back.sequence(), None);
     }
 
     #[test]

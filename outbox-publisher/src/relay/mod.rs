@@ -137,14 +137,17 @@ use crate::stream_view::StreamView;
 use crate::wal::WalReader;
 
 mod audit;
+mod due;
 mod durability;
 mod engine;
 mod horizon;
+mod listen;
 mod maintenance;
 pub(crate) mod message;
 mod poll;
 pub mod shards;
 
+use due::DueSource;
 pub use engine::BatchReport;
 pub(crate) use engine::{Engine, Outcome};
 pub(crate) use horizon::Horizon;
@@ -501,7 +504,8 @@ impl<S: Sink> Relay<S> {
     }
 
     /// The relay's tasks until `shutdown`, joined: shard ownership, the
-    /// polling source (its main lane ending at `lane`), the WAL source when
+    /// polling source (its main lane ending at `lane`), the due source
+    /// (scheduled rows, in both modes), the WAL source when
     /// given (the polling source then serves the backfill and the retry
     /// lane), the LISTEN wake-ups (polling alone), the client watch, the
     /// maintenance tasks and the audit. A source is added here, beside the
@@ -517,6 +521,7 @@ impl<S: Sink> Relay<S> {
         let source = if wal.is_some() { "wal" } else { "poll" };
         engine::progress::log_start(&engine.config, self.target.as_ref(), source);
         let poll = PollSource::new(engine, &self.shards, &self.horizon, lane);
+        let due = DueSource::new(engine, &self.shards);
         let auditor = audit::Auditor {
             audit: self.audit.as_ref(),
             config: &engine.config,
@@ -536,7 +541,7 @@ impl<S: Sink> Relay<S> {
                 }
             },
             async {
-                poll.run(&wake_rx, &stop).await;
+                tokio::join!(poll.run(&wake_rx, &stop), due.run(&stop));
                 workers_done.cancel();
             },
             // Shards are given back only once no worker can claim any more.
@@ -544,7 +549,13 @@ impl<S: Sink> Relay<S> {
             async {
                 // The WAL wakes nothing up: its rows come from the slot.
                 if wal.is_none() && engine.config.listen {
-                    poll::listen::listen_loop(engine.store.pool(), &wake, &stop).await;
+                    listen::listen_loop(
+                        engine.store.pool(),
+                        listen::Channel::Inserts,
+                        &wake,
+                        &stop,
+                    )
+                    .await;
                 }
             },
             async {
@@ -597,7 +608,18 @@ impl<S: Sink> Relay<S> {
     /// counts them and names their shards).
     pub async fn drain(&self) -> Result<BatchReport> {
         let poll = PollSource::new(&self.engine, &self.shards, &self.horizon, MainLane::open());
-        let total = poll.drain().await?;
+        let due = DueSource::new(&self.engine, &self.shards);
+        let stop = CancellationToken::new();
+        let (total, scheduled) = tokio::join!(
+            async {
+                let total = poll.drain().await;
+                stop.cancel();
+                total
+            },
+            due.drain(&stop),
+        );
+        let mut total = total?;
+        total.add(scheduled?);
         if self.engine.config.retention.is_some() {
             self.engine.prune().await?;
         }

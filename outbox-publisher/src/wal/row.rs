@@ -147,6 +147,8 @@ impl Layout {
             over_budget: false,
             blocker: None,
             decode_error: (!errors.is_empty()).then(|| errors.join("; ")),
+            due_at: None,
+            late_secs: None,
         }))
     }
 }

@@ -202,6 +202,9 @@ impl<S: Sink> Engine<S> {
                 } => {
                     recorded.published.push((row.id, position));
                     report.duplicates += usize::from(duplicate);
+                    if let Some(late) = row.late_secs {
+                        metrics::lateness(late + started.elapsed().as_secs_f64());
+                    }
                     if row.retry {
                         recorded.woken.push(row.subject);
                     }

@@ -2,7 +2,7 @@
 //! each shard's cursor (the main lane) and from the retry lane. Its workers
 //! each check out their part of the owned shards, run a batch
 //! ([`batch`]), and go straight on while there is work, or wait for a
-//! wake-up (a commit's NOTIFY, [`listen`]; a change of owned shards; another
+//! wake-up (a commit's NOTIFY, [`listen`](super::listen); a change of owned shards; another
 //! source's hand-over) or the poll interval. It publishes through the
 //! [`Engine`] and owns nothing else: the shards and the settled horizon are
 //! the relay's, shared with the maintenance tasks and the WAL source.
@@ -30,7 +30,6 @@ use crate::error::Result;
 use crate::sink::Sink;
 
 mod batch;
-pub(super) mod listen;
 
 /// Consecutive batches without progress after which `drain` gives up on rows
 /// that are neither published nor failed (not counting broker faults).

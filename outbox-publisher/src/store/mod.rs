@@ -13,6 +13,10 @@ use uuid::Uuid;
 
 use crate::error::{Error, Result};
 
+mod due;
+
+pub(crate) use due::DueRequest;
+
 /// A row read by a claim, in seq order. Every column a writer can fill with
 /// something no client decodes arrives as `None` or as a decode error kept on
 /// the row, never as a failed claim.
@@ -42,6 +46,12 @@ pub(crate) struct ClaimedRow {
     pub(crate) blocker: Option<Blocker>,
     /// A column could not be decoded (the row is parked with this error).
     pub(crate) decode_error: Option<String>,
+    /// A scheduled row's due time (the due lane): its message carries it as
+    /// `scheduledfor`, in place of `sequence`.
+    pub(crate) due_at: Option<DateTime<Utc>>,
+    /// How late a scheduled row was when the due lane took it (seconds, by
+    /// the database's clock).
+    pub(crate) late_secs: Option<f64>,
 }
 
 /// The earlier row of its subject that holds a claimed row back.
@@ -55,13 +65,14 @@ pub(crate) enum Blocker {
     DueNow,
 }
 
-/// A row of `queries/claim.sql` as the query macro reads it. The columns
+/// A row of `queries/claim.sql` (and `queries/due_claim.sql`) as the query
+/// macro reads it. The columns
 /// marked `_` there are read through [`Lenient`] (their types checked when the
 /// row is read, as `Row::try_get` does, not at compile time): the SQL turns
 /// every value it knows clients cannot decode into NULL, and anything else the
 /// driver still cannot decode becomes the row's `decode_error`, never a failed
 /// claim.
-struct ClaimRecord {
+pub(super) struct ClaimRecord {
     id: Uuid,
     seq: i64,
     shard: i16,
@@ -81,6 +92,8 @@ struct ClaimRecord {
     blocker_parked: bool,
     blocker_due: Option<Lenient<DateTime<Utc>>>,
     blocker_due_now: bool,
+    due_at: Option<Lenient<DateTime<Utc>>>,
+    late_secs: Option<f64>,
 }
 
 /// A column value whose decoding cannot fail the row: the error is kept.
@@ -142,10 +155,12 @@ impl ClaimedRow {
             over_budget: false,
             blocker: None,
             decode_error: None,
+            due_at: None,
+            late_secs: None,
         }
     }
 
-    fn decode(row: ClaimRecord) -> Self {
+    pub(super) fn decode(row: ClaimRecord) -> Self {
         let mut out = Self {
             id: row.id,
             seq: row.seq,
@@ -164,6 +179,8 @@ impl ClaimedRow {
             over_budget: false,
             blocker: None,
             decode_error: None,
+            due_at: None,
+            late_secs: row.late_secs,
         };
         // Whatever fails to decode from here on parks this row only.
         if let Err(e) = out.decode_rest(row) {
@@ -192,6 +209,7 @@ impl ClaimedRow {
         self.tracestate = nullable(row.tracestate, "tracestate")?;
         self.data_len = row.data_len;
         self.data = nullable(row.data, "data")?;
+        self.due_at = nullable(row.due_at, "due_at")?;
         Ok(())
     }
 }
@@ -247,6 +265,10 @@ pub(crate) struct Stats {
     pub(crate) backlog: i64,
     pub(crate) past_cap: i64,
     pub(crate) oldest_age_secs: f64,
+    /// Scheduled rows not due yet.
+    pub(crate) scheduled: i64,
+    /// When the earliest of them is due (Unix seconds).
+    pub(crate) next_due: Option<f64>,
 }
 
 /// One tick of the settled-seq horizon.
@@ -271,11 +293,11 @@ pub(crate) struct Store {
     pool: PgPool,
 }
 
-fn millis(d: Duration) -> i64 {
+pub(super) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-fn count(n: usize) -> i64 {
+pub(super) fn count(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 

@@ -1,0 +1,94 @@
+-- The due lane's claim: scheduled rows of the shards $1 whose time has come
+-- (next_attempt_at, at or after due_at, passed by the database's clock), taken
+-- for publishing in one short statement.
+--   $1 shards (smallint[]); $2 max attempts; $3 rows; $4 lease (ms);
+--   $5 byte budget of the batch; $6 largest message (bytes)
+--
+-- - Per shard, one range scan of outbox_events_due_idx up to now(): rows due
+--   later are never read, however many there are.
+-- - `for update skip locked`: a row a cancel holds (the canceller's
+--   transaction still open) is passed over, and read again next time; it is
+--   then cancelled, or the cancel rolled back.
+-- - released_at is set on the first take: from then on a cancel answers
+--   "already published" (the row will be published, at least once).
+--   locked_until leases the row to this relay while it publishes, so a relay
+--   that took over the shard meanwhile does not publish it too; a relay
+--   killed mid-batch leaves the lease to run out.
+-- - The columns are those of claim.sql (the rows become the same ClaimedRow),
+--   plus the due time and how late the row is (by the database's clock).
+with due as (
+  select d.id
+    from unnest($1::smallint[]) as s(shard)
+   cross join lateral (
+     select o.id
+       from outbox_events o
+      where o.shard = s.shard
+        and o.published_at is null
+        and o.due_at is not null
+        and o.cancelled_at is null
+        and o.next_attempt_at <= now()
+        and o.attempts < $2
+        and o.skipped_at is null
+        and (o.locked_until is null or o.locked_until <= now())
+      order by o.next_attempt_at, o.seq
+      limit $3
+   ) d
+),
+locked as (
+  select o.id
+    from outbox_events o
+   where o.id in (select id from due)
+     -- Checked again on the row as it is when locked (another relay's take
+     -- or a cancel may have committed since this statement's snapshot).
+     and o.published_at is null
+     and o.cancelled_at is null
+     and (o.locked_until is null or o.locked_until <= now())
+     for update skip locked
+),
+taken as (
+  update outbox_events o
+     set released_at = coalesce(o.released_at, now()),
+         locked_until = now() + $4::bigint * interval '1 millisecond'
+    from locked l
+   where o.id = l.id
+  returning o.id, o.seq, o.shard, o.event_type, o.source, o.subject, o.time, o.data,
+            o.created_at, o.attempts, o.traceparent, o.tracestate, o.due_at, o.next_attempt_at
+),
+sized as (
+  select t.*,
+         case when pg_column_compression(t.data) is not null or pg_column_size(t.data) > 8192
+              then octet_length(t.data::text)
+              else pg_column_size(t.data) end as data_len
+    from taken t
+),
+budget as (
+  select s.*,
+         sum(s.data_len + octet_length(s.event_type) + octet_length(s.source)
+             + octet_length(s.subject))
+           over (order by s.due_at, s.seq rows unbounded preceding)
+           - (s.data_len + octet_length(s.event_type) + octet_length(s.source)
+              + octet_length(s.subject)) as before
+    from sized s
+)
+select c.id as "id!", c.seq as "seq!", c.shard as "shard!", false as "retry!",
+       c.event_type as "event_type!: _", c.source as "source!: _", c.subject as "subject!: _",
+       case when isfinite(c.time)
+             and c.time >= '0001-01-01 00:00:00+00' and c.time < '10000-01-01 00:00:00+00'
+            then c.time end as "time?: _",
+       case when isfinite(c.created_at)
+             and c.created_at >= '0001-01-01 00:00:00+00' and c.created_at < '10000-01-01 00:00:00+00'
+            then c.created_at end as "created_at?: _",
+       c.attempts as "attempts!", c.traceparent as "traceparent?: _", c.tracestate as "tracestate?: _",
+       c.data_len::bigint as "data_len!",
+       coalesce(c.before, 0) > 0 and coalesce(c.before, 0) + c.data_len > $5::bigint as "over_budget!",
+       case when c.data_len <= $6::bigint
+             and not (coalesce(c.before, 0) > 0 and coalesce(c.before, 0) + c.data_len > $5::bigint)
+            then c.data::text end as "data?: _",
+       false as "blocked!", false as "blocker_parked!",
+       null::timestamptz as "blocker_due?: _", false as "blocker_due_now!",
+       case when isfinite(c.due_at)
+             and c.due_at >= '0001-01-01 00:00:00+00' and c.due_at < '10000-01-01 00:00:00+00'
+            then c.due_at end as "due_at?: _",
+       greatest(extract(epoch from now() - c.due_at), 0)::float8 as "late_secs?"
+  from budget c
+ order by c.due_at, c.seq
