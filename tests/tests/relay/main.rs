@@ -7,3 +7,4 @@ mod support;
 
 mod faults;
 mod library;
+mod scheduled;
