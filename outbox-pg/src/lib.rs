@@ -124,6 +124,8 @@ pub mod guide {
     pub mod guarantees {}
     #[doc = include_str!("../docs/schema.md")]
     pub mod schema {}
+    #[doc = include_str!("../docs/scheduling.md")]
+    pub mod scheduling {}
     #[doc = include_str!("../docs/security.md")]
     pub mod security {}
 }

@@ -498,6 +498,10 @@ async fn migrated_table_matches_the_contract() {
         ("skip_reason", "text", "YES"),
         ("published_stream", "text", "YES"),
         ("published_seq", "bigint", "YES"),
+        ("due_at", "timestamp with time zone", "YES"),
+        ("released_at", "timestamp with time zone", "YES"),
+        ("cancelled_at", "timestamp with time zone", "YES"),
+        ("cancelled_by", "text", "YES"),
     ];
     let expected: Vec<(&str, &str, &str)> = contract.iter().chain(&extensions).copied().collect();
     let actual: Vec<(&str, &str, &str)> = columns

@@ -38,6 +38,11 @@
 //! batches. A row published out of the retry lane makes the rows deferred
 //! behind it due at once.
 //!
+//! **The due lane** (`relay/due.rs`). A scheduled row (`due_at` set) waits
+//! in neither lane but in its own index, by due time, and is published by
+//! the due source once the database's clock passes it; it neither blocks
+//! nor waits behind its subject's immediate rows.
+//!
 //! **Publish outside any transaction.** The claim is one read-only statement;
 //! publishing holds no lock and no transaction; each publish is bounded by the
 //! publish timeout and each batch by the lease. One subject's rows are
@@ -90,7 +95,8 @@
 //! and marks the published rows, never before their PubAck. It reads no
 //! rows. **Sources** feed it, each a task that owns its own state: the
 //! polling source (`relay/poll/`: workers, claims, cursors, LISTEN
-//! wake-ups) and, where configured, the WAL source ([`crate::wal`]: the
+//! wake-ups), the due source (`relay/due.rs`: scheduled rows at their time,
+//! in both modes) and, where configured, the WAL source ([`crate::wal`]: the
 //! slot's lead, the backfill, replication sessions and their pipeline).
 //! They share no fields, only named handles made by the wiring in
 //! [`Relay::run`]: the wake-up channel the polling workers listen on, and
@@ -98,8 +104,9 @@
 //! raises to hand the polling workers the rows written before its slot.
 //! The shards, the settled horizon, the maintenance tasks (gauges,
 //! retention, the stream's re-read) and the audit are the relay's, joined
-//! beside the sources. A third source is one more task in that join, with
-//! the handles it needs; the other two do not change.
+//! beside the sources. The due source is one more task in that join: it
+//! needs only the engine and the shards (it listens on a channel of its
+//! own), and the other two did not change for it.
 //!
 //! # What this replaced, and why
 //!
