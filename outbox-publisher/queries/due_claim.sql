@@ -20,7 +20,7 @@ with due as (
   select d.id
     from unnest($1::smallint[]) as s(shard)
    cross join lateral (
-     select o.id
+     select o.id, o.next_attempt_at, o.seq
        from outbox_events o
       where o.shard = s.shard
         and o.published_at is null
@@ -33,6 +33,8 @@ with due as (
       order by o.next_attempt_at, o.seq
       limit $3
    ) d
+   order by d.next_attempt_at, d.seq
+   limit $3
 ),
 locked as (
   select o.id

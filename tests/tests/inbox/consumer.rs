@@ -906,6 +906,32 @@ async fn a_subject_with_and_without_sequences_compares_like_with_like() {
 }
 
 #[tokio::test]
+async fn a_scheduled_event_published_after_later_immediate_ones_is_never_stale() {
+    // Scheduled for its due time, written before events 2 and 3 of its
+    // subject (a lower seq, an earlier time), published after them: it
+    // carries `scheduledfor` and no sequence, and is applied.
+    let s = BySequence::new().await;
+    let t0 = chrono::Utc::now();
+    let second = event_at(2, t0).with_sequence(42);
+    let third = event_at(3, t0 + chrono::Duration::seconds(1)).with_sequence(43);
+    let scheduled = event_at(1, t0 - chrono::Duration::days(14))
+        .with_scheduled_for(t0 + chrono::Duration::seconds(2));
+    assert_eq!(s.deliver(&second).await, Outcome::Handled);
+    assert_eq!(s.deliver(&third).await, Outcome::Handled);
+    assert_eq!(s.deliver(&scheduled).await, Outcome::Handled);
+    assert_eq!(s.applied().await, vec![2, 3, 1]);
+    // Nor does it make a later immediate event stale, nor one of its own kind.
+    let fourth = event_at(4, t0 + chrono::Duration::seconds(3)).with_sequence(44);
+    assert_eq!(s.deliver(&fourth).await, Outcome::Handled);
+    let another = event_at(5, t0 - chrono::Duration::days(30))
+        .with_scheduled_for(t0 - chrono::Duration::days(1));
+    assert_eq!(s.deliver(&another).await, Outcome::Handled);
+    assert_eq!(s.applied().await, vec![2, 3, 1, 4, 5]);
+    // A redelivery of it is a duplicate, as for any event.
+    assert_eq!(s.deliver(&scheduled).await, Outcome::Duplicate);
+}
+
+#[tokio::test]
 async fn a_duplicate_of_a_stale_event_is_a_duplicate() {
     let s = BySequence::new().await;
     let now = chrono::Utc::now();

@@ -203,6 +203,106 @@ async fn a_scheduled_event_is_published_once_at_its_time_and_a_cancelled_or_roll
 }
 
 #[tokio::test]
+async fn the_wal_source_leaves_scheduled_rows_to_the_due_lane_which_publishes_them_at_their_time() {
+    let db = TestDb::new().await.unwrap();
+    let broker = nats().unwrap();
+    let wal = outbox_publisher::WalSource::from_url(db.url()).unwrap();
+    let (shutdown, handle) = start_relay(&db, &broker, "WALDUE", config().source_wal(wal)).await;
+    let mut tx = db.pool.begin().await.unwrap();
+    Outbox::unvalidated()
+        .enqueue(&mut tx, &event("order-1", 1))
+        .await
+        .unwrap();
+    let scheduled = Outbox::unvalidated()
+        .schedule(
+            &mut tx,
+            &event("order-1", 0),
+            Due::In(Duration::from_millis(1500)),
+        )
+        .await
+        .unwrap();
+    let cancelled = Outbox::unvalidated()
+        .schedule(
+            &mut tx,
+            &event("order-2", 2),
+            Due::In(Duration::from_millis(1500)),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(cancel(&db, cancelled).await, Cancellation::Cancelled);
+    wait_until(
+        "the immediate row published",
+        Duration::from_secs(20),
+        || async {
+            scalar(
+                &db,
+                "select count(*) from outbox_events where published_at is not null",
+            )
+            .await
+                == 1
+        },
+    )
+    .await
+    .unwrap();
+    wait_until(
+        "the scheduled row published",
+        Duration::from_secs(20),
+        || async {
+            scalar(
+                &db,
+                "select count(*) from outbox_events where published_at is not null",
+            )
+            .await
+                == 2
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(early(&db).await, 0);
+    assert_eq!(cancel(&db, scheduled).await, Cancellation::AlreadyPublished);
+    shutdown.cancel();
+    handle.await.unwrap();
+    let messages = received(&broker, "WALDUE").await;
+    let ids: Vec<EventId> = messages.iter().map(Envelope::id).collect();
+    assert_eq!(ids.len(), 2);
+    assert_eq!(ids[1], scheduled);
+    assert!(!ids.contains(&cancelled));
+    crate::support::wal::drop_slots(&db.pool).await;
+}
+
+#[tokio::test]
+async fn retention_deletes_cancelled_rows_once_the_window_has_passed() {
+    let db = TestDb::new().await.unwrap();
+    let ids = schedule(
+        &db,
+        &[event("order-1", 1), event("order-2", 2)],
+        Due::In(Duration::from_secs(3600)),
+    )
+    .await;
+    assert_eq!(cancel(&db, ids[0]).await, Cancellation::Cancelled);
+    assert_eq!(cancel(&db, ids[1]).await, Cancellation::Cancelled);
+    sqlx::query("update outbox_events set cancelled_at = now() - interval '2 days' where id = $1")
+        .bind(ids[0].as_uuid())
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let broker = nats().unwrap();
+    let client = async_nats::connect(broker.url()).await.unwrap();
+    let relay = Relay::jetstream(
+        db.pool.clone(),
+        client,
+        &StreamSpec::new("PRUNE", vec!["orders.>".into()]),
+        config().retention(Some(Duration::from_secs(24 * 3600))),
+    )
+    .await
+    .unwrap();
+    assert_eq!(relay.prune().await.unwrap(), 1);
+    assert_eq!(cancel(&db, ids[0]).await, Cancellation::Unknown);
+    assert_eq!(cancel(&db, ids[1]).await, Cancellation::Cancelled);
+}
+
+#[tokio::test]
 async fn a_scheduled_event_neither_holds_back_nor_waits_for_its_entitys_immediate_events() {
     let db = TestDb::new().await.unwrap();
     let broker = nats().unwrap();
