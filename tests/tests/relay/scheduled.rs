@@ -271,6 +271,53 @@ async fn the_wal_source_leaves_scheduled_rows_to_the_due_lane_which_publishes_th
     crate::support::wal::drop_slots(&db.pool).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn scheduled_rows_survive_a_database_crash_and_are_published_once_after_it() {
+    let mut pg = tokio::task::spawn_blocking(outbox_testkit::PgServer::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let db = TestDb::on(&pg).await.unwrap();
+    let broker = nats().unwrap();
+    let (shutdown, handle) = start_relay(&db, &broker, "CRASH", config()).await;
+    let events: Vec<_> = (0..100).map(|i| event(&format!("order-{i}"), i)).collect();
+    let first = schedule(&db, &events[..50], Due::In(Duration::from_millis(500))).await;
+    let second = schedule(&db, &events[50..], Due::In(Duration::from_millis(2500))).await;
+    wait_until(
+        "the first rows published",
+        Duration::from_secs(10),
+        || async {
+            scalar(
+                &db,
+                "select count(*) from outbox_events where published_at is not null",
+            )
+            .await
+                == 50
+        },
+    )
+    .await
+    .unwrap();
+    // PostgreSQL crashes (immediate shutdown) with the second rows waiting.
+    tokio::task::block_in_place(|| pg.restart()).unwrap();
+    wait_until("every row published", Duration::from_secs(60), || async {
+        sqlx::query_scalar::<_, i64>(
+            "select count(*) from outbox_events where published_at is not null",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .is_ok_and(|n| n == 100)
+    })
+    .await
+    .unwrap();
+    assert_eq!(early(&db).await, 0);
+    shutdown.cancel();
+    handle.await.unwrap();
+    let messages = received(&broker, "CRASH").await;
+    let ids: HashSet<EventId> = messages.iter().map(Envelope::id).collect();
+    assert_eq!(messages.len(), 100, "each once");
+    assert!(first.iter().chain(&second).all(|id| ids.contains(id)));
+}
+
 #[tokio::test]
 async fn retention_deletes_cancelled_rows_once_the_window_has_passed() {
     let db = TestDb::new().await.unwrap();
@@ -376,6 +423,43 @@ async fn a_scheduled_event_neither_holds_back_nor_waits_for_its_entitys_immediat
     assert_eq!(messages[2].id(), past);
     assert_eq!(messages[2].scheduled_for(), None);
     assert_eq!(cancel(&db, past).await, Cancellation::AlreadyPublished);
+}
+
+#[tokio::test]
+async fn one_entitys_scheduled_events_go_out_by_due_time_then_in_insert_order() {
+    let db = TestDb::new().await.unwrap();
+    let broker = nats().unwrap();
+    let soon = chrono::Utc::now() + chrono::Duration::milliseconds(1500);
+    // Written latest-due first; those due at one time in one statement.
+    schedule(
+        &db,
+        &[event("order-1", 100)],
+        Due::At(soon + chrono::Duration::milliseconds(500)),
+    )
+    .await;
+    let same: Vec<_> = (0..10).map(|n| event("order-1", n)).collect();
+    schedule(&db, &same, Due::At(soon)).await;
+    schedule(&db, &[event("order-1", 10)], Due::At(soon)).await;
+    let (shutdown, handle) = start_relay(&db, &broker, "DUEORDER", config()).await;
+    wait_until("all published", Duration::from_secs(15), || async {
+        scalar(
+            &db,
+            "select count(*) from outbox_events where published_at is null",
+        )
+        .await
+            == 0
+    })
+    .await
+    .unwrap();
+    shutdown.cancel();
+    handle.await.unwrap();
+    let order: Vec<i64> = received(&broker, "DUEORDER")
+        .await
+        .iter()
+        .map(|m| m.data()["n"].as_i64().unwrap())
+        .collect();
+    assert_eq!(order, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 100]);
+    assert_eq!(early(&db).await, 0);
 }
 
 #[tokio::test]
