@@ -8,5 +8,6 @@
 pub use crate::envelope::{Envelope, EventId};
 pub use crate::event::Event;
 pub use crate::outbox::Outbox;
+pub use crate::schedule::{Cancellation, Due};
 pub use crate::schema::SchemaRegistry;
 pub use schemars::JsonSchema;

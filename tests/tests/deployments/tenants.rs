@@ -246,6 +246,29 @@ async fn each_schema_notifies_the_channel_its_relay_listens_on() {
             .expect("a notification on the schema's channel")
             .unwrap();
         assert_eq!(received.channel(), namespace.notify_channel());
+
+        // Scheduling rows notifies the schema's due channel, and only it.
+        assert!(namespace.due_channel().len() <= 63);
+        assert_ne!(namespace.due_channel(), "outbox_events_due");
+        let mut due = PgListener::connect_with(&pool).await.unwrap();
+        due.listen(namespace.due_channel()).await.unwrap();
+        let mut tx = pool.begin().await.unwrap();
+        let event =
+            outbox_pg::Envelope::new("tn.step", "tenants", "e-1", serde_json::json!({})).unwrap();
+        outbox_pg::Outbox::unvalidated()
+            .schedule(
+                &mut tx,
+                &event,
+                outbox_pg::Due::In(Duration::from_secs(3600)),
+            )
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        let received = tokio::time::timeout(WAIT, due.recv())
+            .await
+            .expect("a notification on the schema's due channel")
+            .unwrap();
+        assert_eq!(received.channel(), namespace.due_channel());
     }
     // `public` keeps the channel it always had.
     outbox_pg::migrate(&db.pool).await.unwrap();
@@ -254,6 +277,7 @@ async fn each_schema_notifies_the_channel_its_relay_listens_on() {
         .unwrap()
         .unwrap();
     assert_eq!(public.notify_channel(), outbox_publisher::NOTIFY_CHANNEL);
+    assert_eq!(public.due_channel(), "outbox_events_due");
 }
 
 /// Records each event applied, in the schema the consumer's pool reaches.
