@@ -60,6 +60,12 @@ begin
   if new.published_at is not null or new.cancelled_at is not null then
     return new;
   end if;
+  -- A time no message can carry (RFC 3339 years 1-9999) and no relay could
+  -- ever reach is a writer's mistake, refused naming it.
+  if new.due_at >= '10000-01-01 00:00:00+00' then
+    raise exception 'outbox_events.due_at % is not a time an event can be due at: it must be finite and before the year 10000', new.due_at
+      using errcode = '22008';
+  end if;
   if tg_op = 'INSERT' then
     if new.due_at <= now() then
       new.due_at := null;

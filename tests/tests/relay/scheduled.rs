@@ -475,6 +475,17 @@ async fn no_update_makes_a_scheduled_row_due_early_and_plain_sql_schedules_by_th
     .execute(&db.pool)
     .await
     .unwrap();
+    // A due time no relay could reach is refused, naming the column.
+    for bad in ["'infinity'", "'10000-01-01 00:00:00+00'"] {
+        let err = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "insert into outbox_events (id, event_type, source, subject, time, data, due_at)
+             values (gen_random_uuid(), 'orders.reminder', 'sql', 'order-9', now(), '{{}}', {bad})"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap_err();
+        assert!(err.to_string().contains("due_at"), "{err}");
+    }
     // The future row waits in the due lane; the past one is an immediate event.
     assert_eq!(
         scalar(&db, "select count(*) from outbox_events where due_at is not null and next_attempt_at = due_at").await,
