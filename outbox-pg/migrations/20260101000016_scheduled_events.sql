@@ -130,13 +130,24 @@ begin
   end if;
 
   -- The due lane, per shard by the time a row is next due (its due time, or
-  -- its backoff after a failure). Cancelled rows leave it.
+  -- its backoff after a failure). Cancelled rows leave it. due_at rides
+  -- along, so the gauges count scheduled rows from the index alone.
   if not exists (select from pg_indexes
                   where schemaname = current_schema()
                     and indexname = 'outbox_events_due_idx') then
     create index outbox_events_due_idx
-      on outbox_events (shard, next_attempt_at)
+      on outbox_events (shard, next_attempt_at) include (due_at)
       where published_at is null and due_at is not null and cancelled_at is null;
+  end if;
+
+  -- Retention finds cancelled rows past the window without reading the
+  -- unpublished ones.
+  if not exists (select from pg_indexes
+                  where schemaname = current_schema()
+                    and indexname = 'outbox_events_cancelled_idx') then
+    create index outbox_events_cancelled_idx
+      on outbox_events (cancelled_at)
+      where cancelled_at is not null and published_at is null;
   end if;
 
   -- The retry lane takes rows without a due time only.

@@ -14,12 +14,15 @@
 //! | `outbox_relay_capped_rows_total` | counter | (rows that reached the attempt cap) |
 //! | `outbox_relay_pruned_rows_total` | counter | (published rows deleted by retention) |
 //! | `outbox_relay_batch_rows` | histogram | (rows claimed per batch) |
-//! | `outbox_relay_batch_phase_seconds` | histogram | `phase`: `horizon`, `claim`, `publish`, `mark` |
+//! | `outbox_relay_batch_phase_seconds` | histogram | `phase`: `horizon`, `claim`, `due_claim`, `publish`, `mark` |
 //! | `outbox_relay_publish_latency_seconds` | histogram | (publish → PubAck) |
-//! | `outbox_relay_commit_to_ack_seconds` | histogram | (row `created_at` → PubAck) |
-//! | `outbox_relay_backlog_rows` | gauge | (unpublished rows under the cap) |
+//! | `outbox_relay_commit_to_ack_seconds` | histogram | (row `created_at` → PubAck; immediate rows only) |
+//! | `outbox_relay_backlog_rows` | gauge | (unpublished rows under the cap; a scheduled row once due) |
 //! | `outbox_relay_past_cap_rows` | gauge | (unpublished rows at or past the cap) |
-//! | `outbox_relay_oldest_unpublished_age_seconds` | gauge | |
+//! | `outbox_relay_oldest_unpublished_age_seconds` | gauge | (since insert; a scheduled row's since its due time) |
+//! | `outbox_relay_scheduled_rows` | gauge | (scheduled rows not due yet) |
+//! | `outbox_relay_scheduled_next_due_timestamp_seconds` | gauge | (Unix time the earliest of them is due; 0 when none) |
+//! | `outbox_relay_scheduled_lateness_seconds` | histogram | (a scheduled row's due time → PubAck, by the database's clock at the take) |
 //! | `outbox_relay_database_up` | gauge | 1 while the relay's last database round trip succeeded, else 0 |
 //! | `outbox_relay_broker_up` | gauge | 1 while NATS is connected and publishes are acked, else 0 |
 //! | `outbox_relay_horizon_held_seconds` | gauge | how long the settled horizon has waited for transactions still running (0 when it moves); a relay logs who holds it once this passes 30 s |
@@ -34,7 +37,7 @@
 //! | `outbox_relay_audit_republished_total` | counter | (rows whose message the stream lost, made unpublished again; once per row) |
 //! | `outbox_relay_audit_lag_seconds` | gauge | (age of the oldest audit mark: rows published after it wait for their check; at least the duplicate window plus its margin) |
 //!
-//! The table-wide gauges (backlog, past cap, oldest age) are reported by one
+//! The table-wide gauges (backlog, past cap, oldest age, scheduled) are reported by one
 //! relay, the owner of shard 0, every `stats_interval`; the `_up` gauges by
 //! every relay, as its state changes and every `stats_interval`.
 
@@ -271,13 +274,13 @@ impl Published {
     }
 
     /// One row acked `latency` after its publish and `since_commit` after
-    /// its row was written.
+    /// its row was written (`None`: not recorded, for a scheduled row).
     pub(crate) fn record(
         &mut self,
         event_type: &str,
         duplicate: bool,
         latency: Duration,
-        since_commit: Duration,
+        since_commit: Option<Duration>,
     ) {
         if event_type != self.event_type {
             self.flush();
@@ -286,7 +289,9 @@ impl Published {
         self.published += 1;
         self.duplicates += u64::from(duplicate);
         self.latency.record(latency);
-        self.since_commit.record(since_commit);
+        if let Some(since_commit) = since_commit {
+            self.since_commit.record(since_commit);
+        }
     }
 
     fn flush(&mut self) {

@@ -174,6 +174,7 @@ impl<'a, S: Sink> DueSource<'a, S> {
         if rows.is_empty() {
             return Ok(report);
         }
+        metrics::batch(rows.len());
         let deadline = started + config.lease.saturating_sub(config.publish_timeout);
         let unresolved = self
             .engine

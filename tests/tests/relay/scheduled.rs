@@ -657,3 +657,60 @@ async fn cancels_racing_the_due_time_are_either_cancelled_and_never_published_or
     assert_eq!(early(&db).await, 0);
     eprintln!("{cancelled} of 200 cancelled in time");
 }
+
+/// The backlog gauges as the relay reads them (its `stats.sql`): backlog,
+/// past cap, oldest age (s), scheduled, next due (Unix s).
+async fn gauges(db: &TestDb) -> (i64, i64, f64, i64, Option<f64>) {
+    sqlx::query_as(include_str!("../../../outbox-publisher/queries/stats.sql"))
+        .bind(20_i32)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_gauges_count_scheduled_rows_apart_from_the_backlog_until_they_fall_due() {
+    let db = TestDb::new().await.unwrap();
+    let future = schedule(
+        &db,
+        &(0..5).map(|i| event("order-1", i)).collect::<Vec<_>>(),
+        Due::In(Duration::from_secs(3600)),
+    )
+    .await;
+    let (backlog, past_cap, oldest, scheduled, next_due) = gauges(&db).await;
+    assert_eq!((backlog, past_cap, scheduled), (0, 0, 5));
+    assert_eq!(oldest, 0.0);
+    let in_an_hour = next_due.unwrap() - chrono::Utc::now().timestamp() as f64;
+    assert!((3500.0..3700.0).contains(&in_an_hour), "{in_an_hour}");
+
+    // Cancelled: counted nowhere.
+    assert_eq!(cancel(&db, future[0]).await, Cancellation::Cancelled);
+    assert_eq!(gauges(&db).await.3, 4);
+    // Fallen due ten minutes ago and backed off after a failure: backlog,
+    // aged from its due time.
+    sqlx::query(
+        "update outbox_events set due_at = now() - interval '10 minutes', released_at = now(),
+                attempts = 1, next_attempt_at = now() + interval '1 minute' where id = $1",
+    )
+    .bind(future[1].as_uuid())
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // Parked at the cap, and another skipped by an operator.
+    sqlx::query(
+        "update outbox_events set due_at = now() - interval '1 minute', released_at = now(),
+                attempts = 20, next_attempt_at = 'infinity' where id = any($1)",
+    )
+    .bind([*future[2].as_uuid(), *future[3].as_uuid()])
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("update outbox_events set skipped_at = now() where id = $1")
+        .bind(future[3].as_uuid())
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let (backlog, past_cap, oldest, scheduled, _) = gauges(&db).await;
+    assert_eq!((backlog, past_cap, scheduled), (1, 1, 1));
+    assert!((590.0..700.0).contains(&oldest), "{oldest}");
+}

@@ -241,10 +241,12 @@ fn published(
         stream: stream.to_owned(),
         sequence,
     });
+    // A scheduled row's wait for its due time is no part of commit → ack
+    // (its lateness is a histogram of its own).
     let since_commit = row
         .created_at
-        .and_then(|t| (chrono::Utc::now() - t).to_std().ok())
-        .unwrap_or_default();
+        .filter(|_| row.due_at.is_none())
+        .and_then(|t| (chrono::Utc::now() - t).to_std().ok());
     tally.record(&row.event_type, duplicate, started.elapsed(), since_commit);
     (
         row,
