@@ -2,11 +2,12 @@
 //! their default flags (plus `--metrics-addr`) against a real PostgreSQL and
 //! nats-server:
 //!
-//! - `outbox-relay` publishes events written to its table; `billing` consumes
-//!   them, and also a duplicate (an event republished under another message
-//!   id), a message that is not JSON (dead-lettered) and an event whose
-//!   payload billing cannot read (failed, dead-lettered); the relay fails an
-//!   event of a type its stream does not capture.
+//! - `outbox-relay` publishes events written to its table, one of them
+//!   scheduled a second ahead; `billing` consumes them, and also a duplicate
+//!   (an event republished under another message id), a message that is not
+//!   JSON (dead-lettered) and an event whose payload billing cannot read
+//!   (failed, dead-lettered); the relay fails an event of a type its stream
+//!   does not capture.
 //! - Both `/metrics` are scraped: every metric name the Grafana dashboard
 //!   (`ops/grafana/outbox-dashboard.json`) and the alert rules
 //!   (`ops/prometheus/outbox-alerts.yml`) use is exported (Prometheus' own `up`
@@ -24,7 +25,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use async_nats::HeaderMap;
-use outbox_pg::{Envelope, Outbox};
+use outbox_pg::{Due, Envelope, Outbox};
 use outbox_testkit::{NatsServer, TestDb};
 use serde_json::{Value, json};
 use sqlx::Connection;
@@ -498,6 +499,18 @@ async fn binaries_export_what_the_dashboard_and_alerts_use_and_answer_probes() {
     )
     .await;
     seed(&upstream, "audit.recorded", &["audit_1"], |_| json!({})).await;
+    // A scheduled event (billing does not consume invoice.reminder): the
+    // scheduled gauges and the lateness histogram.
+    let mut tx = upstream.pool.begin().await.unwrap();
+    Outbox::unvalidated()
+        .schedule(
+            &mut tx,
+            &Envelope::new("invoice.reminder", "ops-tests", "inv_1", json!({})).unwrap(),
+            Due::In(Duration::from_secs(1)),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
 
     let client = async_nats::connect(&nats_url).await.unwrap();
     let js = async_nats::jetstream::new(client);
@@ -568,6 +581,9 @@ async fn binaries_export_what_the_dashboard_and_alerts_use_and_answer_probes() {
                 && b.contains("outbox_relay_oldest_unpublished_age_seconds ")
                 && b.contains("outbox_relay_database_up 1")
                 && b.contains("outbox_relay_broker_up 1")
+                && b.contains("outbox_relay_scheduled_rows ")
+                && b.contains("outbox_relay_scheduled_next_due_timestamp_seconds ")
+                && b.contains("outbox_relay_scheduled_lateness_seconds_bucket{")
         })
         .await;
 
@@ -576,6 +592,7 @@ async fn binaries_export_what_the_dashboard_and_alerts_use_and_answer_probes() {
         (&relay_text, "outbox_relay_publish_latency_seconds"),
         (&relay_text, "outbox_relay_commit_to_ack_seconds"),
         (&relay_text, "outbox_relay_batch_phase_seconds"),
+        (&relay_text, "outbox_relay_scheduled_lateness_seconds"),
         (&billing_text, "inbox_handler_duration_seconds"),
     ] {
         assert!(
