@@ -8,7 +8,9 @@
 //! - `schedule list` (filters, limit, total), `show` (each state in words, an
 //!   unknown id exit 1) and `cancel` (cancelled by this run or earlier, too
 //!   late, not scheduled, unknown: the answers printed, exit 1 when any id was
-//!   not cancelled, `--by` and its default recorded).
+//!   not cancelled, `--by` and its default recorded); `retry` and `skip`
+//!   refuse a cancelled row; `prune` deletes a row cancelled longer ago than
+//!   the window, as the relay's retention does.
 //! - 1,000 scheduled rows not due are no backlog: `status` counts them apart
 //!   with the next due time; a row fallen due is backlog; rows that fell due
 //!   and failed are in backoff or parked, listed by `stuck`, retried by
@@ -397,6 +399,38 @@ async fn scheduled_rows_are_listed_shown_and_cancelled() {
         )
         .await,
         0
+    );
+    // prune: a row cancelled longer ago than the window goes, as the relay's
+    // retention takes it; the others are kept.
+    set(pool, r1, "cancelled_at = now() - interval '30 days'").await;
+    let dry = ctl(db.url(), &["--json", "prune", "--dry-run"]).await.ok();
+    let tally = |v: &Value| {
+        [
+            i(&v["deleted"]),
+            i(&v["deleted_published"]),
+            i(&v["deleted_cancelled"]),
+        ]
+    };
+    assert_eq!(tally(&dry), [1, 0, 1], "{dry:#}");
+    let pruned = ctl(db.url(), &["prune"]).await;
+    assert!(
+        pruned
+            .stdout
+            .contains("deleted 0 published rows and 1 cancelled scheduled row older than 7days"),
+        "{}",
+        pruned.stdout
+    );
+    let (kind, _) = ctl(db.url(), &["--json", "schedule", "show", &r1.to_string()])
+        .await
+        .error();
+    assert_eq!(kind, "not_found");
+    assert_eq!(
+        count(
+            pool,
+            "select count(*) from outbox_events where cancelled_at is not null"
+        )
+        .await,
+        2
     );
 }
 
