@@ -1,6 +1,7 @@
 -- `outboxctl skip <id>`: the rows of its subject deferred behind it (never
 -- failed themselves) become due now, so a running relay publishes them at
--- once (as the relay's wake_followers.sql does after a publish).
+-- once (as the relay's wake_followers.sql does after a publish). Scheduled
+-- rows are not followers (the due lane holds them to their time).
 -- Found through outbox_events_retry_subject_idx: by the subject's hash, then
 -- the subject itself.
 --   $1 subject, $2 the skipped row's seq
@@ -10,7 +11,8 @@ update outbox_events
    and subject = $1::text
    and seq > $2::bigint
    and published_at is null
+   and next_attempt_at > now()
+   and due_at is null
    and skipped_at is null
    and attempts = 0
-   and next_attempt_at > now()
 returning id as "id!"

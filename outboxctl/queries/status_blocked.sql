@@ -1,9 +1,11 @@
 -- `outboxctl status`: blocked subjects. A subject is blocked when its earliest
 -- unpublished row that is not skipped is parked (past the cap): the relay
 -- publishes none of the rows behind it until an operator retries or skips it.
--- Only the retry lane is searched for parked rows (outbox_events_retry_subject_idx,
--- by the subject's hash, then the subject itself), and a subject's main lane
--- only within its shard (outbox_events_shard_seq_idx).
+-- Only immediate rows block or wait: a scheduled row (due_at set) is outside
+-- its entity's order, so only the retry lane (due_at null) is searched for
+-- parked rows (outbox_events_retry_subject_idx, by the subject's hash, then
+-- the subject itself), and a subject's main lane only within its shard
+-- (outbox_events_shard_seq_idx).
 --   $1 max attempts, $2 how many subjects to return (most rows waiting first)
 with parked as (
   select distinct on (p.subject)
@@ -11,6 +13,7 @@ with parked as (
     from outbox_events p
    where p.published_at is null
      and p.next_attempt_at is not null
+     and p.due_at is null
      and p.skipped_at is null
      and (p.attempts >= $1 or not isfinite(p.next_attempt_at))
    order by p.subject, p.seq
@@ -24,6 +27,7 @@ heads as (
                         and e.subject = p.subject
                         and e.published_at is null
                         and e.next_attempt_at is not null
+                        and e.due_at is null
                         and e.skipped_at is null
                         and e.seq < p.seq)
      and not exists (select 1
@@ -42,6 +46,7 @@ waiting as (
              and w.subject = h.subject
              and w.published_at is null
              and w.next_attempt_at is not null
+             and w.due_at is null
              and w.skipped_at is null
              and w.seq > h.seq)
        + (select count(*)

@@ -18,6 +18,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const REQUIRED_COLUMNS: &[(&str, &str)] = &[
     ("outbox_events", "skipped_at"),
     ("outbox_events", "published_seq"),
+    ("outbox_events", "due_at"),
+    ("outbox_events", "cancelled_at"),
     ("inbox_dead_letters", "replay_count"),
     ("inbox_consumers", "owner"),
 ];
@@ -126,9 +128,19 @@ impl Database {
                 let _ = conn.close().await;
             }
         }
+        // JIT off on each connection (a `SET`, not a startup parameter, which
+        // PgBouncer refuses): with many scheduled rows the planner, taking the
+        // lanes' columns for independent, estimates the retry lane's scans at
+        // tens of thousands of rows, and compiling such a plan took longer
+        // (~1 s beside 200k scheduled rows) than running it (a few ms).
         let pool = PgPoolOptions::new()
             .max_connections(2)
             .acquire_timeout(CONNECT_TIMEOUT)
+            .after_connect(|conn, _| {
+                Box::pin(
+                    async move { sqlx::raw_sql("set jit = off").execute(conn).await.map(drop) },
+                )
+            })
             .connect_lazy_with(options);
         require_tables(&pool, tables).await?;
         Ok(pool)

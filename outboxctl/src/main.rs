@@ -6,6 +6,7 @@
 //! outboxctl retry <id>… | --entity S | --all-stuck    # claimable again now
 //! outboxctl skip <id> --reason "…"                    # abandon a poison row; its subject moves on
 //! outboxctl prune [--dry-run]                         # outbox retention
+//! outboxctl schedule list | show <id> | cancel <id>…  # scheduled events
 //! outboxctl inbox status | prune                      # per consumer
 //! outboxctl inbox owners | set-owner <consumer> <role> [--stream S]   # who owns each name
 //! outboxctl dead-letters list | show <id> | replay <id>… | purge --older-than 30d
@@ -15,7 +16,8 @@
 //! Every command prints JSON with `--json`. A wrong URL, a missing table or
 //! an unknown id is one line on stderr and exit status 1 (with `--json`, also
 //! `{"error": {"kind": …, "message": …}}` on stdout); a wrong flag is exit
-//! status 2.
+//! status 2. `schedule cancel` prints its answers and exits with status 1
+//! when any id was not cancelled.
 
 mod audit;
 mod db;
@@ -40,7 +42,7 @@ use crate::error::Result;
 #[command(
     name = "outboxctl",
     version,
-    about = "Operate an outbox and its inboxes: status, stuck rows, retry, skip, retention, dead letters"
+    about = "Operate an outbox and its inboxes: status, stuck rows, retry, skip, retention, scheduled events, dead letters"
 )]
 struct Cli {
     #[command(flatten)]
@@ -69,6 +71,9 @@ enum Command {
     Skip(outbox::skip::Args),
     /// Delete published rows older than the retention window.
     Prune(outbox::prune::Args),
+    /// Scheduled events: list them, show one, cancel them.
+    #[command(subcommand)]
+    Schedule(outbox::schedule::Command),
     /// The consumers' inboxes.
     #[command(subcommand)]
     Inbox(inbox::Command),
@@ -84,20 +89,24 @@ enum Command {
     Wal(wal::Command),
 }
 
-async fn run(cli: Cli) -> Result<()> {
+/// Runs the command: `Ok(true)` when it did all it was asked, `Ok(false)`
+/// when it reported some of it refused (exit status 1, the report printed).
+async fn run(cli: Cli) -> Result<bool> {
     let db = &cli.database;
     let json = cli.json;
-    match &cli.command {
+    let done = match &cli.command {
         Command::Status(args) => outbox::status::run(db, args, json).await,
         Command::Stuck(args) => outbox::stuck::run(db, args, json).await,
         Command::Retry(args) => outbox::retry::run(db, args, json).await,
         Command::Skip(args) => outbox::skip::run(db, args, json).await,
         Command::Prune(args) => outbox::prune::run(db, args, json).await,
+        Command::Schedule(command) => return outbox::schedule::run(db, command, json).await,
         Command::Inbox(command) => inbox::run(db, command, json).await,
         Command::DeadLetters(command) => dead_letters::run(db, command, json).await,
         Command::Audit(args) => audit::run(db, args, json).await,
         Command::Wal(command) => wal::run(db, command, json).await,
-    }
+    };
+    done.map(|()| true)
 }
 
 fn main() -> ExitCode {
@@ -115,7 +124,8 @@ fn main() -> ExitCode {
         }
     };
     match runtime.block_on(run(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
         Err(e) => {
             eprintln!("outboxctl: {e}");
             if json {

@@ -1,5 +1,6 @@
 //! Commands on `outbox_events`: what is waiting and why (`status`, `stuck`),
-//! and what an operator does about it (`retry`, `skip`, `prune`).
+//! what an operator does about it (`retry`, `skip`, `prune`), and the
+//! scheduled events (`schedule list | show | cancel`).
 //!
 //! The relay's lanes, as these commands name them (see
 //! `outbox-publisher/src/relay/mod.rs`): a row not published and not skipped
@@ -9,6 +10,14 @@
 //! *parked* (past the cap: `attempts >= --max-attempts`, or due at
 //! `'infinity'`). A *skipped* row was abandoned by an operator: kept, never
 //! published, passed over by the relay.
+//!
+//! A *scheduled* row (`due_at` set) is none of those while it waits for its
+//! time: it sits in the relay's due lane, is not backlog, blocks nothing and
+//! waits behind nothing; no command here makes it due before its time. Once
+//! due it is backlog (*due*), and if its publish fails it is *in backoff* or
+//! *parked* like any row (`stuck` lists it, `retry` and `skip` act on it). A
+//! *cancelled* scheduled row is never published: kept as the record until
+//! retention deletes it, counted apart, never backlog.
 
 use uuid::Uuid;
 
@@ -16,6 +25,7 @@ use crate::error::{Error, ErrorKind, Result};
 
 pub(crate) mod prune;
 pub(crate) mod retry;
+pub(crate) mod schedule;
 pub(crate) mod skip;
 pub(crate) mod status;
 pub(crate) mod stuck;
@@ -73,6 +83,27 @@ pub(crate) fn parse_ids(ids: &[String]) -> Result<Vec<Uuid>> {
             })
         })
         .collect()
+}
+
+/// The operating system user running the command (`$USER`, else
+/// `$LOGNAME`), if either is set.
+pub(crate) fn os_user() -> Option<String> {
+    ["USER", "LOGNAME"]
+        .iter()
+        .filter_map(|v| std::env::var(v).ok())
+        .map(|u| u.trim().to_owned())
+        .find(|u| !u.is_empty())
+}
+
+/// This host's name, or `unknown-host`.
+pub(crate) fn host() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown-host".to_owned())
 }
 
 /// At most `max` characters of `s` on one line, with `…` when cut.

@@ -2,17 +2,26 @@
 //! become claimable now, with a fresh attempt budget.
 //!
 //! One short transaction, safe while relays run: every id named is checked
-//! first (an unknown, published or skipped id fails the command naming it,
-//! and nothing changes), then one `update` sets `next_attempt_at = now(),
-//! attempts = 0` on the rows that are unpublished, not skipped and in the
-//! retry lane. `last_error` is kept until the relay publishes the row. A row
-//! in the main lane is claimable already: it is reported, not changed. Row
+//! first (an unknown, published, skipped or cancelled id fails the command
+//! naming it, and nothing changes), then one `update` sets `next_attempt_at =
+//! now(), attempts = 0` on the rows that are unpublished, not skipped and in
+//! the retry lane, or scheduled and fallen due. `last_error` is kept until the
+//! relay publishes the row. A row in the main lane is claimable already: it is
+//! reported, not changed. A scheduled row waiting for its time is reported
+//! and not changed either: no retry makes a row due before its time. Row
 //! locks are taken only by that update, bounded by `lock_timeout`.
 //!
+//! `--entity` takes the subject's immediate rows (the retry lane: its failing
+//! or parked head and the rows deferred behind it); a scheduled row is outside
+//! its entity's order: retry it by id, or with `--all-stuck` (which takes the
+//! scheduled rows that fell due and failed, as `stuck` lists them).
+//!
 //! `--json` prints `{"retried": [ids], "already_claimable": n,
-//! "already_claimable_ids": [ids]}` (`already_claimable_ids` lists the ids
-//! named that were in the main lane; with `--entity`, `already_claimable`
-//! counts the subject's main-lane rows).
+//! "already_claimable_ids": [ids], "not_yet_due": [{"id", "due_at"}]}`
+//! (`already_claimable_ids` lists the ids named that were in the main lane;
+//! with `--entity`, `already_claimable` counts the subject's main-lane rows;
+//! `not_yet_due` lists the ids named that are scheduled rows waiting for
+//! their time).
 
 use std::io::Write;
 
@@ -52,6 +61,14 @@ struct Retried {
     retried: Vec<Uuid>,
     already_claimable: i64,
     already_claimable_ids: Vec<Uuid>,
+    not_yet_due: Vec<NotYetDue>,
+}
+
+/// A scheduled row named, waiting for its time: left as it is.
+#[derive(Debug, Serialize, PartialEq)]
+struct NotYetDue {
+    id: Uuid,
+    due_at: Option<DateTime<Utc>>,
 }
 
 /// The transaction `retry` runs in.
@@ -94,6 +111,7 @@ async fn retry_entity(tx: &mut Tx, entity: &str) -> Result<Retried> {
         retried,
         already_claimable,
         already_claimable_ids: Vec::new(),
+        not_yet_due: Vec::new(),
     })
 }
 
@@ -107,34 +125,31 @@ async fn retry_all_stuck(tx: &mut Tx) -> Result<Retried> {
         retried,
         already_claimable: 0,
         already_claimable_ids: Vec::new(),
+        not_yet_due: Vec::new(),
     })
 }
 
 /// One row named on the command line, as found.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Found {
     id: Uuid,
     published_at: Option<DateTime<Utc>>,
     skipped_at: Option<DateTime<Utc>>,
     skipped_by: Option<String>,
+    cancelled_at: Option<DateTime<Utc>>,
+    cancelled_by: Option<String>,
     main_lane: bool,
+    /// Scheduled, not due yet, not taken by a relay.
+    waiting: bool,
+    waiting_until: Option<DateTime<Utc>>,
 }
 
 /// The rows named: each checked first, then those of the retry lane retried.
 async fn retry_ids(tx: &mut Tx, ids: &[Uuid]) -> Result<Retried> {
-    let found: Vec<Found> = sqlx::query_file!("queries/retry_lookup.sql", ids)
+    let found: Vec<Found> = sqlx::query_file_as!(Found, "queries/retry_lookup.sql", ids)
         .fetch_all(&mut **tx)
         .await
-        .map_err(|e| Error::database("reading the rows", e))?
-        .into_iter()
-        .map(|r| Found {
-            id: r.id,
-            published_at: r.published_at,
-            skipped_at: r.skipped_at,
-            skipped_by: r.skipped_by,
-            main_lane: r.main_lane,
-        })
-        .collect();
+        .map_err(|e| Error::database("reading the rows", e))?;
     check_retryable(ids, &found)?;
     let claimable = main_lane_ids(&found);
     let retried = sqlx::query_file_scalar!("queries/retry_ids.sql", ids)
@@ -145,11 +160,12 @@ async fn retry_ids(tx: &mut Tx, ids: &[Uuid]) -> Result<Retried> {
         retried,
         already_claimable: claimable.len() as i64,
         already_claimable_ids: claimable,
+        not_yet_due: not_yet_due(&found),
     })
 }
 
 /// Refuses the retry, naming the row, if an id is unknown, or a row was
-/// skipped or published.
+/// skipped, published or cancelled.
 fn check_retryable(ids: &[Uuid], found: &[Found]) -> Result<()> {
     let unknown: Vec<String> = ids
         .iter()
@@ -187,8 +203,34 @@ fn check_retryable(ids: &[Uuid], found: &[Found]) -> Result<()> {
                 ),
             ));
         }
+        if let Some(cancelled_at) = &r.cancelled_at {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!(
+                    "row {} was cancelled at {} by {}: a cancelled row is never published; nothing was changed",
+                    r.id,
+                    when(Some(*cancelled_at)),
+                    r.cancelled_by.as_deref().unwrap_or("an unknown canceller")
+                ),
+            ));
+        }
     }
     Ok(())
+}
+
+/// The scheduled rows found waiting for their time, each once, sorted.
+fn not_yet_due(found: &[Found]) -> Vec<NotYetDue> {
+    let mut waiting: Vec<NotYetDue> = found
+        .iter()
+        .filter(|r| r.waiting)
+        .map(|r| NotYetDue {
+            id: r.id,
+            due_at: r.waiting_until,
+        })
+        .collect();
+    waiting.sort_unstable_by_key(|w| w.id);
+    waiting.dedup_by_key(|w| w.id);
+    waiting
 }
 
 /// The rows found in the main lane (claimable already), each once, sorted.
@@ -226,6 +268,15 @@ impl Report for Retried {
                 if self.already_claimable == 1 { "" } else { "s" }
             )?;
         }
+        if !self.not_yet_due.is_empty() {
+            writeln!(
+                out,
+                "scheduled, not due yet, left as they are (a retry never makes a row due before its time):"
+            )?;
+            for w in &self.not_yet_due {
+                writeln!(out, "  {}  due {}", w.id, when(w.due_at))?;
+            }
+        }
         Ok(())
     }
 }
@@ -240,7 +291,11 @@ mod tests {
             published_at: None,
             skipped_at: None,
             skipped_by: None,
+            cancelled_at: None,
+            cancelled_by: None,
             main_lane,
+            waiting: false,
+            waiting_until: None,
         }
     }
 
@@ -265,6 +320,26 @@ mod tests {
         row.skipped_at = Some(Utc::now());
         let err = check_retryable(&ids, &[row]).unwrap_err();
         assert!(err.to_string().contains("by an unknown operator"), "{err}");
+        let mut row = found(1, false);
+        row.cancelled_at = Some(Utc::now());
+        row.cancelled_by = Some("outboxctl:alice@ops".into());
+        let err = check_retryable(&ids, &[row]).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidState);
+        assert!(err.to_string().contains("alice@ops"), "{err}");
+    }
+
+    #[test]
+    fn scheduled_rows_waiting_are_listed_once() {
+        let mut waiting = found(2, false);
+        waiting.waiting = true;
+        let rows = [waiting.clone(), found(1, false), waiting];
+        assert_eq!(
+            not_yet_due(&rows),
+            [NotYetDue {
+                id: Uuid::from_u128(2),
+                due_at: None
+            }]
+        );
     }
 
     #[test]

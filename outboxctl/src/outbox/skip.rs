@@ -13,6 +13,12 @@
 //! published or already skipped: refused, naming why), marked, and its
 //! followers woken.
 //!
+//! A scheduled row no relay has taken yet is refused: `outboxctl schedule
+//! cancel` is what keeps it from being published (a cancelled row is refused
+//! too: it never will be). A scheduled row that fell due and failed is
+//! skipped like any row; it has no followers (it is outside its entity's
+//! order).
+//!
 //! The race: a relay publishing that very row at that moment may still get
 //! its ack and mark it published; the row then has `published_at` set as well
 //! as `skipped_at` — which is the truth, since the message is on the stream.
@@ -26,7 +32,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{TABLE, parse_ids, shown};
+use super::{TABLE, host, os_user, parse_ids, shown};
 use crate::db::Database;
 use crate::error::{Error, ErrorKind, Result};
 use crate::output::when;
@@ -63,19 +69,65 @@ struct Skipped {
 
 /// `$USER@host` (or `$LOGNAME`), for `--by`'s default.
 fn operator() -> String {
-    let user = ["USER", "LOGNAME"]
-        .iter()
-        .filter_map(|v| std::env::var(v).ok())
-        .find(|u| !u.trim().is_empty())
-        .unwrap_or_else(|| "unknown".to_owned());
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
-        .ok()
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .map(|h| h.trim().to_owned())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "unknown-host".to_owned());
-    format!("{}@{host}", user.trim())
+    format!(
+        "{}@{}",
+        os_user().unwrap_or_else(|| "unknown".to_owned()),
+        host()
+    )
+}
+
+/// The row to skip, locked, and the database role skipping it.
+#[derive(Debug)]
+struct Locked {
+    id: Uuid,
+    subject: String,
+    seq: i64,
+    published_at: Option<DateTime<Utc>>,
+    skipped_at: Option<DateTime<Utc>>,
+    skipped_by: Option<String>,
+    skip_reason: Option<String>,
+    cancelled_at: Option<DateTime<Utc>>,
+    cancelled_by: Option<String>,
+    /// Scheduled, and no relay has taken it yet.
+    unreleased_schedule: bool,
+    role: String,
+}
+
+/// Refuses, saying why, a row skipped already, published, cancelled, or
+/// scheduled and not taken by a relay yet (to be cancelled instead).
+fn check_skippable(row: &Locked) -> Result<()> {
+    let id = row.id;
+    let refuse = |message: String| Err(Error::new(ErrorKind::InvalidState, message));
+    if let Some(skipped_at) = &row.skipped_at {
+        return refuse(format!(
+            "row {id} was already skipped at {} by {} ({})",
+            when(Some(*skipped_at)),
+            row.skipped_by.as_deref().unwrap_or("an unknown operator"),
+            row.skip_reason.as_deref().unwrap_or("no reason recorded")
+        ));
+    }
+    if let Some(published_at) = &row.published_at {
+        return refuse(format!(
+            "row {id} was published at {}: nothing to skip",
+            when(Some(*published_at))
+        ));
+    }
+    if let Some(cancelled_at) = &row.cancelled_at {
+        return refuse(format!(
+            "row {id} was cancelled at {} by {}: it is never published; nothing to skip",
+            when(Some(*cancelled_at)),
+            row.cancelled_by
+                .as_deref()
+                .unwrap_or("an unknown canceller")
+        ));
+    }
+    if row.unreleased_schedule {
+        return refuse(format!(
+            "row {id} is a scheduled event no relay has taken yet: cancel it with \
+             `outboxctl schedule cancel {id}`; nothing was changed"
+        ));
+    }
+    Ok(())
 }
 
 pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
@@ -100,7 +152,7 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
 
     let pool = db.connect(&[TABLE]).await?;
     let mut tx = super::begin(&pool).await?;
-    let row = sqlx::query_file!("queries/skip_lock.sql", id)
+    let row = sqlx::query_file_as!(Locked, "queries/skip_lock.sql", id)
         .fetch_optional(&mut *tx)
         .await
         .map_err(|e| Error::database("locking the row", e))?
@@ -110,26 +162,7 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
                 format!("no outbox row with id {id}; nothing was changed"),
             )
         })?;
-    if let Some(skipped_at) = &row.skipped_at {
-        return Err(Error::new(
-            ErrorKind::InvalidState,
-            format!(
-                "row {id} was already skipped at {} by {} ({})",
-                when(Some(*skipped_at)),
-                row.skipped_by.as_deref().unwrap_or("an unknown operator"),
-                row.skip_reason.as_deref().unwrap_or("no reason recorded")
-            ),
-        ));
-    }
-    if let Some(published_at) = &row.published_at {
-        return Err(Error::new(
-            ErrorKind::InvalidState,
-            format!(
-                "row {id} was published at {}: nothing to skip",
-                when(Some(*published_at))
-            ),
-        ));
-    }
+    check_skippable(&row)?;
     let skipped_by = format!("{by} (role {})", row.role);
     let skipped_at = sqlx::query_file_scalar!("queries/skip_mark.sql", id, &skipped_by, reason)
         .fetch_one(&mut *tx)

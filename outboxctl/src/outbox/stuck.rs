@@ -1,12 +1,17 @@
 //! `outboxctl stuck`: the rows that need an operator, oldest first: past the
 //! attempt cap (parked) or failing, with their attempts and last error.
 //!
+//! A scheduled row is stuck once it fell due and failed (in backoff or
+//! parked, in the due lane); waiting for its time it never is, and it is
+//! never deferred (it is outside its entity's order).
+//!
 //! `--json` prints `{"total": n, "rows": [{"id", "subject", "event_type",
-//! "attempts", "state", "next_attempt_at", "last_error", "created_at"}]}`:
-//! `total` counts every stuck row matching the filters, however many
-//! `--limit` lets through; `state` is `parked` (past the cap), `backoff`
+//! "attempts", "state", "next_attempt_at", "last_error", "created_at",
+//! "due_at"}]}`: `total` counts every stuck row matching the filters, however
+//! many `--limit` lets through; `state` is `parked` (past the cap), `backoff`
 //! (due again at `next_attempt_at`) or `deferred` (behind an earlier failing
-//! row of its subject).
+//! row of its subject); `due_at` is a scheduled row's due time (null for an
+//! immediate row).
 
 use std::io::Write;
 
@@ -49,6 +54,7 @@ struct Row {
     next_attempt_at: Option<DateTime<Utc>>,
     last_error: Option<String>,
     created_at: Option<DateTime<Utc>>,
+    due_at: Option<DateTime<Utc>>,
 }
 
 /// What `outboxctl stuck` prints.
@@ -90,6 +96,7 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
         state: r.state,
         last_error: r.last_error,
         created_at: r.created_at,
+        due_at: r.due_at,
     })
     .collect();
     print(&Stuck { total, rows }, json)
@@ -118,6 +125,10 @@ impl Report for Stuck {
             let state = match (r.state.as_str(), &r.next_attempt_at) {
                 ("backoff", Some(t)) => format!("backoff until {}", when(Some(*t))),
                 (s, _) => s.to_owned(),
+            };
+            let state = match r.due_at {
+                Some(due) => format!("{state} (scheduled for {})", when(Some(due))),
+                None => state,
             };
             let row_age = r.created_at.map_or_else(
                 || "-".to_owned(),

@@ -1,8 +1,10 @@
-//! `outboxctl` against real PostgreSQL and nats-server: the outbox commands and
-//! the inbox and dead-letter commands. Each module says what it covers.
+//! `outboxctl` against real PostgreSQL and nats-server: the outbox commands,
+//! the scheduled events' commands, and the inbox and dead-letter commands.
+//! Each module says what it covers.
 
 #[path = "../support/mod.rs"]
 mod support;
 
 mod inbox;
 mod outbox;
+mod schedule;

@@ -32,21 +32,21 @@ use uuid::Uuid;
 
 /// A traceparent no relay can send: the row is parked at its first attempt.
 const BAD_TRACEPARENT: &str = "not a traceparent";
-const MAX_ATTEMPTS: &str = "3";
+pub(super) const MAX_ATTEMPTS: &str = "3";
 const EVENT_TYPE: &str = "ctl.changed";
 
 // ---------------------------------------------------------------------------
 // outboxctl, run to completion.
 
-struct Ctl {
-    status: std::process::ExitStatus,
-    stdout: String,
-    stderr: String,
+pub(super) struct Ctl {
+    pub(super) status: std::process::ExitStatus,
+    pub(super) stdout: String,
+    pub(super) stderr: String,
 }
 
 impl Ctl {
     /// stdout as JSON, panicking with both streams if it is not.
-    fn json(&self) -> Value {
+    pub(super) fn json(&self) -> Value {
         serde_json::from_str(&self.stdout).unwrap_or_else(|e| {
             panic!(
                 "outboxctl printed no JSON ({e}):\nstdout: {}\nstderr: {}",
@@ -56,7 +56,7 @@ impl Ctl {
     }
 
     /// The JSON of a successful run.
-    fn ok(&self) -> Value {
+    pub(super) fn ok(&self) -> Value {
         assert!(
             self.status.success(),
             "outboxctl failed ({}):\nstdout: {}\nstderr: {}",
@@ -69,7 +69,7 @@ impl Ctl {
 
     /// The `{"error": {"kind", "message"}}` of a failed run, after checking
     /// exit status 1 and one line on stderr without a backtrace.
-    fn error(&self) -> (String, String) {
+    pub(super) fn error(&self) -> (String, String) {
         assert_eq!(
             self.status.code(),
             Some(1),
@@ -110,12 +110,12 @@ fn ctl_path() -> PathBuf {
 }
 
 /// `outboxctl <args>` against `url` (as DATABASE_URL), bounded.
-async fn ctl(url: &str, args: &[&str]) -> Ctl {
+pub(super) async fn ctl(url: &str, args: &[&str]) -> Ctl {
     ctl_with(url, args, &[]).await
 }
 
 /// [`ctl`] with extra environment variables.
-async fn ctl_with(url: &str, args: &[&str], env: &[(&str, &str)]) -> Ctl {
+pub(super) async fn ctl_with(url: &str, args: &[&str], env: &[(&str, &str)]) -> Ctl {
     let run = tokio::process::Command::new(ctl_path())
         .envs(env.iter().copied())
         .env("DATABASE_URL", url)
@@ -139,7 +139,7 @@ async fn ctl_with(url: &str, args: &[&str], env: &[(&str, &str)]) -> Ctl {
 }
 
 /// `outboxctl --json status --max-attempts 3`.
-async fn status(db: &TestDb) -> Value {
+pub(super) async fn status(db: &TestDb) -> Value {
     ctl(
         db.url(),
         &["--json", "status", "--max-attempts", MAX_ATTEMPTS],
@@ -148,12 +148,12 @@ async fn status(db: &TestDb) -> Value {
     .ok()
 }
 
-fn i(v: &Value) -> i64 {
+pub(super) fn i(v: &Value) -> i64 {
     v.as_i64()
         .unwrap_or_else(|| panic!("{v} is not an integer"))
 }
 
-fn ids(v: &Value) -> Vec<Uuid> {
+pub(super) fn ids(v: &Value) -> Vec<Uuid> {
     v.as_array()
         .unwrap_or_else(|| panic!("{v} is not an array"))
         .iter()
@@ -164,10 +164,10 @@ fn ids(v: &Value) -> Vec<Uuid> {
 // ---------------------------------------------------------------------------
 // The relay, and the stream it fills.
 
-struct Relay {
+pub(super) struct Relay {
     program: Program,
     log_dir: PathBuf,
-    stream: String,
+    pub(super) stream: String,
 }
 
 impl Relay {
@@ -175,7 +175,7 @@ impl Relay {
     /// attempt cap 3, parked-row deferral (the backoff cap) 10 s, so rows
     /// behind a parked head that get published well within 10 s were woken,
     /// not timed out; no retention (the tests prune).
-    async fn start(db: &TestDb, nats_url: &str, name: &str) -> Self {
+    pub(super) async fn start(db: &TestDb, nats_url: &str, name: &str) -> Self {
         let unique = &db.name()[db.name().len() - 12..];
         let stream = format!("{name}_{unique}");
         let log_dir = std::env::temp_dir().join("outboxctl-tests").join(db.name());
@@ -205,11 +205,11 @@ impl Relay {
     }
 
     /// Panics with `error` and the relay's log.
-    fn fail(&self, error: impl std::fmt::Display) -> ! {
+    pub(super) fn fail(&self, error: impl std::fmt::Display) -> ! {
         panic!("{error}\n--- relay log:\n{}", self.log());
     }
 
-    async fn stop(&mut self) {
+    pub(super) async fn stop(&mut self) {
         assert_eq!(self.program.terminate().await, Some(0), "{}", self.log());
     }
 }
@@ -223,7 +223,7 @@ impl Drop for Relay {
 }
 
 /// Every message of `stream` in stream order: (id, subject, data.n).
-async fn read_stream(url: &str, stream: &str) -> Vec<(Uuid, String, i64)> {
+pub(super) async fn read_stream(url: &str, stream: &str) -> Vec<(Uuid, String, i64)> {
     super::support::stream_messages(url, stream)
         .await
         .iter()

@@ -1,16 +1,19 @@
 //! `outboxctl status`: what is waiting in the outbox and why, at a glance.
 //!
 //! One set of queries that stays cheap on a big table: the counts read only
-//! unpublished rows (partial indexes on `published_at is null`), the last
-//! hour only that range of `outbox_events_published_idx`, blocked subjects
-//! only the retry lane; relays come from `pg_locks`.
+//! unpublished rows (partial indexes on `published_at is null`: the backlog,
+//! the scheduled rows and the cancelled ones kept), the last hour only that
+//! range of `outbox_events_published_idx`, blocked subjects only the retry
+//! lane; relays come from `pg_locks`.
 //!
 //! `--json` prints one object:
 //!
 //! ```text
 //! { "max_attempts": 20,
-//!   "totals": { "unpublished", "fresh", "in_backoff", "deferred", "parked", "skipped",
-//!               "oldest_unpublished_age_secs" (null when none), "published_last_hour" },
+//!   "totals": { "unpublished", "fresh", "due", "in_backoff", "deferred", "parked", "skipped",
+//!               "scheduled", "next_due_at", "next_due_in_secs" (null when none scheduled),
+//!               "cancelled", "oldest_unpublished_age_secs" (null when none),
+//!               "published_last_hour" },
 //!   "event_types": [ { "event_type", …the same fields… } ],
 //!   "blocked_subjects": { "total", "shown": [ { "subject", "shard", "head_id", "event_type",
 //!                          "attempts", "last_error", "created_at", "waiting" } ] },
@@ -20,11 +23,20 @@
 //!   "consumer_leaders": [ { "consumer", "holder", "epoch", "acquired_at", "released" } ] }
 //! ```
 //!
-//! `unpublished` is the backlog: every row not yet published and not
-//! skipped, in whichever state. `consumer_leaders` is null when the database
-//! has no `inbox_leases` table.
+//! `unpublished` is the backlog: every row to be published now or after a
+//! failure, `fresh + due + in_backoff + deferred + parked`; its oldest age
+//! counts from a row's insert, or a scheduled row's due time. Apart from it:
+//! `scheduled` (scheduled rows waiting for their time, never backlog however
+//! many; `next_due_at` the earliest due time among them), `cancelled`
+//! (scheduled rows cancelled, kept as the record until retention) and
+//! `skipped`. `due` counts scheduled rows fallen due and never failed
+//! (claimable now by the relay's due lane); one that fell due and failed is
+//! `in_backoff` or `parked` like any row. Blocked subjects are those of
+//! immediate rows: a scheduled row blocks nothing. `consumer_leaders` is null
+//! when the database has no `inbox_leases` table.
 
-use std::collections::BTreeMap;
+mod counts;
+
 use std::io::Write;
 
 use chrono::{DateTime, Utc};
@@ -33,11 +45,12 @@ use serde::Serialize;
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use self::counts::{Counts, TypeCounts, event_types, totals};
 use super::{Cap, TABLE, short, shown};
 use crate::db::Database;
 use crate::error::{Error, ErrorKind, Result};
 use crate::output::when;
-use crate::output::{Report, age, print, table};
+use crate::output::{Report, print, table};
 
 /// Flags of `outboxctl status`.
 #[derive(Debug, clap::Args)]
@@ -49,53 +62,6 @@ pub(crate) struct Args {
     /// the total is always given.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(i64).range(0..))]
     blocked: i64,
-}
-
-/// Counts of one event type, or of all.
-#[derive(Debug, Default, Serialize)]
-struct Counts {
-    /// Not published and not skipped: the backlog.
-    unpublished: i64,
-    /// In the main lane, claimable now.
-    fresh: i64,
-    /// Failed, below the cap, waiting for the next attempt.
-    in_backoff: i64,
-    /// Never failed, waiting behind a failed earlier row of the subject.
-    deferred: i64,
-    /// Past the cap: left alone until retried or skipped.
-    parked: i64,
-    /// Abandoned by an operator (kept, never published).
-    skipped: i64,
-    /// Age of the oldest row in the backlog, in seconds.
-    oldest_unpublished_age_secs: Option<f64>,
-    /// Rows published in the last hour.
-    published_last_hour: i64,
-}
-
-impl Counts {
-    fn add(&mut self, other: &Counts) {
-        self.unpublished += other.unpublished;
-        self.fresh += other.fresh;
-        self.in_backoff += other.in_backoff;
-        self.deferred += other.deferred;
-        self.parked += other.parked;
-        self.skipped += other.skipped;
-        self.published_last_hour += other.published_last_hour;
-        self.oldest_unpublished_age_secs = match (
-            self.oldest_unpublished_age_secs,
-            other.oldest_unpublished_age_secs,
-        ) {
-            (Some(a), Some(b)) => Some(a.max(b)),
-            (a, b) => a.or(b),
-        };
-    }
-}
-
-#[derive(Debug, Serialize)]
-struct TypeCounts {
-    event_type: String,
-    #[serde(flatten)]
-    counts: Counts,
 }
 
 #[derive(Debug, Serialize)]
@@ -177,43 +143,6 @@ async fn read(pool: &PgPool, args: &Args) -> Result<Status> {
         shards_owned,
         consumer_leaders,
     })
-}
-
-/// The counts of each event type: its unpublished rows by state (`cap`
-/// parks), and its rows published in the last hour.
-async fn event_types(pool: &PgPool, cap: i32) -> Result<BTreeMap<String, Counts>> {
-    let unpublished = sqlx::query_file!("queries/status_types.sql", cap)
-        .fetch_all(pool)
-        .await
-        .map_err(|e| Error::database("counting unpublished rows", e))?;
-    let published = sqlx::query_file!("queries/status_published.sql")
-        .fetch_all(pool)
-        .await
-        .map_err(|e| Error::database("counting rows published in the last hour", e))?;
-    let mut types: BTreeMap<String, Counts> = BTreeMap::new();
-    for r in unpublished {
-        let c = types.entry(r.event_type).or_default();
-        c.unpublished = r.unpublished;
-        c.fresh = r.fresh;
-        c.in_backoff = r.in_backoff;
-        c.deferred = r.deferred;
-        c.parked = r.parked;
-        c.skipped = r.skipped;
-        c.oldest_unpublished_age_secs = r.oldest_age_secs.map(|s| s.max(0.0));
-    }
-    for r in published {
-        types.entry(r.event_type).or_default().published_last_hour = r.published;
-    }
-    Ok(types)
-}
-
-/// The counts of all event types together.
-fn totals<'a>(types: impl IntoIterator<Item = &'a Counts>) -> Counts {
-    let mut totals = Counts::default();
-    for c in types {
-        totals.add(c);
-    }
-    totals
 }
 
 /// The blocked subjects (`cap` parks), the `limit` with the most rows
@@ -313,22 +242,9 @@ async fn consumer_leaders(pool: &PgPool) -> Result<Option<Vec<Leader>>> {
     }
 }
 
-fn count_cell(n: i64) -> String {
-    if n == 0 {
-        "-".to_owned()
-    } else {
-        n.to_string()
-    }
-}
-
-fn oldest(c: &Counts) -> String {
-    c.oldest_unpublished_age_secs
-        .map_or_else(|| "-".to_owned(), age)
-}
-
 impl Report for Status {
     fn human(&self, out: &mut dyn Write) -> std::io::Result<()> {
-        self.write_backlog(out)?;
+        counts::write(out, &self.totals, &self.event_types, self.max_attempts)?;
         writeln!(out)?;
         self.write_blocked(out)?;
         writeln!(out)?;
@@ -343,52 +259,6 @@ fn header(titles: &[&str]) -> Vec<String> {
 }
 
 impl Status {
-    /// The backlog's totals, the last hour's, and a table of event types.
-    fn write_backlog(&self, out: &mut dyn Write) -> std::io::Result<()> {
-        let t = &self.totals;
-        writeln!(
-            out,
-            "backlog: {} unpublished (oldest {}): {} fresh, {} in backoff, {} deferred, {} parked (cap {}); {} skipped",
-            t.unpublished,
-            oldest(t),
-            t.fresh,
-            t.in_backoff,
-            t.deferred,
-            t.parked,
-            self.max_attempts,
-            t.skipped
-        )?;
-        writeln!(out, "published in the last hour: {}", t.published_last_hour)?;
-        if self.event_types.is_empty() {
-            return Ok(());
-        }
-        writeln!(out)?;
-        let mut rows = vec![header(&[
-            "event type",
-            "unpublished",
-            "oldest",
-            "backoff",
-            "deferred",
-            "parked",
-            "skipped",
-            "published/1h",
-        ])];
-        for e in &self.event_types {
-            let c = &e.counts;
-            rows.push(vec![
-                shown(&e.event_type),
-                count_cell(c.unpublished),
-                oldest(c),
-                count_cell(c.in_backoff),
-                count_cell(c.deferred),
-                count_cell(c.parked),
-                count_cell(c.skipped),
-                count_cell(c.published_last_hour),
-            ]);
-        }
-        table(out, &rows)
-    }
-
     /// How many subjects are blocked, and a table of those listed.
     fn write_blocked(&self, out: &mut dyn Write) -> std::io::Result<()> {
         let b = &self.blocked_subjects;
@@ -506,24 +376,6 @@ mod tests {
     }
 
     #[test]
-    fn totals_add_the_counts_and_keep_the_oldest_age() {
-        let a = Counts {
-            unpublished: 2,
-            parked: 1,
-            oldest_unpublished_age_secs: Some(5.0),
-            ..Counts::default()
-        };
-        let b = Counts {
-            unpublished: 3,
-            published_last_hour: 7,
-            ..Counts::default()
-        };
-        let t = totals([&a, &b]);
-        assert_eq!((t.unpublished, t.parked, t.published_last_hour), (5, 1, 7));
-        assert_eq!(t.oldest_unpublished_age_secs, Some(5.0));
-    }
-
-    #[test]
     fn an_empty_outbox_reads_as_such() {
         let status = Status {
             max_attempts: 20,
@@ -541,8 +393,9 @@ mod tests {
         status.human(&mut out).unwrap();
         assert_eq!(
             String::from_utf8(out).unwrap(),
-            "backlog: 0 unpublished (oldest -): 0 fresh, 0 in backoff, 0 deferred, 0 parked \
-             (cap 20); 0 skipped\npublished in the last hour: 0\n\nblocked subjects: none\n\n\
+            "backlog: 0 unpublished (oldest -): 0 fresh, 0 due, 0 in backoff, 0 deferred, \
+             0 parked (cap 20); 0 skipped\nscheduled: 0 not yet due; 0 cancelled (kept as the \
+             record until retention)\npublished in the last hour: 0\n\nblocked subjects: none\n\n\
              relays: none holds shards in this database\n"
         );
     }
