@@ -12,3 +12,16 @@ create table if not exists invoices (
     voided_at       timestamptz null
 );
 create index if not exists invoices_subscription_id on invoices (subscription_id);
+-- One row per trial that ran out before its subscription was converted to
+-- paid (subscription.trial_ended): billing charges the subscription from the
+-- trial's end. As with invoices, subscription_id is deliberately NOT unique:
+-- only the inbox keeps a redelivered trial end from being recorded twice.
+create table if not exists trial_ends (
+    id              uuid        primary key,
+    subscription_id text        not null,
+    customer_id     text        not null,
+    trial_ended_at  timestamptz not null,
+    event_id        uuid        not null,
+    recorded_at     timestamptz not null default clock_timestamp()
+);
+create index if not exists trial_ends_subscription_id on trial_ends (subscription_id);

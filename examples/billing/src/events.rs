@@ -3,6 +3,7 @@
 //! Billing decodes only the fields it uses and ignores the rest (a tolerant
 //! reader): the publisher may add fields without breaking it.
 
+use chrono::{DateTime, Utc};
 use outbox_pg::Event;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -11,6 +12,8 @@ use serde::{Deserialize, Serialize};
 pub const SUBSCRIPTION_CREATED: &str = SubscriptionCreated::TYPE;
 /// Event type billing voids invoices for.
 pub const SUBSCRIPTION_CANCELLED: &str = SubscriptionCancelled::TYPE;
+/// Event type billing records a trial's end for.
+pub const SUBSCRIPTION_TRIAL_ENDED: &str = SubscriptionTrialEnded::TYPE;
 /// Event type billing writes when it raises an invoice.
 pub const INVOICE_CREATED: &str = InvoiceCreated::TYPE;
 /// `source` of the events billing writes.
@@ -32,6 +35,18 @@ pub struct SubscriptionCreated {
 pub struct SubscriptionCancelled {
     /// The cancelled subscription.
     pub subscription_id: String,
+}
+
+/// `data` of `subscription.trial_ended`, as billing reads it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct SubscriptionTrialEnded {
+    /// The subscription whose trial ran out.
+    pub subscription_id: String,
+    /// Its customer.
+    pub customer_id: String,
+    /// When the trial ended: billing charges from then.
+    #[schemars(with = "String", extend("format" = "date-time"))]
+    pub trial_ended_at: DateTime<Utc>,
 }
 
 /// `data` of `invoice.created` (`schemas/events/invoice.created.schema.json`).
@@ -59,6 +74,10 @@ impl Event for SubscriptionCreated {
 
 impl Event for SubscriptionCancelled {
     const TYPE: &'static str = "subscription.cancelled";
+}
+
+impl Event for SubscriptionTrialEnded {
+    const TYPE: &'static str = "subscription.trial_ended";
 }
 
 impl Event for InvoiceCreated {

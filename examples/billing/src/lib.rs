@@ -1,6 +1,7 @@
 //! `billing`: an inbox consumer that raises exactly one invoice per
-//! subscription, however often `subscription.created` is delivered, and
-//! voids it when the subscription is cancelled.
+//! subscription, however often `subscription.created` is delivered, voids it
+//! when the subscription is cancelled, and records the end of each trial that
+//! runs out (`subscription.trial_ended`, a scheduled event).
 //!
 //! # Running it alone
 //!
@@ -14,8 +15,9 @@
 //! ```
 //!
 //! Start-up applies the outbox migrations (`outbox_events`, `inbox_events`,
-//! `inbox_dead_letters`) and creates the `invoices` table if missing, both
-//! under one advisory lock so replicas started together take turns, starts
+//! `inbox_dead_letters`) and creates the `invoices` and `trial_ends` tables
+//! if missing, all under one advisory lock so replicas started together take
+//! turns, starts
 //! an in-process relay for billing's own outbox (`invoice.created`; skip it
 //! with `--no-relay`), then creates or updates the durable consumer
 //! `--consumer` on `--stream`. The stream is created by whichever relay starts
@@ -58,6 +60,10 @@
 //! - [`VoidInvoices`] (`subscription.cancelled`): voids the subscription's
 //!   invoice; if it has none yet, the cancellation is retried after a second,
 //!   so it is applied only after the creation.
+//! - [`RecordTrialEnd`] (`subscription.trial_ended`, a scheduled event the
+//!   subscriptions service cancels when a trial is converted to paid first):
+//!   records the trial's end in `trial_ends`, from when the subscription is
+//!   charged. `trial_ends.subscription_id` is not unique either.
 //!
 //! Replicas of one `--consumer` run [ordered](inbox_consumer::ConsumerConfig::ordered):
 //! one leads and consumes, the others stand by and take over when it dies, so
@@ -102,7 +108,9 @@ use tower::util::BoxCloneSyncService;
 use tower::{Layer, ServiceBuilder};
 
 pub use crash::{CrashAfterCommit, CrashAfterCommitLayer, CrashMode};
-pub use handlers::{CANCEL_RETRY_AFTER, InvoiceSubscription, NotInvoicedYet, VoidInvoices};
+pub use handlers::{
+    CANCEL_RETRY_AFTER, InvoiceSubscription, NotInvoicedYet, RecordTrialEnd, VoidInvoices,
+};
 pub use transactional::{Transactional, TransactionalLayer};
 
 const CREATE_TABLE: &str = include_str!("../queries/create_invoices.sql");
@@ -114,12 +122,14 @@ pub type Handlers = Router<InTx<Delivery>, InTx<Outcome>>;
 pub type Stack = BoxCloneSyncService<Delivery, Outcome, BoxError>;
 
 /// Billing's handlers: `subscription.created` → [`InvoiceSubscription`],
-/// `subscription.cancelled` → [`VoidInvoices`]. Follow-on events go through
-/// `outbox`, which should validate against the `invoice.created` schema.
+/// `subscription.cancelled` → [`VoidInvoices`], `subscription.trial_ended` →
+/// [`RecordTrialEnd`]. Follow-on events go through `outbox`, which should
+/// validate against the `invoice.created` schema.
 pub fn handlers(outbox: Outbox) -> Handlers {
     Router::new()
         .batch_handler(InvoiceSubscription::new(outbox))
         .handler(VoidInvoices::new())
+        .handler(RecordTrialEnd::new())
 }
 
 /// How [`service`] builds the stack. Default: with the inbox, no crashes.
@@ -209,7 +219,11 @@ pub fn batch_service(
 /// further with the [`ConsumerConfig`] setters.
 pub fn consumer_config(stream: &str, consumer: &str) -> ConsumerConfig {
     ConsumerConfig::new(stream, consumer)
-        .filter_subjects([events::SUBSCRIPTION_CANCELLED, events::SUBSCRIPTION_CREATED])
+        .filter_subjects([
+            events::SUBSCRIPTION_CANCELLED,
+            events::SUBSCRIPTION_CREATED,
+            events::SUBSCRIPTION_TRIAL_ENDED,
+        ])
         .ordered(true)
 }
 
@@ -228,9 +242,10 @@ pub async fn connect_consumer(
     Consumer::new_when_ready(pool, js, config, Some(patience)).await
 }
 
-/// Applies the outbox migrations and creates the `invoices` table if it does
-/// not exist, both under [`outbox_pg::migrate_with`]'s advisory lock, so
-/// replicas started together on a fresh database prepare it one at a time.
+/// Applies the outbox migrations and creates the `invoices` and
+/// `trial_ends` tables if they do not exist, all under
+/// [`outbox_pg::migrate_with`]'s advisory lock, so replicas started together
+/// on a fresh database prepare it one at a time.
 ///
 /// # Errors
 /// [`Error::Migrate`] if either step fails.
@@ -243,7 +258,7 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The outbox migrations, or creating the `invoices` table, failed.
+    /// The outbox migrations, or creating billing's tables, failed.
     #[error("migrating billing's database: {0}")]
     Migrate(#[from] outbox_pg::Error),
 }

@@ -188,6 +188,79 @@ async fn a_payload_the_invoice_schema_refuses_is_rejected_with_nothing_written()
     );
 }
 
+/// A `subscription.trial_ended` as the relay publishes it: scheduled for the
+/// trial's end (`scheduledfor`), with no `sequence`.
+fn trial_ended(subscription: &str, customer: &str) -> Envelope<Value> {
+    let ended = chrono::DateTime::parse_from_rfc3339("2026-03-01T12:00:00.123456Z")
+        .unwrap()
+        .to_utc();
+    Envelope::new(
+        "subscription.trial_ended",
+        "subscriptions",
+        subscription,
+        json!({"subscription_id": subscription, "customer_id": customer, "trial_ended_at": ended}),
+    )
+    .unwrap()
+    .with_time(ended)
+    .with_scheduled_for(ended)
+}
+
+#[tokio::test]
+async fn a_redelivered_trial_end_is_recorded_once_and_twice_without_the_inbox() {
+    let (db, outbox) = db().await;
+    let event = trial_ended("sub_1", "cus_1");
+    let first = deliver(&db.pool, &outbox, StackOptions::default(), &event).await;
+    assert_eq!(first.unwrap(), Outcome::Handled);
+    let again = deliver(&db.pool, &outbox, StackOptions::default(), &event).await;
+    assert_eq!(again.unwrap(), Outcome::Duplicate);
+    let (subscription, customer, ended, event_id): (
+        String,
+        String,
+        chrono::DateTime<chrono::Utc>,
+        uuid::Uuid,
+    ) = sqlx::query_as(
+        "select subscription_id, customer_id, trial_ended_at, event_id from trial_ends",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (subscription.as_str(), customer.as_str()),
+        ("sub_1", "cus_1")
+    );
+    assert_eq!(Some(ended), event.scheduled_for());
+    assert_eq!(event_id, *event.id().as_uuid());
+    assert_eq!(
+        count(
+            &db.pool,
+            "select count(*) from inbox_events where event_type = 'subscription.trial_ended'"
+        )
+        .await,
+        1
+    );
+
+    // Only the inbox keeps the second delivery from recording a second end.
+    let other = trial_ended("sub_2", "cus_2");
+    for _ in 0..2 {
+        let out = deliver(
+            &db.pool,
+            &outbox,
+            StackOptions::default().dedupe(false),
+            &other,
+        )
+        .await;
+        assert_eq!(out.unwrap(), Outcome::Handled);
+    }
+    assert_eq!(
+        count(
+            &db.pool,
+            "select count(*) from trial_ends where subscription_id = 'sub_2'"
+        )
+        .await,
+        2
+    );
+}
+
 /// The inner stack of one replica, holding its transaction open (handler done,
 /// not yet committed) until released: a creation caught between its insert and
 /// its commit.

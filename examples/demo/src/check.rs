@@ -13,6 +13,10 @@ use sqlx::PgPool;
 use crate::driver::Outcomes;
 
 type Ts = chrono::DateTime<chrono::Utc>;
+
+/// Rows an outbox still has to publish: a cancelled scheduled row never is.
+const UNPUBLISHED: &str =
+    "select count(*) from outbox_events where published_at is null and cancelled_at is null";
 type InvoiceRow = (String, String, Ts, Option<Ts>);
 
 /// What the check found.
@@ -31,10 +35,34 @@ pub(crate) struct Findings {
     pub(crate) applied_twice: Vec<String>,
     pub(crate) leaked: Vec<String>,
     pub(crate) order_violations: Vec<String>,
+    /// Trials: subscriptions with a scheduled `subscription.trial_ended`.
+    pub(crate) trials: Trials,
+    /// A cancelled trial end that reached the stream or billing, or a
+    /// converted trial whose end was not cancelled.
+    pub(crate) cancelled_consumed: Vec<String>,
+    /// A trial end published or handled before its due time.
+    pub(crate) early: Vec<String>,
     pub(crate) undrained: i64,
     /// The unpublished rows (a few of each database) and the replication
     /// slots' positions, to tell why they were left.
     pub(crate) undrained_rows: Vec<String>,
+}
+
+/// What became of the trials' scheduled ends.
+#[derive(Debug, Default)]
+pub(crate) struct Trials {
+    /// Scheduled `subscription.trial_ended` rows.
+    pub(crate) scheduled: usize,
+    /// Cancelled by a conversion.
+    pub(crate) converted: usize,
+    /// Cancelled with their subscription.
+    pub(crate) cancelled_with_subscription: usize,
+    /// Not cancelled: due, published and consumed.
+    pub(crate) ran_out: usize,
+    /// Rows of billing's `trial_ends`.
+    pub(crate) recorded: usize,
+    /// The latest a trial end was recorded by billing after its due time.
+    pub(crate) max_lateness: chrono::Duration,
 }
 
 impl Findings {
@@ -43,6 +71,8 @@ impl Findings {
             && self.applied_twice.is_empty()
             && self.leaked.is_empty()
             && self.order_violations.is_empty()
+            && self.cancelled_consumed.is_empty()
+            && self.early.is_empty()
             && self.undrained == 0
     }
 }
@@ -53,6 +83,8 @@ struct Stored {
     id: String,
     subject: String,
     data: Value,
+    /// The due time of a scheduled event's message (`scheduledfor`).
+    scheduled_for: Option<Ts>,
 }
 
 async fn read_stream(js: &jetstream::Context, stream: &str) -> Result<Vec<Stored>, String> {
@@ -88,6 +120,7 @@ async fn read_stream(js: &jetstream::Context, stream: &str) -> Result<Vec<Stored
                 event_type: env.event_type().to_string(),
                 id: env.id().to_string(),
                 subject: env.subject().to_owned(),
+                scheduled_for: env.scheduled_for(),
                 data: env.into_data(),
             }),
             Err(e) => return Err(format!("a stream message is not an envelope: {e}")),
@@ -115,16 +148,10 @@ pub(crate) async fn settled(
                 .unwrap_or(-1)
         }
     };
-    let unpublished = q(
-        subs,
-        "select count(*) from outbox_events where published_at is null",
-    )
-    .await;
-    let billing_unpublished = q(
-        billing,
-        "select count(*) from outbox_events where published_at is null",
-    )
-    .await;
+    // A cancelled scheduled row is never published; one not yet due is
+    // waited for.
+    let unpublished = q(subs, UNPUBLISHED).await;
+    let billing_unpublished = q(billing, UNPUBLISHED).await;
     let (pending, ack_pending, delivered, ack_floor) = match js
         .get_consumer_from_stream::<consumer::pull::Config, _, _>(durable, stream)
         .await
@@ -156,18 +183,27 @@ pub(crate) async fn settled(
         "select count(distinct subscription_id) from invoices where voided_at is not null",
     )
     .await;
+    let trials_ended = q(
+        subs,
+        "select count(*) from outbox_events
+          where event_type = 'subscription.trial_ended' and published_at is not null",
+    )
+    .await;
+    let trials_recorded = q(billing, "select count(distinct event_id) from trial_ends").await;
     if unpublished == 0
         && billing_unpublished == 0
         && pending == 0
         && ack_pending == 0
         && subscriptions == invoiced
         && cancelled == voided
+        && trials_ended == trials_recorded
     {
         Ok(())
     } else {
         Err(format!(
             "unpublished {unpublished}+{billing_unpublished}, consumer pending {pending} ack-pending {ack_pending} \
-             (delivered up to {delivered}, acked up to {ack_floor}), invoiced {invoiced}/{subscriptions}, voided {voided}/{cancelled}"
+             (delivered up to {delivered}, acked up to {ack_floor}), invoiced {invoiced}/{subscriptions}, voided {voided}/{cancelled}, \
+             trial ends recorded {trials_recorded}/{trials_ended}"
         ))
     }
 }
@@ -230,8 +266,10 @@ pub(crate) async fn check(
             }
             _ => {}
         }
-        // Redeliveries of one id (outside the duplicate window) keep the first position.
-        if ids_seen.insert(m.id.clone()) {
+        // Redeliveries of one id (outside the duplicate window) keep the
+        // first position. A scheduled event is in no order with its
+        // subject's other events: published at its due time.
+        if m.scheduled_for.is_none() && ids_seen.insert(m.id.clone()) {
             let source = if m.event_type.starts_with("invoice.") {
                 "billing"
             } else {
@@ -349,13 +387,17 @@ pub(crate) async fn check(
         ));
     }
 
-    // Per subject, the stream holds events in created_at order.
+    check_trials(subs, billing, durable, &messages, outcomes, &mut f).await?;
+
+    // Per subject, the stream holds its immediate events in created_at order.
     for (source, pool) in [("subscriptions", subs), ("billing", billing)] {
-        let rows: Vec<(String, String)> =
-            sqlx::query_as("select subject, id::text from outbox_events order by created_at, id")
-                .fetch_all(pool)
-                .await
-                .map_err(db)?;
+        let rows: Vec<(String, String)> = sqlx::query_as(
+            "select subject, id::text from outbox_events where due_at is null
+                  order by created_at, id",
+        )
+        .fetch_all(pool)
+        .await
+        .map_err(db)?;
         let mut expected: HashMap<String, Vec<String>> = HashMap::new();
         for (subject, id) in rows {
             expected.entry(subject).or_default().push(id);
@@ -370,24 +412,21 @@ pub(crate) async fn check(
         }
     }
 
-    f.undrained = sqlx::query_scalar::<_, i64>(
-        "select count(*) from outbox_events where published_at is null",
-    )
-    .fetch_one(subs)
-    .await
-    .map_err(db)?
-        + sqlx::query_scalar::<_, i64>(
-            "select count(*) from outbox_events where published_at is null",
-        )
-        .fetch_one(billing)
+    f.undrained = sqlx::query_scalar::<_, i64>(UNPUBLISHED)
+        .fetch_one(subs)
         .await
-        .map_err(db)?;
+        .map_err(db)?
+        + sqlx::query_scalar::<_, i64>(UNPUBLISHED)
+            .fetch_one(billing)
+            .await
+            .map_err(db)?;
     if f.undrained > 0 {
         for (name, pool) in [("subscriptions", subs), ("billing", billing)] {
             let rows: Vec<(String,)> = sqlx::query_as(
                 "select format('%s id %s seq %s subject %s type %s created %s attempts %s next_attempt %s',
                                $1::text, id, seq, subject, event_type, created_at, attempts, next_attempt_at)
-                   from outbox_events where published_at is null order by seq limit 5",
+                   from outbox_events where published_at is null and cancelled_at is null
+                  order by seq limit 5",
             )
             .bind(name)
             .fetch_all(pool)
@@ -424,4 +463,202 @@ pub(crate) async fn check(
         f.deliveries = info.delivered.consumer_sequence;
     }
     Ok(f)
+}
+
+/// A trial's scheduled end, as the subscriptions database has it, with its
+/// subscription.
+#[derive(sqlx::FromRow)]
+struct TrialEnd {
+    id: String,
+    subscription: String,
+    due_at: Option<Ts>,
+    published_at: Option<Ts>,
+    cancelled: bool,
+    status: Option<String>,
+    converted: bool,
+}
+
+/// Where billing and the stream saw one trial end.
+#[derive(Default)]
+struct Consumed {
+    /// `trial_ends.recorded_at` of each row for it.
+    recorded: Vec<Ts>,
+    /// The inbox's `handled_at`.
+    handled: Option<Ts>,
+    /// The `scheduledfor` of each stream message with its id.
+    sent: Vec<Option<Ts>>,
+}
+
+/// The trials: every scheduled end either cancelled (a conversion, or the
+/// subscription cancelled in its trial) and then never published, never in
+/// the stream, never handled; or due, published and handled exactly once,
+/// none of it before its due time. The conversions' answers agree.
+async fn check_trials(
+    subs: &PgPool,
+    billing: &PgPool,
+    durable: &str,
+    messages: &[Stored],
+    outcomes: &Outcomes,
+    f: &mut Findings,
+) -> Result<(), String> {
+    let db = |e: sqlx::Error| format!("database: {e}");
+    let ends: Vec<TrialEnd> = sqlx::query_as(
+        "select e.id::text as id, e.data->>'subscription_id' as subscription, e.due_at,
+                e.published_at, e.cancelled_at is not null as cancelled, s.status,
+                coalesce(s.converted_at is not null, false) as converted
+           from outbox_events e left join subscriptions s on s.trial_event_id = e.id
+          where e.event_type = 'subscription.trial_ended'",
+    )
+    .fetch_all(subs)
+    .await
+    .map_err(db)?;
+    let recorded: Vec<(String, Ts)> =
+        sqlx::query_as("select event_id::text, recorded_at from trial_ends")
+            .fetch_all(billing)
+            .await
+            .map_err(db)?;
+    let handled: Vec<(String, Ts)> = sqlx::query_as(
+        "select event_id::text, handled_at from inbox_events
+          where consumer = $1 and event_type = 'subscription.trial_ended'",
+    )
+    .bind(durable)
+    .fetch_all(billing)
+    .await
+    .map_err(db)?;
+
+    let mut consumed: HashMap<&str, Consumed> = HashMap::new();
+    for (id, at) in &recorded {
+        consumed.entry(id).or_default().recorded.push(*at);
+    }
+    for (id, at) in &handled {
+        consumed.entry(id).or_default().handled = Some(*at);
+    }
+    for m in messages
+        .iter()
+        .filter(|m| m.event_type == "subscription.trial_ended")
+    {
+        consumed
+            .entry(&m.id)
+            .or_default()
+            .sent
+            .push(m.scheduled_for);
+    }
+    f.trials.scheduled = ends.len();
+    f.trials.recorded = recorded.len();
+    let none = Consumed::default();
+    for end in &ends {
+        judge_trial_end(end, consumed.get(end.id.as_str()).unwrap_or(&none), f);
+    }
+    let known: HashMap<&str, &TrialEnd> = ends.iter().map(|e| (e.id.as_str(), e)).collect();
+    for id in consumed.keys().filter(|id| !known.contains_key(**id)) {
+        f.leaked
+            .push(format!("trial end {id} was consumed but never written"));
+    }
+    check_trial_answers(&ends, outcomes, f);
+    Ok(())
+}
+
+/// One scheduled trial end against what consumed it.
+fn judge_trial_end(end: &TrialEnd, seen: &Consumed, f: &mut Findings) {
+    let (id, sub) = (&end.id, &end.subscription);
+    let Some(due) = end.due_at else {
+        f.early
+            .push(format!("trial end {id} of {sub} was written unscheduled"));
+        return;
+    };
+    if end.cancelled {
+        if end.converted {
+            f.trials.converted += 1;
+        } else if end.status.as_deref() == Some("cancelled") {
+            f.trials.cancelled_with_subscription += 1;
+        } else {
+            f.lost.push(format!(
+                "trial end {id} of {sub} was cancelled, yet the trial was neither converted nor its subscription cancelled"
+            ));
+        }
+        if end.published_at.is_some() || !seen.sent.is_empty() {
+            f.cancelled_consumed
+                .push(format!("cancelled trial end {id} of {sub} was published"));
+        }
+        if !seen.recorded.is_empty() || seen.handled.is_some() {
+            f.cancelled_consumed.push(format!(
+                "cancelled trial end {id} of {sub} was handled by billing"
+            ));
+        }
+        return;
+    }
+    f.trials.ran_out += 1;
+    if end.converted {
+        f.cancelled_consumed.push(format!(
+            "subscription {sub} was converted, yet its trial end {id} was not cancelled"
+        ));
+    }
+    match end.published_at {
+        None => f
+            .lost
+            .push(format!("trial end {id} of {sub} was never published")),
+        Some(at) if at < due => f.early.push(format!(
+            "trial end {id} of {sub} published {} before its due time",
+            at - due
+        )),
+        Some(_) => {}
+    }
+    if seen.sent.is_empty() {
+        f.lost
+            .push(format!("trial end {id} of {sub} never reached the stream"));
+    }
+    if seen.sent.iter().any(|s| *s != Some(due)) {
+        f.early.push(format!(
+            "trial end {id} of {sub} reached the stream without its due time as scheduledfor"
+        ));
+    }
+    match seen.recorded.len() {
+        0 => f.lost.push(format!(
+            "trial end {id} of {sub} was never recorded by billing"
+        )),
+        1 => {}
+        n => f
+            .applied_twice
+            .push(format!("trial end {id} of {sub} was recorded {n} times")),
+    }
+    for at in seen.recorded.iter().chain(seen.handled.iter()) {
+        if *at < due {
+            f.early.push(format!(
+                "trial end {id} of {sub} handled {} before its due time",
+                due - *at
+            ));
+        }
+        f.trials.max_lateness = f.trials.max_lateness.max(*at - due);
+    }
+}
+
+/// The service's answers agree with the rows: a trial accepted has its
+/// scheduled end, a conversion answered 200 cancelled it, one answered "too
+/// late" did not.
+fn check_trial_answers(ends: &[TrialEnd], outcomes: &Outcomes, f: &mut Findings) {
+    let by_sub: HashMap<&str, &TrialEnd> =
+        ends.iter().map(|e| (e.subscription.as_str(), e)).collect();
+    for id in &outcomes.trials {
+        if !by_sub.contains_key(id.as_str()) {
+            f.lost
+                .push(format!("accepted trial {id} has no scheduled trial end"));
+        }
+    }
+    for id in &outcomes.converted {
+        if by_sub
+            .get(id.as_str())
+            .is_none_or(|e| !e.cancelled || !e.converted)
+        {
+            f.cancelled_consumed.push(format!(
+                "the conversion of {id} was answered 200, yet its trial end is not cancelled"
+            ));
+        }
+    }
+    for id in &outcomes.too_late {
+        if by_sub.get(id.as_str()).is_none_or(|e| e.cancelled) {
+            f.lost.push(format!(
+                "the conversion of {id} was answered too late, yet its trial end did not run out"
+            ));
+        }
+    }
 }

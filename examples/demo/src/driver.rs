@@ -1,5 +1,6 @@
 //! The load: HTTP requests against the subscriptions service, a mix of valid,
-//! invalid, rolled-back and cancelling requests.
+//! invalid, rolled-back and cancelling requests, some creations with a trial
+//! and some conversions of a trial to paid before it runs out.
 //!
 //! Each worker owns a slice of the customers, so the requests of one customer
 //! are sequential and commit in the order they were made.
@@ -20,6 +21,13 @@ pub(crate) struct Outcomes {
     pub(crate) accepted: Vec<String>,
     pub(crate) rolled_back: Vec<String>,
     pub(crate) cancelled: Vec<String>,
+    /// Accepted with a trial (also in `accepted`).
+    pub(crate) trials: Vec<String>,
+    /// Trials converted to paid (`200`): their scheduled end was cancelled.
+    pub(crate) converted: Vec<String>,
+    /// Conversions refused because the trial had ended (`409`): the
+    /// scheduled end was published, or on its way.
+    pub(crate) too_late: Vec<String>,
     pub(crate) rejected: u64,
     /// No usable answer (a 5xx other than the injected rollback, a dropped
     /// connection): the databases say whether it committed.
@@ -34,6 +42,7 @@ pub(crate) struct Progress {
     pub(crate) rejected: AtomicU64,
     pub(crate) rolled_back: AtomicU64,
     pub(crate) cancelled: AtomicU64,
+    pub(crate) converted: AtomicU64,
     pub(crate) failed: AtomicU64,
 }
 
@@ -48,6 +57,10 @@ pub(crate) struct Load {
     pub(crate) invalid_rate: f64,
     pub(crate) rollback_rate: f64,
     pub(crate) cancel_rate: f64,
+    /// Share of creations (rolled back ones included) with a trial.
+    pub(crate) trial_rate: f64,
+    /// Share of requests that convert a trial of the worker's to paid.
+    pub(crate) convert_rate: f64,
     pub(crate) seed: u64,
     /// Requests per second over all clients; `None` as fast as they answer.
     pub(crate) rate: Option<f64>,
@@ -117,29 +130,57 @@ async fn worker(
         return;
     }
     let mut active: Vec<String> = Vec::new();
+    // Subscriptions with a trial not converted yet (it may have run out).
+    let mut trialing: Vec<String> = Vec::new();
     let started = load.started;
+    let (invalid_to, rollback_to) = (load.invalid_rate, load.invalid_rate + load.rollback_rate);
+    let cancel_to = rollback_to + load.cancel_rate;
+    let convert_to = cancel_to + load.convert_rate;
     while load.more(&progress, started).await {
         let customer = &customers[rng.random_range(0..customers.len())];
         let roll: f64 = rng.random();
-        if roll < load.invalid_rate {
+        let trial = rng.random_bool(load.trial_rate.clamp(0.0, 1.0));
+        if roll < invalid_to {
             invalid(&client, &load.base_url, &mut rng, &progress, &outcomes).await;
-        } else if roll < load.invalid_rate + load.rollback_rate {
-            rollback(&client, &load.base_url, customer, &progress, &outcomes).await;
-        } else if roll < load.invalid_rate + load.rollback_rate + load.cancel_rate
-            && !active.is_empty()
-        {
+        } else if roll < rollback_to {
+            rollback(
+                &client,
+                &load.base_url,
+                customer,
+                trial,
+                &progress,
+                &outcomes,
+            )
+            .await;
+        } else if roll < cancel_to && !active.is_empty() {
             let id = active.swap_remove(rng.random_range(0..active.len()));
+            trialing.retain(|t| *t != id);
             cancel(&client, &load.base_url, id, &progress, &outcomes).await;
+        } else if (cancel_to..convert_to).contains(&roll) && !trialing.is_empty() {
+            // Mostly the newest trial, converted in time; sometimes any,
+            // which may have run out (the service then answers 409).
+            let id = if rng.random_bool(0.8) {
+                trialing.pop()
+            } else {
+                Some(trialing.swap_remove(rng.random_range(0..trialing.len())))
+            };
+            if let Some(id) = id {
+                convert(&client, &load.base_url, id, &progress, &outcomes).await;
+            }
         } else if let Some(id) = create(
             &client,
             &load.base_url,
             customer,
+            trial,
             &mut rng,
             &progress,
             &outcomes,
         )
         .await
         {
+            if trial {
+                trialing.push(id.clone());
+            }
             active.push(id);
         }
     }
@@ -172,11 +213,12 @@ async fn create(
     client: &reqwest::Client,
     base: &str,
     customer: &str,
+    trial: bool,
     rng: &mut StdRng,
     progress: &Progress,
     outcomes: &Mutex<Outcomes>,
 ) -> Option<String> {
-    let body = json!({"customer_id": customer, "plan": plan(rng), "amount_cents": rng.random_range(100..100_000)});
+    let body = json!({"customer_id": customer, "plan": plan(rng), "amount_cents": rng.random_range(100..100_000), "trial": trial});
     match post(
         client,
         &format!("{base}/v1/subscriptions"),
@@ -188,7 +230,11 @@ async fn create(
         Some((201, resp)) => {
             let id = resp["id"].as_str()?.to_owned();
             progress.accepted.fetch_add(1, Ordering::Relaxed);
-            outcomes.lock().await.accepted.push(id.clone());
+            let mut outcomes = outcomes.lock().await;
+            outcomes.accepted.push(id.clone());
+            if trial {
+                outcomes.trials.push(id.clone());
+            }
             Some(id)
         }
         _ => {
@@ -203,10 +249,11 @@ async fn rollback(
     client: &reqwest::Client,
     base: &str,
     customer: &str,
+    trial: bool,
     progress: &Progress,
     outcomes: &Mutex<Outcomes>,
 ) {
-    let body = json!({"customer_id": customer, "plan": "pro", "amount_cents": 999});
+    let body = json!({"customer_id": customer, "plan": "pro", "amount_cents": 999, "trial": trial});
     match post(
         client,
         &format!("{base}/v1/subscriptions"),
@@ -245,6 +292,41 @@ async fn cancel(
         Some((200, _)) => {
             progress.cancelled.fetch_add(1, Ordering::Relaxed);
             outcomes.lock().await.cancelled.push(id);
+        }
+        _ => {
+            progress.failed.fetch_add(1, Ordering::Relaxed);
+            outcomes.lock().await.failed += 1;
+        }
+    }
+}
+
+/// Converts a trial to paid: `200` cancelled its scheduled end, `409` found
+/// the trial ended (its end published, or on its way).
+async fn convert(
+    client: &reqwest::Client,
+    base: &str,
+    id: String,
+    progress: &Progress,
+    outcomes: &Mutex<Outcomes>,
+) {
+    let answer = post(
+        client,
+        &format!("{base}/v1/subscriptions/{id}/convert"),
+        None,
+        &[],
+    )
+    .await;
+    match answer {
+        Some((200, _)) => {
+            progress.converted.fetch_add(1, Ordering::Relaxed);
+            outcomes.lock().await.converted.push(id);
+        }
+        Some((409, body))
+            if body["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("already ended its trial")) =>
+        {
+            outcomes.lock().await.too_late.push(id);
         }
         _ => {
             progress.failed.fetch_add(1, Ordering::Relaxed);

@@ -3,7 +3,9 @@
 //! It starts PostgreSQL and nats-server (unless `DATABASE_URL` / `NATS_URL`
 //! name running ones), then as separate processes the `subscriptions` HTTP
 //! service, two `outbox-relay` replicas and two `billing` consumer replicas.
-//! It drives requests (some invalid, some rolled back, some cancelling) while
+//! It drives requests (some invalid, some rolled back, some cancelling, some
+//! creating a subscription with a short trial, some converting a trial to
+//! paid before it runs out) while
 //! it restarts nats-server, kills -9 a relay and a billing replica, and lets
 //! billing replicas die between commit and ack; then it waits for the system
 //! to settle and checks, from the databases and the stream:
@@ -17,6 +19,13 @@
 //!   exists anywhere;
 //! - **per-subject order violations = 0**: per subject, the stream holds
 //!   events in created_at order, and effects were applied in event order;
+//! - **cancelled yet consumed = 0**: a trial's scheduled
+//!   `subscription.trial_ended`, cancelled by its conversion (or its
+//!   subscription's cancellation), was never published nor handled by
+//!   billing; every one not cancelled was handled exactly once (else lost or
+//!   applied twice);
+//! - **consumed before due = 0**: no trial end was published or handled by
+//!   billing before its due time (`due_at`, by the database's clock);
 //! - both outboxes drained.
 //!
 //! It exits non-zero if any invariant fails.
@@ -94,6 +103,18 @@ struct Args {
     /// Share of requests that cancel an earlier subscription.
     #[arg(long, default_value_t = 0.10)]
     cancel_rate: f64,
+    /// Share of creations with a trial: a `subscription.trial_ended`
+    /// scheduled for --trial-seconds later.
+    #[arg(long, default_value_t = 0.25)]
+    trial_rate: f64,
+    /// Share of requests that convert a trial to paid (cancelling its
+    /// scheduled end, unless it has run out).
+    #[arg(long, default_value_t = 0.05)]
+    convert_rate: f64,
+    /// How long a trial lasts, in seconds. The settle phase waits for the
+    /// last trials to run out, so the run is at most this much longer.
+    #[arg(long, default_value_t = 2.0)]
+    trial_seconds: f64,
     /// Requests per second over all clients (default: unlimited for a fixed
     /// count, 100/s with --duration). 0 means unlimited.
     #[arg(long)]
@@ -246,6 +267,8 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
             &format!("127.0.0.1:{port}"),
             "--no-relay",
             "--fault-injection",
+            "--trial-period",
+            &format!("{}ms", (args.trial_seconds.max(0.001) * 1000.0).round()),
         ])
         .ready_when("listening on");
     subscriptions.start().await?;
@@ -335,6 +358,8 @@ async fn run(args: Args) -> Result<bool, Box<dyn Error>> {
         invalid_rate: args.invalid_rate,
         rollback_rate: args.rollback_rate,
         cancel_rate: args.cancel_rate,
+        trial_rate: args.trial_rate,
+        convert_rate: args.convert_rate,
         seed,
         rate: args.rate.or(args.duration.map(|_| 100.0)),
         started: Instant::now(),
@@ -689,13 +714,14 @@ async fn print_progress(
     let invoices = count(billing, "select count(*) from invoices").await;
     let crashes: u32 = billings.iter().map(|b| b.crashes).sum();
     println!(
-        "[{:>6.1}s] requests {:>5} (accepted {}, rejected {}, rolled back {}, cancelled {}, failed {}) | published {} | invoices {} | faults: nats {} relay {} billing {} crashes {} pg {}",
+        "[{:>6.1}s] requests {:>5} (accepted {}, rejected {}, rolled back {}, cancelled {}, converted {}, failed {}) | published {} | invoices {} | faults: nats {} relay {} billing {} crashes {} pg {}",
         started.elapsed().as_secs_f64(),
         progress.issued.load(Ordering::Relaxed),
         progress.accepted.load(Ordering::Relaxed),
         progress.rejected.load(Ordering::Relaxed),
         progress.rolled_back.load(Ordering::Relaxed),
         progress.cancelled.load(Ordering::Relaxed),
+        progress.converted.load(Ordering::Relaxed),
         progress.failed.load(Ordering::Relaxed),
         published,
         invoices,
@@ -720,16 +746,21 @@ fn report(
     println!();
     println!("== outbox demo report ==");
     println!(
-        "requests                {:>7}  accepted {}, rejected {}, rolled back {}, cancelled {}, failed {}",
+        "requests                {:>7}  accepted {} ({} with a trial), rejected {}, rolled back {}, cancelled {}, converted {}, too late to convert {}, failed {}",
         outcomes.accepted.len()
             + outcomes.rolled_back.len()
             + outcomes.cancelled.len()
+            + outcomes.converted.len()
+            + outcomes.too_late.len()
             + outcomes.rejected as usize
             + outcomes.failed as usize,
         outcomes.accepted.len(),
+        outcomes.trials.len(),
         outcomes.rejected,
         outcomes.rolled_back.len(),
         outcomes.cancelled.len(),
+        outcomes.converted.len(),
+        outcomes.too_late.len(),
         outcomes.failed
     );
     println!(
@@ -760,6 +791,16 @@ fn report(
         "invoice.created         {:>7}  in the stream",
         f.invoice_events
     );
+    let t = &f.trials;
+    println!(
+        "trial ends scheduled    {:>7}  cancelled by a conversion {}, with their subscription {}; ran out {}",
+        t.scheduled, t.converted, t.cancelled_with_subscription, t.ran_out
+    );
+    println!(
+        "trial ends recorded     {:>7}  by billing, each at or after its due time (at most {:.3}s after)",
+        t.recorded,
+        t.max_lateness.num_milliseconds() as f64 / 1000.0
+    );
     println!("dead letters            {:>7}", f.dead_letters);
     println!(
         "faults                           nats restarts {}, relay kill -9 {}, billing kill -9 {}, billing deaths between commit and ack {}, postgres restarts {}",
@@ -781,6 +822,8 @@ fn report(
     line("applied twice", &f.applied_twice);
     line("leaked from rollbacks", &f.leaked);
     line("order violations", &f.order_violations);
+    line("cancelled yet consumed", &f.cancelled_consumed);
+    line("consumed before due", &f.early);
     println!(
         "{:<24}{:>7}  {}",
         "outbox undrained",

@@ -16,10 +16,16 @@
 //! # {"id":"sub_0199…","event_id":"0199…"}
 //! curl -s localhost:8080/v1/subscriptions/sub_0199…
 //! curl -s -X POST localhost:8080/v1/subscriptions/sub_0199…/cancel
+//!
+//! curl -s localhost:8080/v1/subscriptions -H 'content-type: application/json' \
+//!   -d '{"customer_id": "cus_2", "plan": "pro", "amount_cents": 1234, "trial": true}'
+//! # {"id":"sub_0199…","event_id":"0199…","trial_event_id":"0199…","trial_ends_at":"…"}
+//! curl -s -X POST localhost:8080/v1/subscriptions/sub_0199…/convert
+//! # {"id":"sub_0199…","cancelled_event_id":"0199…"}
 //! ```
 //!
 //! Start-up applies the outbox migrations and creates the `subscriptions`
-//! table if missing, one replica at a time ([`migrate`]). The relay creates
+//! table (and its trial columns) if missing, one replica at a time ([`migrate`]). The relay creates
 //! the stream (`--stream`, `--subjects`) if it does not exist; `--no-relay`
 //! leaves publishing to a separate `outbox-relay`. SIGTERM or ctrl-c stops
 //! accepting requests, finishes those in flight and the relay's current
@@ -36,6 +42,7 @@
 //! | `--subjects` (`OUTBOX_SUBJECTS`) | `subscription.>,invoice.>` | the stream's subjects, if the relay creates it |
 //! | `--add-subjects`, `--stream-storage`, `--stream-replicas`, `--duplicate-window` | | what the relay's stream must be, as for `outbox-relay` (docs/relay.md) |
 //! | `--schemas` | `schemas/events` | the event schemas (falls back to the workspace's) |
+//! | `--trial-period` (`TRIAL_PERIOD`) | `14days` | how long a trial lasts (`30s`, `2h`, `14days`): its `subscription.trial_ended` falls due then |
 //! | `--fault-injection` | off | honour `x-fault: rollback` (tests and demos only) |
 //! | `--metrics-addr` | | `/metrics` (the in-process relay's), `/healthz`, `/readyz` (database; with the relay, NATS and the stream) |
 //! | `--log-format` | `human` | or `json`; logs go to stderr |
@@ -46,7 +53,9 @@
 //! | request | answer |
 //! | --- | --- |
 //! | `POST /v1/subscriptions` `{"customer_id", "plan", "amount_cents"}` | `201 {"id", "event_id"}`: the row and `subscription.created`, committed together |
-//! | `POST /v1/subscriptions/{id}/cancel` | `200 {"id", "event_id"}`: status `cancelled` and `subscription.cancelled`, together; `404` unknown, `409` already cancelled |
+//! | the same with `"trial": true` | `201 {"id", "event_id", "trial_event_id", "trial_ends_at"}`: also `subscription.trial_ended`, scheduled for the trial's end (`--trial-period` from now), and its id stored with the row, all committed together |
+//! | `POST /v1/subscriptions/{id}/convert` | `200 {"id", "cancelled_event_id"}`: the trial converted to paid (`converted_at`) and its `subscription.trial_ended` cancelled, together; `409` if the trial has ended already (the event was published, or is being published), the subscription has no trial, is converted already or cancelled; `404` unknown |
+//! | `POST /v1/subscriptions/{id}/cancel` | `200 {"id", "event_id"}`: status `cancelled` and `subscription.cancelled`, together, and a trial's `subscription.trial_ended` cancelled unless already published; `404` unknown, `409` already cancelled |
 //! | `GET /v1/subscriptions/{id}` | `200` the row, `404` |
 //! | `GET /healthz` | `200` when the database answers, else `503` |
 //!
@@ -98,9 +107,10 @@ use sqlx::PgPool;
 pub use error::{ApiError, Error};
 pub use extract::ApiJson;
 pub use handlers::Written;
+pub use handlers::convert::Converted;
 pub use handlers::create::{NewSubscription, new_subscription_id};
 pub use handlers::read::Subscription;
-pub use state::{AppState, FAULT_HEADER};
+pub use state::{AppState, DEFAULT_TRIAL_PERIOD, FAULT_HEADER};
 
 const CREATE_TABLE: &str = include_str!("../queries/create_subscriptions.sql");
 
@@ -113,6 +123,10 @@ pub fn router(state: AppState) -> Router {
             "/v1/subscriptions/{id}/cancel",
             post(handlers::cancel::cancel),
         )
+        .route(
+            "/v1/subscriptions/{id}/convert",
+            post(handlers::convert::convert),
+        )
         .route("/healthz", get(handlers::health::healthz))
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .layer(axum::middleware::from_fn(trace::request_span))
@@ -120,7 +134,7 @@ pub fn router(state: AppState) -> Router {
 }
 
 /// Applies the outbox migrations (`outbox_events`, `inbox_events`) and
-/// creates the `subscriptions` table if it does not exist, both under
+/// creates the `subscriptions` table and its trial columns if they do not exist, both under
 /// [`outbox_pg::migrate_with`]'s advisory lock, so replicas started together
 /// on a fresh database prepare it one at a time.
 ///

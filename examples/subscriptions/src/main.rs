@@ -62,6 +62,12 @@ struct Args {
     #[arg(long)]
     schemas: Option<PathBuf>,
 
+    /// How long a trial lasts (`"trial": true` at creation): its
+    /// `subscription.trial_ended` falls due this long after the creation
+    /// (`30s`, `2h`, `14days`).
+    #[arg(long, env = "TRIAL_PERIOD", default_value = "14days", value_parser = parse_trial_period)]
+    trial_period: Duration,
+
     /// Honour `x-fault: rollback` on write requests (tests and demos only).
     #[arg(long)]
     fault_injection: bool,
@@ -76,6 +82,15 @@ struct Args {
 
     #[command(flatten)]
     telemetry: TelemetryArgs,
+}
+
+/// A trial period: a humantime duration of at least a millisecond.
+fn parse_trial_period(s: &str) -> Result<Duration, String> {
+    let period = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if period < Duration::from_millis(1) {
+        return Err("a trial lasts at least 1ms".to_owned());
+    }
+    Ok(period)
 }
 
 /// A fatal error is one plain line on stderr (its message and causes), and
@@ -132,7 +147,9 @@ async fn run() -> Result<(), Box<dyn Error>> {
     };
 
     let app = router(
-        AppState::new(pool.clone(), Outbox::new(registry)).fault_injection(args.fault_injection),
+        AppState::new(pool.clone(), Outbox::new(registry))
+            .trial_period(args.trial_period)
+            .fault_injection(args.fault_injection),
     );
     tracing::info!(%addr, relay = !args.no_relay, fault_injection = args.fault_injection, "subscriptions service started");
     println!("listening on http://{addr}");

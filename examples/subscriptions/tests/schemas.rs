@@ -3,7 +3,9 @@
 //! files from the types with `UPDATE_SCHEMAS=1 cargo test -p example-subscriptions --test schemas`.
 
 use example_subscriptions::default_schemas_dir;
-use example_subscriptions::events::{SubscriptionCancelled, SubscriptionCreated};
+use example_subscriptions::events::{
+    SubscriptionCancelled, SubscriptionCreated, SubscriptionTrialEnded,
+};
 use outbox_pg::check_schema_file;
 
 #[test]
@@ -14,4 +16,9 @@ fn subscription_created_matches_its_schema_file() {
 #[test]
 fn subscription_cancelled_matches_its_schema_file() {
     check_schema_file::<SubscriptionCancelled>(default_schemas_dir()).unwrap();
+}
+
+#[test]
+fn subscription_trial_ended_matches_its_schema_file() {
+    check_schema_file::<SubscriptionTrialEnded>(default_schemas_dir()).unwrap();
 }

@@ -2,9 +2,11 @@
 
 mod cancelled;
 mod created;
+mod trial_ended;
 
 pub use cancelled::{CANCEL_RETRY_AFTER, NotInvoicedYet, VoidInvoices};
 pub use created::InvoiceSubscription;
+pub use trial_ended::RecordTrialEnd;
 
 const LOCK_SUBSCRIPTION: &str = include_str!("../../queries/lock_subscription.sql");
 

@@ -1,14 +1,17 @@
-//! `POST /v1/subscriptions`: the row and `subscription.created` in one transaction.
+//! `POST /v1/subscriptions`: the row and `subscription.created` in one
+//! transaction, and with a trial its scheduled `subscription.trial_ended`.
 
 use axum::Json;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use chrono::{DateTime, Utc};
+use outbox_pg::{Due, EventId};
 use serde::Deserialize;
 
 use super::Written;
 use crate::error::ApiError;
-use crate::events::{self, SubscriptionCreated};
+use crate::events::{self, SubscriptionCreated, SubscriptionTrialEnded};
 use crate::extract::ApiJson;
 use crate::state::AppState;
 
@@ -24,6 +27,10 @@ pub struct NewSubscription {
     pub plan: String,
     /// The price in cents; must not be negative.
     pub amount_cents: i64,
+    /// Whether the subscription starts with a trial (of the service's trial
+    /// period). Default: no trial.
+    #[serde(default)]
+    pub trial: bool,
 }
 
 impl NewSubscription {
@@ -67,29 +74,50 @@ pub(crate) async fn create(
         plan: body.plan.clone(),
         amount_cents: body.amount_cents,
     })?;
+    let trial = body.trial.then(|| {
+        let millis = state.trial_period.as_millis().max(1);
+        (EventId::new(), i64::try_from(millis).unwrap_or(i64::MAX))
+    });
 
-    // Row and event in one transaction; any error drops `tx`, which rolls back.
+    // Row, event and the trial's end in one transaction; any error drops
+    // `tx`, which rolls back.
     let mut tx = state.pool.begin().await?;
-    sqlx::query(INSERT)
+    let trial_ends_at: Option<DateTime<Utc>> = sqlx::query_scalar(INSERT)
         .bind(&id)
         .bind(&body.customer_id)
         .bind(&body.plan)
         .bind(body.amount_cents)
-        .execute(&mut *tx)
+        .bind(trial.map(|(_, millis)| millis))
+        .bind(trial.map(|(event_id, _)| *event_id.as_uuid()))
+        .fetch_one(&mut *tx)
         .await?;
     let event_id = state.outbox.enqueue(&mut tx, &event).await?;
+    let mut written = Written::new(id.clone(), event_id);
+    if let (Some((trial_event_id, _)), Some(ends)) = (trial, trial_ends_at) {
+        let ended = events::trial_ended(
+            trial_event_id,
+            SubscriptionTrialEnded {
+                subscription_id: id.clone(),
+                customer_id: body.customer_id.clone(),
+                trial_ended_at: ends,
+            },
+        )?;
+        state
+            .outbox
+            .schedule(&mut tx, &ended, Due::At(ends))
+            .await?;
+        written.trial_event_id = Some(trial_event_id.to_string());
+        written.trial_ends_at = Some(ends);
+    }
     if state.rollback_requested(&headers) {
         tx.rollback().await?;
         return Err(ApiError::InjectedRollback { id });
     }
     tx.commit().await?;
-    tracing::info!(subscription_id = %id, %event_id, customer_id = %body.customer_id, "subscription created");
+    tracing::info!(subscription_id = %id, %event_id, customer_id = %body.customer_id, trial_ends_at = ?trial_ends_at, "subscription created");
 
     let location = HeaderValue::from_str(&format!("/v1/subscriptions/{id}")).ok();
-    let written = Json(Written {
-        id,
-        event_id: event_id.to_string(),
-    });
+    let written = Json(written);
     Ok(match location {
         Some(location) => {
             (StatusCode::CREATED, [(header::LOCATION, location)], written).into_response()

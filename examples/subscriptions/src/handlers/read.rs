@@ -25,6 +25,12 @@ pub struct Subscription {
     pub status: String,
     /// When it was created.
     pub created_at: DateTime<Utc>,
+    /// When its trial ends (or ended); none without a trial.
+    pub trial_ends_at: Option<DateTime<Utc>>,
+    /// The id of its scheduled `subscription.trial_ended`; none without a trial.
+    pub trial_event_id: Option<uuid::Uuid>,
+    /// When its trial was converted to paid; none if it was not.
+    pub converted_at: Option<DateTime<Utc>>,
 }
 
 pub(crate) async fn get(

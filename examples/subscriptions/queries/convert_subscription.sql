@@ -1,0 +1,3 @@
+update subscriptions
+   set converted_at = now()
+ where id = $1
