@@ -14,9 +14,12 @@
 -- Three NOLOGIN group roles, each granted exactly what one component uses:
 --
 --   outbox_writer    a service that enqueues events in its transactions
---                    (outbox_pg::Outbox::enqueue): INSERT on outbox_events,
---                    USAGE on outbox_events_seq (the insert trigger calls
---                    nextval() as the inserting role).
+--                    (outbox_pg::Outbox::enqueue, schedule): INSERT on
+--                    outbox_events, USAGE on outbox_events_seq (the insert
+--                    trigger calls nextval() as the inserting role); to
+--                    cancel scheduled events (Outbox::cancel), SELECT on the
+--                    scheduling columns and UPDATE of cancelled_at and
+--                    cancelled_by.
 --   outbox_relay     outbox-relay, or a relay run in-process: SELECT, UPDATE
 --                    (claims, marks, backoff) and DELETE (retention) on
 --                    outbox_events (retention's row locks are covered by
@@ -112,6 +115,12 @@ $$;
 -- outbox_writer
 grant insert on outbox_events to outbox_writer;
 grant usage on sequence outbox_events_seq to outbox_writer;
+-- Cancelling a scheduled event (outbox_pg::Outbox::cancel): the columns
+-- that say whether it may still be cancelled, never a payload, and the two
+-- a cancel writes.
+grant select (id, due_at, published_at, released_at, cancelled_at),
+      update (cancelled_at, cancelled_by)
+   on outbox_events to outbox_writer;
 
 -- outbox_relay
 grant select, update, delete on outbox_events to outbox_relay;

@@ -130,13 +130,23 @@ begin
   end if;
 
   -- The due lane, per shard by the time a row is next due (its due time, or
-  -- its backoff after a failure). Cancelled rows leave it. due_at rides
-  -- along, so the gauges count scheduled rows from the index alone.
+  -- its backoff after a failure). Cancelled rows leave it.
   if not exists (select from pg_indexes
                   where schemaname = current_schema()
                     and indexname = 'outbox_events_due_idx') then
     create index outbox_events_due_idx
-      on outbox_events (shard, next_attempt_at) include (due_at)
+      on outbox_events (shard, next_attempt_at)
+      where published_at is null and due_at is not null and cancelled_at is null;
+  end if;
+
+  -- The same rows by due time, for the gauges and operators: the rows fallen
+  -- due are a range at its start, the next due time its first entry past
+  -- now(), so neither reads the rows due later.
+  if not exists (select from pg_indexes
+                  where schemaname = current_schema()
+                    and indexname = 'outbox_events_due_at_idx') then
+    create index outbox_events_due_at_idx
+      on outbox_events (due_at)
       where published_at is null and due_at is not null and cancelled_at is null;
   end if;
 

@@ -362,8 +362,12 @@ pub(crate) fn stats(stats: &Stats) {
     gauge!(BACKLOG).set(stats.backlog as f64);
     gauge!(PAST_CAP).set(stats.past_cap as f64);
     gauge!(OLDEST_AGE).set(stats.oldest_age_secs);
-    gauge!(SCHEDULED).set(stats.scheduled as f64);
     gauge!(NEXT_DUE).set(stats.next_due.unwrap_or(0.0));
+}
+
+/// Sets `outbox_relay_scheduled_rows`.
+pub(crate) fn scheduled(rows: i64) {
+    gauge!(SCHEDULED).set(rows as f64);
 }
 
 /// Records how late a scheduled row was published.

@@ -10,10 +10,17 @@ use crate::error::Result;
 use crate::metrics;
 use crate::sink::Sink;
 
+/// The scheduled rows are counted once per this many backlog readings
+/// (every minute at the default `stats_interval` of 5 s).
+const SCHEDULED_EVERY: u32 = 12;
+
 impl<S: Sink> Engine<S> {
     /// Every `stats_interval`, the reachability gauges and, on the owner of
-    /// shard 0 among `shards`' relays, the backlog gauges.
+    /// shard 0 among `shards`' relays, the backlog gauges; every
+    /// [`SCHEDULED_EVERY`] of those, the count of scheduled rows (its cost
+    /// grows with them).
     pub(super) async fn stats_loop(&self, shards: &Shards, shutdown: &CancellationToken) {
+        let mut ticks = 0_u32;
         while !shutdown.is_cancelled() {
             // Every relay reports its own reachability.
             self.probe_database(!shards.owned().is_empty()).await;
@@ -24,6 +31,13 @@ impl<S: Sink> Engine<S> {
                     Ok(stats) => metrics::stats(&stats),
                     Err(e) => debug!(error = %e, "reading backlog failed"),
                 }
+                if ticks.is_multiple_of(SCHEDULED_EVERY) {
+                    match self.store.scheduled_count().await {
+                        Ok(rows) => metrics::scheduled(rows),
+                        Err(e) => debug!(error = %e, "counting scheduled rows failed"),
+                    }
+                }
+                ticks = ticks.wrapping_add(1);
             }
             tokio::select! {
                 () = tokio::time::sleep(self.config.stats_interval) => {}

@@ -55,6 +55,15 @@ impl Store {
             .map_err(|e| Error::database("reading the next due time", e))
     }
 
+    /// Scheduled rows not due yet (see `queries/stats_scheduled.sql`).
+    pub(crate) async fn scheduled_count(&self) -> Result<i64> {
+        sqlx::query_file!("queries/stats_scheduled.sql")
+            .fetch_one(&self.pool)
+            .await
+            .map(|r| r.scheduled)
+            .map_err(|e| Error::database("counting scheduled rows", e))
+    }
+
     /// Gives back the leases of `ids` (taken by the due lane, not published).
     pub(crate) async fn due_unlock(&self, ids: &[Uuid]) -> Result<()> {
         if ids.is_empty() {

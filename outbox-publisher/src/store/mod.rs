@@ -265,9 +265,7 @@ pub(crate) struct Stats {
     pub(crate) backlog: i64,
     pub(crate) past_cap: i64,
     pub(crate) oldest_age_secs: f64,
-    /// Scheduled rows not due yet.
-    pub(crate) scheduled: i64,
-    /// When the earliest of them is due (Unix seconds).
+    /// When the earliest scheduled row not due yet is due (Unix seconds).
     pub(crate) next_due: Option<f64>,
 }
 

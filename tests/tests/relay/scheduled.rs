@@ -658,14 +658,23 @@ async fn cancels_racing_the_due_time_are_either_cancelled_and_never_published_or
     eprintln!("{cancelled} of 200 cancelled in time");
 }
 
-/// The backlog gauges as the relay reads them (its `stats.sql`): backlog,
-/// past cap, oldest age (s), scheduled, next due (Unix s).
+/// The backlog gauges as the relay reads them (its `stats.sql` and
+/// `stats_scheduled.sql`): backlog, past cap, oldest age (s), scheduled,
+/// next due (Unix s).
 async fn gauges(db: &TestDb) -> (i64, i64, f64, i64, Option<f64>) {
-    sqlx::query_as(include_str!("../../../outbox-publisher/queries/stats.sql"))
-        .bind(20_i32)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap()
+    let (backlog, past_cap, oldest, next_due): (i64, i64, f64, Option<f64>) =
+        sqlx::query_as(include_str!("../../../outbox-publisher/queries/stats.sql"))
+            .bind(20_i32)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    let scheduled: i64 = sqlx::query_scalar(include_str!(
+        "../../../outbox-publisher/queries/stats_scheduled.sql"
+    ))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    (backlog, past_cap, oldest, scheduled, next_due)
 }
 
 #[tokio::test]

@@ -87,7 +87,8 @@ async fn prepare(owner: &PgPool, logins: &Logins, first: bool) {
     }
     let grants = format!(
         "grant select, insert, update on subscriptions to {w};
-         grant select, insert, update on invoices to {b};",
+         grant select, insert, update on invoices to {b};
+         grant select, insert on trial_ends to {b};",
         w = logins.writer,
         b = logins.billing,
     );
@@ -271,7 +272,6 @@ async fn the_binaries_run_under_least_privilege_roles_and_a_missing_right_is_nam
     )
     .await;
     assert!((200..300).contains(&status), "{status} {json}");
-
     let pool = &db.pool;
     wait_until(
         "every invoice raised and the cancelled one voided",
@@ -329,6 +329,31 @@ async fn the_binaries_run_under_least_privilege_roles_and_a_missing_right_is_nam
         )
         .await,
         0
+    );
+
+    // A trial schedules its end, and converting cancels it: the writer's
+    // role schedules and cancels.
+    let body = r#"{"customer_id":"cust_t","plan":"pro","amount_cents":1200,"trial":true}"#;
+    let (status, json) = http(&addr, "POST", "/v1/subscriptions", body).await;
+    assert_eq!(status, 201, "{json}\n{}", log_of(&dir, "subscriptions"));
+    let trial = json["id"].as_str().unwrap().to_owned();
+    let (status, json) = http(
+        &addr,
+        "POST",
+        &format!("/v1/subscriptions/{trial}/convert"),
+        "",
+    )
+    .await;
+    assert_eq!(status, 200, "{json}\n{}", log_of(&dir, "subscriptions"));
+    assert_eq!(
+        count(
+            &db.pool,
+            "select count(*) from outbox_events where cancelled_at is not null
+               and cancelled_by = $1",
+            &logins.writer,
+        )
+        .await,
+        1
     );
 
     // --- A right revoked at run time: loud, retried, never dead-lettered.
