@@ -40,10 +40,11 @@ locked as (
   select o.id
     from outbox_events o
    where o.id in (select id from due)
-     -- Checked again on the row as it is when locked (another relay's take
-     -- or a cancel may have committed since this statement's snapshot).
+     -- Checked again on the row as it is when locked (another relay's take,
+     -- a cancel or a skip may have committed since this statement's snapshot).
      and o.published_at is null
      and o.cancelled_at is null
+     and o.skipped_at is null
      and (o.locked_until is null or o.locked_until <= now())
      for update skip locked
 ),
