@@ -319,6 +319,42 @@ async fn scheduled_rows_survive_a_database_crash_and_are_published_once_after_it
 }
 
 #[tokio::test]
+async fn a_drain_publishes_the_scheduled_rows_due_when_it_starts_and_leaves_the_others() {
+    let db = TestDb::new().await.unwrap();
+    let broker = nats().unwrap();
+    let due: Vec<_> = (0..30).map(|i| event(&format!("order-{i}"), i)).collect();
+    let due = schedule(&db, &due, Due::In(Duration::from_millis(200))).await;
+    let later = schedule(
+        &db,
+        &[event("order-later", 99)],
+        Due::In(Duration::from_secs(3600)),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let client = async_nats::connect(broker.url()).await.unwrap();
+    let relay = Relay::jetstream(
+        db.pool.clone(),
+        client,
+        &StreamSpec::new("DRAIN", vec!["orders.>".into()]),
+        config(),
+    )
+    .await
+    .unwrap();
+    let report = tokio::time::timeout(Duration::from_secs(30), relay.drain())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(report.published, 30, "{report:?}");
+    let ids: HashSet<EventId> = received(&broker, "DRAIN")
+        .await
+        .iter()
+        .map(Envelope::id)
+        .collect();
+    assert_eq!(ids, due.into_iter().collect::<HashSet<_>>());
+    assert_eq!(cancel(&db, later[0]).await, Cancellation::Cancelled);
+}
+
+#[tokio::test]
 async fn retention_deletes_cancelled_rows_once_the_window_has_passed() {
     let db = TestDb::new().await.unwrap();
     let ids = schedule(
