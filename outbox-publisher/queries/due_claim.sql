@@ -1,22 +1,31 @@
 -- The due lane's claim: scheduled rows of the shards $1 whose time has come
 -- (next_attempt_at, at or after due_at, passed by the database's clock), taken
 -- for publishing in one short statement.
---   $1 shards (smallint[]); $2 max attempts; $3 rows; $4 lease (ms);
---   $5 byte budget of the batch; $6 largest message (bytes)
+--   $1 shards (smallint[]); $2 max attempts; $3 rows; $4 byte budget of the
+--   batch; $5 largest message (bytes)
 --
 -- - Per shard, one range scan of outbox_events_due_idx up to now(): rows due
---   later are never read, however many there are.
+--   later are never read, however many there are; then at most $3 of them in
+--   due order.
+-- - The rows are then found by primary key, one lookup per id
+--   (`= any(array(…))`, which the planner can only look up), in every plan:
+--   a generic plan cached while the table was empty otherwise scanned every
+--   unpublished row per claim.
 -- - `for update skip locked`: a row a cancel holds (the canceller's
 --   transaction still open) is passed over, and read again next time; it is
---   then cancelled, or the cancel rolled back.
+--   then cancelled, or the cancel rolled back. The row is checked again as it
+--   is when locked: a cancel, a skip or another relay's take may have
+--   committed since this statement's snapshot.
 -- - released_at is set on the first take: from then on a cancel answers
---   "already published" (the row will be published, at least once).
---   locked_until leases the row to this relay while it publishes, so a relay
---   that took over the shard meanwhile does not publish it too; a relay
---   killed mid-batch leaves the lease to run out.
+--   "already published" (the row will be published, at least once). No
+--   lease is written: as for immediate rows, a shard has one owner, and a
+--   deposed owner finishing its batch while the new owner starts publishes
+--   rows the stream's duplicate window then stores once; a relay killed
+--   mid-batch leaves its rows to the relay that takes over its shards, at
+--   once.
 -- - The columns are those of claim.sql (the rows become the same ClaimedRow),
 --   plus the due time and how late the row is (by the database's clock).
-with due as (
+with due as materialized (
   select d.id
     from unnest($1::smallint[]) as s(shard)
    cross join lateral (
@@ -29,31 +38,26 @@ with due as (
         and o.next_attempt_at <= now()
         and o.attempts < $2
         and o.skipped_at is null
-        and (o.locked_until is null or o.locked_until <= now())
       order by o.next_attempt_at, o.seq
       limit $3
    ) d
    order by d.next_attempt_at, d.seq
    limit $3
 ),
-locked as (
+locked as materialized (
   select o.id
     from outbox_events o
-   where o.id in (select id from due)
-     -- Checked again on the row as it is when locked (another relay's take,
-     -- a cancel or a skip may have committed since this statement's snapshot).
+   where o.id = any(array(select id from due))
      and o.published_at is null
      and o.cancelled_at is null
      and o.skipped_at is null
-     and (o.locked_until is null or o.locked_until <= now())
+     and o.next_attempt_at <= now()
      for update skip locked
 ),
 taken as (
   update outbox_events o
-     set released_at = coalesce(o.released_at, now()),
-         locked_until = now() + $4::bigint * interval '1 millisecond'
-    from locked l
-   where o.id = l.id
+     set released_at = coalesce(o.released_at, now())
+   where o.id = any(array(select id from locked))
   returning o.id, o.seq, o.shard, o.event_type, o.source, o.subject, o.time, o.data,
             o.created_at, o.attempts, o.traceparent, o.tracestate, o.due_at, o.next_attempt_at
 ),
@@ -83,9 +87,9 @@ select c.id as "id!", c.seq as "seq!", c.shard as "shard!", false as "retry!",
             then c.created_at end as "created_at?: _",
        c.attempts as "attempts!", c.traceparent as "traceparent?: _", c.tracestate as "tracestate?: _",
        c.data_len::bigint as "data_len!",
-       coalesce(c.before, 0) > 0 and coalesce(c.before, 0) + c.data_len > $5::bigint as "over_budget!",
-       case when c.data_len <= $6::bigint
-             and not (coalesce(c.before, 0) > 0 and coalesce(c.before, 0) + c.data_len > $5::bigint)
+       coalesce(c.before, 0) > 0 and coalesce(c.before, 0) + c.data_len > $4::bigint as "over_budget!",
+       case when c.data_len <= $5::bigint
+             and not (coalesce(c.before, 0) > 0 and coalesce(c.before, 0) + c.data_len > $4::bigint)
             then c.data::text end as "data?: _",
        false as "blocked!", false as "blocker_parked!",
        null::timestamptz as "blocker_due?: _", false as "blocker_due_now!",

@@ -13,8 +13,6 @@ update outbox_events o
                        when f.counted then o.attempts + 1
                        else o.attempts end,
        last_error = f.error,
-       -- a scheduled row's lease (the due lane) ends with its attempt
-       locked_until = null,
        next_attempt_at = case when f.permanent or (f.counted and o.attempts + 1 >= $5) then 'infinity'::timestamptz
                               else now() + f.delay_ms * interval '1 millisecond' end
   from unnest($1::uuid[], $2::text[], $3::bigint[], $4::bool[], $6::bool[])

@@ -17,12 +17,14 @@
 //!   ask again, as does a change of owned shards.
 //! - **Once, across replicas and cancels.** It reads only the shards its
 //!   relay owns, and takes rows in one short statement (`due_claim.sql`)
-//!   that sets `released_at` (a cancel then answers "already published")
-//!   and leases the rows to this relay (`locked_until`), skipping rows a
-//!   cancel holds. Published rows are marked from their PubAck as every row
-//!   is; rows not published give their lease back at once, and a failed row
-//!   is backed off in the due lane. A relay killed mid-batch leaves its
-//!   leases to run out: its rows are late by up to the lease, never lost.
+//!   that sets `released_at` (a cancel then answers "already published"),
+//!   skipping rows a cancel holds. Published rows are marked from their
+//!   PubAck as every row is; a failed row is backed off in the due lane,
+//!   rows not tried are read again next turn. As for immediate rows, a
+//!   shard's deposed owner may finish its batch while the new owner starts,
+//!   and the stream's duplicate window stores a row both publish once; a
+//!   relay killed mid-batch leaves its rows to the relay that takes over its
+//!   shards, which publishes them at once (no lease to wait out).
 //! - **Order.** Rows go out in due-time order, one subject's rows due at the
 //!   same time in `seq` order (one chain, as the engine publishes every
 //!   subject). They do not wait for, nor hold back, the subject's immediate
@@ -49,8 +51,11 @@ use crate::store::DueRequest;
 /// seen within this.
 pub(crate) const MAX_SLEEP: Duration = Duration::from_secs(5);
 /// The pause when rows are due but none could be taken (held by a cancel in
-/// progress, or leased to a relay that stopped).
+/// progress).
 const HELD_PAUSE: Duration = Duration::from_millis(100);
+/// How often a relay whose broker is not connected looks again: a local
+/// check, so due rows go out as soon as it is back.
+const BROKER_CHECK: Duration = Duration::from_millis(250);
 
 /// The due source of a relay (see the module docs).
 #[derive(Debug)]
@@ -82,7 +87,7 @@ impl<'a, S: Sink> DueSource<'a, S> {
     /// Batches while rows are due, then sleeps until the next one is.
     async fn publish_loop(&self, mut wake: watch::Receiver<u64>, shutdown: &CancellationToken) {
         let mut owned = self.shards.subscribe();
-        let mut idle = LoopBackoff::new(Duration::from_millis(100), Duration::from_secs(10));
+        let mut idle = LoopBackoff::new(Duration::from_millis(100), Duration::from_secs(2));
         while !shutdown.is_cancelled() {
             wake.borrow_and_update();
             owned.borrow_and_update();
@@ -107,7 +112,7 @@ impl<'a, S: Sink> DueSource<'a, S> {
             return MAX_SLEEP;
         }
         if !self.engine.sink.is_available() {
-            return idle.next();
+            return BROKER_CHECK;
         }
         let report = match self.batch(&shards).await {
             Ok(report) => report,
@@ -149,7 +154,7 @@ impl<'a, S: Sink> DueSource<'a, S> {
     }
 
     /// Takes the due rows of `shards`, publishes them and records the
-    /// outcomes; the rows not published give their leases back.
+    /// outcomes.
     async fn batch(&self, shards: &[i16]) -> Result<BatchReport> {
         let config = &self.engine.config;
         let max_payload = self.engine.sink.max_payload();
@@ -161,7 +166,6 @@ impl<'a, S: Sink> DueSource<'a, S> {
                 shards,
                 max_attempts: config.max_attempts,
                 rows: config.batch_size,
-                lease: config.lease,
                 byte_budget: config.batch_bytes,
                 max_message: max_payload,
             })
@@ -176,12 +180,10 @@ impl<'a, S: Sink> DueSource<'a, S> {
         }
         metrics::batch(rows.len());
         let deadline = started + config.lease.saturating_sub(config.publish_timeout);
-        let unresolved = self
-            .engine
+        // Rows not tried stay due: the next turn reads them again.
+        self.engine
             .publish_rows(rows, deadline, max_payload, &mut report)
             .await?;
-        let ids: Vec<uuid::Uuid> = unresolved.iter().map(|r| r.id).collect();
-        self.engine.store.due_unlock(&ids).await?;
         self.engine.report_health();
         Ok(report)
     }

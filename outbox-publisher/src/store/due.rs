@@ -1,12 +1,9 @@
 //! The due lane's statements: scheduled rows taken when due, the time the
-//! next one is, and the leases given back.
-
-use std::time::Duration;
+//! next one is, and how many wait.
 
 use futures::TryStreamExt;
-use uuid::Uuid;
 
-use super::{ClaimRecord, ClaimedRow, Store, count, millis};
+use super::{ClaimRecord, ClaimedRow, Store, count};
 use crate::error::{Error, Result};
 
 /// What a due-lane claim takes.
@@ -15,8 +12,6 @@ pub(crate) struct DueRequest<'a> {
     pub(crate) shards: &'a [i16],
     pub(crate) max_attempts: i32,
     pub(crate) rows: usize,
-    /// How long the rows are leased to this relay.
-    pub(crate) lease: Duration,
     pub(crate) byte_budget: usize,
     pub(crate) max_message: usize,
 }
@@ -32,7 +27,6 @@ impl Store {
             req.shards,
             req.max_attempts,
             count(req.rows),
-            millis(req.lease),
             count(req.byte_budget),
             count(req.max_message),
         )
@@ -62,17 +56,5 @@ impl Store {
             .await
             .map(|r| r.scheduled)
             .map_err(|e| Error::database("counting scheduled rows", e))
-    }
-
-    /// Gives back the leases of `ids` (taken by the due lane, not published).
-    pub(crate) async fn due_unlock(&self, ids: &[Uuid]) -> Result<()> {
-        if ids.is_empty() {
-            return Ok(());
-        }
-        sqlx::query_file!("queries/due_unlock.sql", ids)
-            .execute(&self.pool)
-            .await
-            .map(drop)
-            .map_err(|e| Error::database("giving back due rows' leases", e))
     }
 }

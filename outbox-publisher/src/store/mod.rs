@@ -291,7 +291,7 @@ pub(crate) struct Store {
     pool: PgPool,
 }
 
-pub(super) fn millis(d: Duration) -> i64 {
+fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 

@@ -52,7 +52,7 @@ impl<S: Sink> Engine<S> {
             && self.sink.is_available()
             && !self.health.broker_up.swap(true, Ordering::Relaxed)
         {
-            info!("broker connected again; nothing was waiting to publish");
+            info!("broker connected again; no fresh row was waiting to publish");
         }
     }
 
