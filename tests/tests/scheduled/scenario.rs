@@ -447,16 +447,16 @@ pub(crate) async fn run(source: Source) {
         .min()
         .map_or(-1, |p| (p - back_at).num_milliseconds());
     println!(
-        "scheduled[{}] seed={} written in {:.1}s; {checked}; kill: relay-1 killed -9 with {} rows \
-         of its {} shards in hand at T0+{:.1}s, the survivor held every shard {} ms later, \
-         relay-1 restarted 2 s after; broker stopped for {} ms, first publish {resumed} ms after \
-         it was back; {lateness}",
+        "scheduled[{}] seed={} written in {:.1}s; {checked}; kill: relay-1 killed -9 at \
+         T0+{:.1}s ({} rows of its {} shards seen in hand just before), the survivor held every \
+         shard {} ms later, relay-1 restarted 2 s after; broker stopped for {} ms, first publish \
+         {resumed} ms after it was back; {lateness}",
         source.name(),
         plan.seed,
         written_in.as_secs_f64(),
+        (kill.killed_at - clock.t0).num_milliseconds() as f64 / 1000.0,
         kill.in_hand,
         kill.shards.len(),
-        (kill.killed_at - clock.t0).num_milliseconds() as f64 / 1000.0,
         (kill.taken_at - kill.killed_at).num_milliseconds(),
         (back_at - stopped_at).num_milliseconds(),
     );
