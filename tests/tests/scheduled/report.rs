@@ -56,13 +56,14 @@ pub(crate) struct Faults {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Class {
     /// Taken by the killed relay (released before it died, in its shards)
-    /// and published by another after it died: late by up to its lease.
+    /// and published by another after it died: by the shard's next owner,
+    /// once it holds the shard.
     Held,
     /// Due in the kill window.
     KillWindow,
     /// Due in the outage window.
     OutageWindow,
-    /// Everything else: held to the lateness bound.
+    /// Everything else.
     Outside,
 }
 
@@ -124,6 +125,8 @@ impl fmt::Display for Lateness {
 /// Lateness per class.
 #[derive(Debug)]
 pub(crate) struct ByClass {
+    /// Every row but those due in the outage window: held to the bound.
+    pub(crate) but_outage: Lateness,
     pub(crate) outside: Lateness,
     pub(crate) kill_window: Lateness,
     pub(crate) held: Lateness,
@@ -141,6 +144,12 @@ impl ByClass {
             )
         };
         Self {
+            but_outage: Lateness::of(
+                rows.iter()
+                    .filter(|r| faults.classify(r) != Class::OutageWindow)
+                    .map(PublishedRow::late_ms)
+                    .collect(),
+            ),
             outside: class(Class::Outside),
             kill_window: class(Class::KillWindow),
             held: class(Class::Held),
@@ -153,20 +162,21 @@ impl fmt::Display for ByClass {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "lateness outside the windows [{}]; due in the kill window [{}]; \
-             held by the killed relay [{}]; due in the outage window [{}]",
-            self.outside, self.kill_window, self.held, self.outage_window
+            "lateness of every row not due in the outage window [{}]: outside the windows \
+             [{}], due in the kill window [{}], held by the killed relay [{}]; due in the \
+             outage window [{}]",
+            self.but_outage, self.outside, self.kill_window, self.held, self.outage_window
         )
     }
 }
 
-/// The rows outside the windows more than 1 s late, per second of due time
-/// from `t0`: "T0+29s: 12 up to 4.3 s late".
+/// The rows not due in the outage window more than 1 s late, per second of
+/// due time from `t0`: "T0+29s: 12 up to 4.3 s late".
 pub(crate) fn late_outside(rows: &[PublishedRow], faults: &Faults, t0: DateTime<Utc>) -> String {
     let mut per_second: std::collections::BTreeMap<i64, (usize, f64)> = Default::default();
     for row in rows {
         let late = row.late_ms();
-        if late > 1_000.0 && faults.classify(row) == Class::Outside {
+        if late > 1_000.0 && faults.classify(row) != Class::OutageWindow {
             let second = (row.due_at - t0).num_seconds();
             let entry = per_second.entry(second).or_default();
             entry.0 += 1;

@@ -23,7 +23,8 @@ use super::support::{self, blocking, count_where};
 /// (`outbox_pg::Namespace`); the second is the shard.
 const SHARD_LOCKS: i64 = 1_868_722_690;
 const ALL_SHARDS: usize = 64;
-/// The bound on lateness outside the fault windows, at the 99th percentile.
+/// The bound on lateness of the rows not due in the broker outage window,
+/// at the 99th percentile (the killed relay's rows included).
 const P99_BOUND_MS: f64 = 1_000.0;
 
 /// Where the relays read new rows from (`--source`); the due lane is the
@@ -461,10 +462,10 @@ pub(crate) async fn run(source: Source) {
         (back_at - stopped_at).num_milliseconds(),
     );
     assert!(
-        lateness.outside.p99 <= P99_BOUND_MS,
-        "p99 lateness outside the fault windows is {:.0} ms (bound {P99_BOUND_MS} ms): {lateness}\n\
-         rows outside the windows more than 1 s late, per second of due time (from T0): {}",
-        lateness.outside.p99,
+        lateness.but_outage.p99 <= P99_BOUND_MS,
+        "p99 lateness outside the outage window is {:.0} ms (bound {P99_BOUND_MS} ms): {lateness}\n\
+         rows outside it more than 1 s late, per second of due time (from T0): {}",
+        lateness.but_outage.p99,
         report::late_outside(&rows, &faults, clock.t0)
     );
 
