@@ -33,6 +33,7 @@
 //!
 //! use outbox_pg::{Cancellation, Due, Envelope, Outbox};
 //!
+//! # #[allow(dead_code)]
 //! # async fn example(pool: sqlx::PgPool) -> outbox_pg::Result<()> {
 //! let outbox = Outbox::unvalidated();
 //! let reminder = Envelope::new(
