@@ -848,6 +848,33 @@ mod tests {
     }
 
     #[test]
+    fn scheduledfor_travels_as_an_rfc3339_time_and_a_bad_one_is_refused() {
+        let due = chrono::DateTime::parse_from_rfc3339("2026-12-20T08:00:00.123456789Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let env = created().with_scheduled_for(due);
+        let v: serde_json::Value = serde_json::from_slice(&env.to_json().unwrap()).unwrap();
+        assert_eq!(v["scheduledfor"], "2026-12-20T08:00:00.123456Z");
+        assert!(v.get("sequence").is_none(), "{v}");
+        let back = Envelope::<Created>::from_json(&env.to_json().unwrap()).unwrap();
+        assert_eq!(back.scheduled_for(), Some(due.trunc_subsecs(6)));
+        assert_eq!(back, env);
+        assert!(
+            created()
+                .to_value_envelope()
+                .unwrap()
+                .scheduled_for()
+                .is_none()
+        );
+        for bad in [json!("tomorrow"), json!(5), json!({"at": 1})] {
+            let mut v = v.clone();
+            v["scheduledfor"] = bad;
+            let err = Envelope::<Created>::from_json(v.to_string().as_bytes()).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidEnvelope, "{err}");
+        }
+    }
+
+    #[test]
     fn sequence_is_omitted_when_unset() {
         let env = created();
         assert_eq!(env.sequence(), None);
