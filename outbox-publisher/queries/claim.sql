@@ -67,14 +67,23 @@ ids as (
 ),
 -- Whether any row of these shards waits in the retry lane at all: when none
 -- does (the common case), no candidate needs a blocker lookup.
+-- One probe of outbox_events_retry_idx per shard, in every plan: asked as
+-- one `exists` over all the shards, the planner (misled by the scheduled
+-- rows, which also have next_attempt_at set) read the whole table.
 retrying as (
   select exists (select 1
-                   from outbox_events r
-                  where r.shard = any($1::smallint[])
-                    and r.published_at is null
-                    and r.next_attempt_at is not null
-                    and r.due_at is null
-                    and r.skipped_at is null) as found
+                   from unnest($1::smallint[]) as s(shard)
+                  cross join lateral (
+                    select 1
+                      from outbox_events r
+                     where r.shard = s.shard
+                       and r.published_at is null
+                       and r.next_attempt_at is not null
+                       and r.due_at is null
+                       and r.skipped_at is null
+                     order by r.next_attempt_at
+                     limit 1
+                  ) r) as found
 ),
 -- Sizes without rendering the JSON where the stored size tells: for a
 -- compressed or large value it does not, and its text length is taken.
