@@ -960,15 +960,26 @@ pub(crate) async fn wal_drain(
 }
 
 /// Drops `db`'s replication slots, made by a WAL relay: a database with one
-/// cannot be dropped.
+/// cannot be dropped. A relay that just exited may leave its walsender a
+/// moment behind, holding the slot: waited for (up to 10 s).
 pub(crate) async fn drop_slots(db: &Db) -> Result<()> {
-    sqlx::query(
-        "select pg_drop_replication_slot(slot_name) from pg_replication_slots
-          where database = current_database()",
-    )
-    .execute(&db.pool)
-    .await?;
-    Ok(())
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let dropped = sqlx::query(
+            "select pg_drop_replication_slot(slot_name) from pg_replication_slots
+              where database = current_database()",
+        )
+        .execute(&db.pool)
+        .await;
+        match dropped {
+            Err(sqlx::Error::Database(e))
+                if e.code().as_deref() == Some("55006") && Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => return other.map(drop).map_err(Into::into),
+        }
+    }
 }
 
 #[cfg(test)]
