@@ -568,6 +568,9 @@ pub(crate) fn bulk_rate(samples: &[(f64, u64)], rows: usize) -> f64 {
 pub(crate) struct Phases {
     pub(crate) seconds: BTreeMap<String, f64>,
     pub(crate) batches: BTreeMap<String, f64>,
+    /// Per phase, the batches that spent at most 100 ms in it (the
+    /// histogram's `le="0.1"` bucket).
+    pub(crate) within_100ms: BTreeMap<String, f64>,
     pub(crate) published: f64,
 }
 
@@ -585,6 +588,11 @@ impl Phases {
                 }
                 ("outbox_relay_batch_phase_seconds_count", Some(p)) => {
                     *out.batches.entry(p).or_default() += value;
+                }
+                ("outbox_relay_batch_phase_seconds_bucket", Some(p))
+                    if labels.contains("le=\"0.1\"") =>
+                {
+                    *out.within_100ms.entry(p).or_default() += value;
                 }
                 ("outbox_relay_published_total", _) => out.published += value,
                 _ => {}
@@ -605,7 +613,19 @@ impl Phases {
         for (k, v) in &other.batches {
             *self.batches.entry(k.clone()).or_default() += v;
         }
+        for (k, v) in &other.within_100ms {
+            *self.within_100ms.entry(k.clone()).or_default() += v;
+        }
         self.published += other.published;
+    }
+
+    /// Batches that spent more than 100 ms in `phase` (0 when its buckets
+    /// were not read).
+    pub(crate) fn over_100ms(&self, phase: &str) -> f64 {
+        match (self.batches.get(phase), self.within_100ms.get(phase)) {
+            (Some(all), Some(fast)) => all - fast,
+            _ => 0.0,
+        }
     }
 
     /// Each phase's share of the time all phases took.
@@ -990,6 +1010,7 @@ mod tests {
     fn phases_from_prometheus_text() {
         // As outbox-relay serves it: a histogram with buckets.
         let text = "# TYPE outbox_relay_batch_phase_seconds histogram\n\
+            outbox_relay_batch_phase_seconds_bucket{phase=\"claim\",le=\"0.1\"} 7\n\
             outbox_relay_batch_phase_seconds_bucket{phase=\"claim\",le=\"0.25\"} 10\n\
             outbox_relay_batch_phase_seconds_bucket{phase=\"claim\",le=\"+Inf\"} 10\n\
             outbox_relay_batch_phase_seconds_sum{phase=\"claim\"} 1.5\n\
@@ -1001,6 +1022,7 @@ mod tests {
         assert_eq!(p.batches["claim"], 10.0);
         assert_eq!(p.published, 2000.0);
         assert_eq!(p.share("publish"), Some(0.75));
+        assert_eq!(p.over_100ms("claim"), 3.0);
         let (per, rows) = p.per_batch().unwrap();
         assert_eq!((per.as_millis(), rows), (600, 200.0));
     }
