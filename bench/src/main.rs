@@ -195,6 +195,10 @@ pub(crate) struct Args {
     /// and vacuum it before it falls due.
     #[arg(long, default_value = "10s", value_parser = parse_secs)]
     pub(crate) due_lead: Duration,
+    /// `--batch-size` of the relay in the due-lane burst (its default when
+    /// unset): the due claim reads up to this many rows per shard.
+    #[arg(long)]
+    pub(crate) due_batch_size: Option<usize>,
     /// The relay's sources the scheduled part runs, comma-separated.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "poll,wal")]
     pub(crate) scheduled_sources: Vec<scheduled::Source>,

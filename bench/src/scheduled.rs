@@ -650,13 +650,18 @@ async fn due_once(env: &Env, args: &Args, source: Source) -> Result<DueRun> {
     let db = env.database("due").await?;
     let stream = env.stream_name();
     let result = async {
+        let batch = args.due_batch_size.map(|n| n.to_string());
+        let mut flags = vec!["--source", source.flag()];
+        if let Some(n) = &batch {
+            flags.extend(["--batch-size", n.as_str()]);
+        }
         let mut relay = RelayProc::start_with_args(
             env,
             &format!("{stream}_due"),
             &db.url,
             &stream,
             SUBJECTS,
-            &["--source", source.flag()],
+            &flags,
         )
         .await?;
         let ready = match source {
@@ -810,14 +815,18 @@ fn due_report(args: &Args, runs: &[Vec<DueRun>]) -> String {
         num(args.subjects as f64, 0),
         args.rounds
     );
-    for (source, r) in args.scheduled_sources.iter().zip(runs) {
+    let relay = |source: Source| match args.due_batch_size {
+        Some(n) => format!("--source {} --batch-size {n}", source.flag()),
+        None => format!("--source {}", source.flag()),
+    };
+    for (&source, r) in args.scheduled_sources.iter().zip(runs) {
         let pick = |f: fn(&DueRun) -> f64, decimals| {
             let values: Vec<f64> = r.iter().map(f).collect();
             Spread::of(&values).show(decimals)
         };
         out.push_str(&format!(
-            "| --source {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
-            source.flag(),
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            relay(source),
             pick(|d| d.run.rate, 0),
             pick(|d| d.first_seen, 2),
             pick(|d| d.half_seen, 2),
@@ -828,6 +837,26 @@ fn due_report(args: &Args, runs: &[Vec<DueRun>]) -> String {
             pick(|d| d.max, 2),
         ));
     }
+    out.push_str(&due_batches(args, runs, &relay));
+    let lines: Vec<(String, Vec<(Use, Duration)>)> = args
+        .scheduled_sources
+        .iter()
+        .zip(runs)
+        .map(|(&s, r)| {
+            let runs = r.iter().map(|d| (d.run.cpu.clone(), d.run.wall)).collect();
+            (relay(s), runs)
+        })
+        .collect();
+    out.push_str(&format!(
+        "\nCPU seconds per 100,000 events from the due time until every row was marked, by process (median of the rounds; from /proc):\n\n{}",
+        per_events_table("relay", &lines, args.due_events)
+    ));
+    out
+}
+
+/// The due lane's batches: how many, and what each phase took.
+fn due_batches(args: &Args, runs: &[Vec<DueRun>], relay: &dyn Fn(Source) -> String) -> String {
+    let mut out = String::new();
     out.push_str(
         "\nThe due lane's batches (sums over the rounds, from the relay's \
          `outbox_relay_batch_phase_seconds`; publish and mark are the due lane's, \
@@ -835,7 +864,7 @@ fn due_report(args: &Args, runs: &[Vec<DueRun>]) -> String {
          | relay | due claims per burst | ms per due claim | ms per publish | ms per mark | rows published per due claim |\n\
          |---|---:|---:|---:|---:|---:|\n",
     );
-    for (source, r) in args.scheduled_sources.iter().zip(runs) {
+    for (&source, r) in args.scheduled_sources.iter().zip(runs) {
         let mut phases = Phases::default();
         for run in r {
             phases.add(&run.run.phases);
@@ -849,8 +878,8 @@ fn due_report(args: &Args, runs: &[Vec<DueRun>]) -> String {
             }
         };
         out.push_str(&format!(
-            "| --source {} | {:.1} | {} | {} | {} | {} |\n",
-            source.flag(),
+            "| {} | {:.1} | {} | {} | {} | {} |\n",
+            relay(source),
             claims / r.len().max(1) as f64,
             phase_ms(&phases, "due_claim"),
             phase_ms(&phases, "publish"),
@@ -858,18 +887,5 @@ fn due_report(args: &Args, runs: &[Vec<DueRun>]) -> String {
             per(phases.published),
         ));
     }
-    let lines: Vec<(String, Vec<(Use, Duration)>)> = args
-        .scheduled_sources
-        .iter()
-        .zip(runs)
-        .map(|(s, r)| {
-            let runs = r.iter().map(|d| (d.run.cpu.clone(), d.run.wall)).collect();
-            (format!("--source {}", s.flag()), runs)
-        })
-        .collect();
-    out.push_str(&format!(
-        "\nCPU seconds per 100,000 events from the due time until every row was marked, by process (median of the rounds; from /proc):\n\n{}",
-        per_events_table("relay", &lines, args.due_events)
-    ));
     out
 }
