@@ -112,6 +112,40 @@ impl Use {
     }
 }
 
+/// A table of CPU seconds per 100,000 events by kind of process, one line
+/// per `(name, runs)` (the median over its runs, each a window's use and
+/// wall time), with the total and how busy the machine's cores were; the
+/// first column is headed `first`.
+pub(crate) fn per_events_table(
+    first: &str,
+    lines: &[(String, Vec<(Use, Duration)>)],
+    events: usize,
+) -> String {
+    let per = 100_000.0 / events.max(1) as f64;
+    let mut out = format!(
+        "| {first} | {} | total | cores busy |\n|---|{}---:|---:|\n",
+        Who::ALL.map(Who::name).join(" | "),
+        "---:|".repeat(Who::ALL.len()),
+    );
+    for (name, runs) in lines {
+        let median = |f: &dyn Fn(&Use, Duration) -> f64| {
+            let values: Vec<f64> = runs.iter().map(|(u, w)| f(u, *w)).collect();
+            crate::stats::Spread::of(&values).median
+        };
+        let cells: Vec<String> = Who::ALL
+            .iter()
+            .map(|&who| format!("{:.2}", median(&|u, _| u.of(who) * per)))
+            .collect();
+        out.push_str(&format!(
+            "| {name} | {} | {:.2} | {:.0} % |\n",
+            cells.join(" | "),
+            median(&|u, _| u.total() * per),
+            median(&|u, w| u.busy(w)) * 100.0
+        ));
+    }
+    out
+}
+
 /// The command name and user + system ticks of a `/proc/<pid>/stat` line.
 /// The name is in parentheses and may itself hold spaces or parentheses, so
 /// the fields are counted from the last `)`.

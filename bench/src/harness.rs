@@ -53,6 +53,13 @@ pub(crate) struct Env {
     notes: Mutex<Vec<String>>,
 }
 
+/// A database closed to connections, copied by [`Env::database_from`].
+#[derive(Debug)]
+pub(crate) struct Template {
+    pub(crate) name: String,
+    url: String,
+}
+
 /// One mode's own database.
 #[derive(Debug)]
 pub(crate) struct Db {
@@ -139,6 +146,62 @@ impl Env {
             .await?;
         outbox_pg::migrate(&pool).await?;
         Ok(Db { name, url, pool })
+    }
+
+    /// Closes `db` and keeps it as a template: no one may connect to it
+    /// (autovacuum included), so it can be copied.
+    pub(crate) async fn freeze(&self, db: Db) -> Result<Template> {
+        db.pool.close().await;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "alter database \"{}\" allow_connections false",
+            db.name
+        )))
+        .execute(&self.admin)
+        .await?;
+        Ok(Template {
+            name: db.name,
+            url: db.url,
+        })
+    }
+
+    /// A copy of `template`, file by file (its rows, indexes, visibility map
+    /// and statistics as they are).
+    pub(crate) async fn database_from(&self, template: &Template, label: &str) -> Result<Db> {
+        let name = format!("bench_{}_{}_{label}", std::process::id(), self.serial());
+        let create = format!(
+            "create database \"{name}\" template \"{}\" strategy file_copy",
+            template.name
+        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        // A backend that just left the template may still be exiting.
+        while let Err(e) = sqlx::query(sqlx::AssertSqlSafe(create.clone()))
+            .execute(&self.admin)
+            .await
+        {
+            if Instant::now() > deadline || !e.to_string().contains("other users") {
+                return Err(e.into());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let url = template
+            .url
+            .replacen(&format!("/{}", template.name), &format!("/{name}"), 1);
+        let pool = PgPoolOptions::new()
+            .max_connections(20)
+            .acquire_timeout(Duration::from_secs(60))
+            .connect(&url)
+            .await?;
+        Ok(Db { name, url, pool })
+    }
+
+    pub(crate) async fn drop_template(&self, template: Template) -> Result<()> {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "drop database if exists \"{}\" with (force)",
+            template.name
+        )))
+        .execute(&self.admin)
+        .await?;
+        Ok(())
     }
 
     pub(crate) async fn drop_database(&self, db: Db) -> Result<()> {
@@ -253,10 +316,17 @@ pub(crate) fn envelopes(n: usize, subjects: usize, pad: usize) -> Result<Vec<Env
 /// Writes `events` through the outbox in one statement, then vacuums, so
 /// every mode starts from the same settled table.
 pub(crate) async fn insert_events(pool: &PgPool, events: &[Envelope]) -> Result<()> {
+    enqueue_events(pool, events).await?;
+    vacuum(pool).await
+}
+
+/// Writes `events` through the outbox in one statement and commits; no
+/// vacuum (for a relay reading the WAL, whose clock runs from the commit).
+pub(crate) async fn enqueue_events(pool: &PgPool, events: &[Envelope]) -> Result<()> {
     let mut tx = pool.begin().await?;
     Outbox::unvalidated().enqueue_all(&mut tx, events).await?;
     tx.commit().await?;
-    vacuum(pool).await
+    Ok(())
 }
 
 /// `rows` events shaped like [`envelopes`], written by the database in one
@@ -268,36 +338,54 @@ pub(crate) async fn insert_series(
     subjects: usize,
     pad: usize,
 ) -> Result<()> {
+    insert_scheduled(pool, rows, subjects, pad, None).await
+}
+
+/// [`insert_series`] with `due_at` set to `due` on every row (scheduled
+/// events, written in plain SQL; `None`: immediate ones), then vacuumed.
+pub(crate) async fn insert_scheduled(
+    pool: &PgPool,
+    rows: usize,
+    subjects: usize,
+    pad: usize,
+    due: Option<chrono::DateTime<chrono::Utc>>,
+) -> Result<()> {
     sqlx::query(
-        "insert into outbox_events (id, event_type, source, subject, time, data)
+        "insert into outbox_events (id, event_type, source, subject, time, data, due_at)
          select gen_random_uuid(), $4, 'bench', 'entity_' || (i % $2), now(),
                 jsonb_build_object('n', i, 'plan', 'pro', 'amount_cents', 1234,
-                                   'customer_id', 'cust_123456', 'note', repeat('x', $3))
+                                   'customer_id', 'cust_123456', 'note', repeat('x', $3)),
+                $5
            from generate_series(0, $1 - 1) i",
     )
     .bind(i64::try_from(rows)?)
     .bind(i64::try_from(subjects)?)
     .bind(i32::try_from(pad)?)
     .bind(EVENT_TYPE)
+    .bind(due)
     .execute(pool)
     .await?;
     vacuum(pool).await
 }
 
-async fn vacuum(pool: &PgPool) -> Result<()> {
+pub(crate) async fn vacuum(pool: &PgPool) -> Result<()> {
     sqlx::query("vacuum analyze outbox_events")
         .execute(pool)
         .await?;
     Ok(())
 }
 
-/// Unpublished rows left.
+/// Rows that should be published by now and are not: immediate rows, and
+/// scheduled rows fallen due (rows scheduled later, or cancelled, are not
+/// the relay's yet, or ever).
 pub(crate) async fn unpublished(pool: &PgPool) -> Result<i64> {
-    Ok(
-        sqlx::query_scalar("select count(*) from outbox_events where published_at is null")
-            .fetch_one(pool)
-            .await?,
+    Ok(sqlx::query_scalar(
+        "select count(*) from outbox_events
+          where published_at is null and cancelled_at is null
+            and (due_at is null or due_at <= now())",
     )
+    .fetch_one(pool)
+    .await?)
 }
 
 /// Waits (up to 30 s) until no row is unpublished: the stream can hold a
@@ -480,6 +568,9 @@ pub(crate) fn bulk_rate(samples: &[(f64, u64)], rows: usize) -> f64 {
 pub(crate) struct Phases {
     pub(crate) seconds: BTreeMap<String, f64>,
     pub(crate) batches: BTreeMap<String, f64>,
+    /// Per phase, the batches that spent at most 100 ms in it (the
+    /// histogram's `le="0.1"` bucket).
+    pub(crate) within_100ms: BTreeMap<String, f64>,
     pub(crate) published: f64,
 }
 
@@ -497,6 +588,11 @@ impl Phases {
                 }
                 ("outbox_relay_batch_phase_seconds_count", Some(p)) => {
                     *out.batches.entry(p).or_default() += value;
+                }
+                ("outbox_relay_batch_phase_seconds_bucket", Some(p))
+                    if labels.contains("le=\"0.1\"") =>
+                {
+                    *out.within_100ms.entry(p).or_default() += value;
                 }
                 ("outbox_relay_published_total", _) => out.published += value,
                 _ => {}
@@ -517,7 +613,19 @@ impl Phases {
         for (k, v) in &other.batches {
             *self.batches.entry(k.clone()).or_default() += v;
         }
+        for (k, v) in &other.within_100ms {
+            *self.within_100ms.entry(k.clone()).or_default() += v;
+        }
         self.published += other.published;
+    }
+
+    /// Batches that spent more than 100 ms in `phase` (0 when its buckets
+    /// were not read).
+    pub(crate) fn over_100ms(&self, phase: &str) -> f64 {
+        match (self.batches.get(phase), self.within_100ms.get(phase)) {
+            (Some(all), Some(fast)) => all - fast,
+            _ => 0.0,
+        }
     }
 
     /// Each phase's share of the time all phases took.
@@ -872,15 +980,26 @@ pub(crate) async fn wal_drain(
 }
 
 /// Drops `db`'s replication slots, made by a WAL relay: a database with one
-/// cannot be dropped.
+/// cannot be dropped. A relay that just exited may leave its walsender a
+/// moment behind, holding the slot: waited for (up to 10 s).
 pub(crate) async fn drop_slots(db: &Db) -> Result<()> {
-    sqlx::query(
-        "select pg_drop_replication_slot(slot_name) from pg_replication_slots
-          where database = current_database()",
-    )
-    .execute(&db.pool)
-    .await?;
-    Ok(())
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let dropped = sqlx::query(
+            "select pg_drop_replication_slot(slot_name) from pg_replication_slots
+              where database = current_database()",
+        )
+        .execute(&db.pool)
+        .await;
+        match dropped {
+            Err(sqlx::Error::Database(e))
+                if e.code().as_deref() == Some("55006") && Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => return other.map(drop).map_err(Into::into),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -891,6 +1010,7 @@ mod tests {
     fn phases_from_prometheus_text() {
         // As outbox-relay serves it: a histogram with buckets.
         let text = "# TYPE outbox_relay_batch_phase_seconds histogram\n\
+            outbox_relay_batch_phase_seconds_bucket{phase=\"claim\",le=\"0.1\"} 7\n\
             outbox_relay_batch_phase_seconds_bucket{phase=\"claim\",le=\"0.25\"} 10\n\
             outbox_relay_batch_phase_seconds_bucket{phase=\"claim\",le=\"+Inf\"} 10\n\
             outbox_relay_batch_phase_seconds_sum{phase=\"claim\"} 1.5\n\
@@ -902,6 +1022,7 @@ mod tests {
         assert_eq!(p.batches["claim"], 10.0);
         assert_eq!(p.published, 2000.0);
         assert_eq!(p.share("publish"), Some(0.75));
+        assert_eq!(p.over_100ms("claim"), 3.0);
         let (per, rows) = p.per_batch().unwrap();
         assert_eq!((per.as_millis(), rows), (600, 200.0));
     }

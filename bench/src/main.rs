@@ -44,6 +44,11 @@
 //! 10. `hot` ([`hot`], not run by default): one `outbox-relay` process
 //!     draining a backlog of one envelope subject (one entity) against the
 //!     same number of events spread over `--subjects`.
+//! 11. `scheduled` ([`scheduled`], not run by default): one `outbox-relay`
+//!     process draining immediate rows from a table with and without a
+//!     million rows scheduled a day ahead, the relay's statements under
+//!     `EXPLAIN` on both; then the due lane publishing a burst of rows due at
+//!     the same second.
 
 mod audit;
 mod consumer;
@@ -57,6 +62,7 @@ mod latency;
 mod raw_vs_relay;
 mod replicas;
 mod rss;
+mod scheduled;
 mod stats;
 mod writers;
 
@@ -80,6 +86,7 @@ enum Part {
     Replicas,
     Audit,
     Hot,
+    Scheduled,
 }
 
 #[derive(Debug, Parser)]
@@ -173,6 +180,28 @@ pub(crate) struct Args {
     /// Backlog of the hot-entity part, of one subject and spread.
     #[arg(long, default_value_t = 30_000)]
     pub(crate) hot_events: usize,
+    /// Immediate events drained in the scheduled part, with and without the
+    /// future rows (0 skips that half).
+    #[arg(long, default_value_t = 100_000)]
+    pub(crate) scheduled_events: usize,
+    /// Rows scheduled a day ahead in the scheduled part's table.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub(crate) scheduled_rows: usize,
+    /// Rows due at the same second in the scheduled part's due-lane burst
+    /// (0 skips it).
+    #[arg(long, default_value_t = 100_000)]
+    pub(crate) due_events: usize,
+    /// How far ahead the burst is scheduled (whole seconds): time to write
+    /// and vacuum it before it falls due.
+    #[arg(long, default_value = "10s", value_parser = parse_secs)]
+    pub(crate) due_lead: Duration,
+    /// `--batch-size` of the relay in the due-lane burst (its default when
+    /// unset): the due claim reads up to this many rows per shard.
+    #[arg(long)]
+    pub(crate) due_batch_size: Option<usize>,
+    /// The relay's sources the scheduled part runs, comma-separated.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "poll,wal")]
+    pub(crate) scheduled_sources: Vec<scheduled::Source>,
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
@@ -232,6 +261,9 @@ async fn main() -> Result<()> {
     }
     if runs(Part::Hot) && args.hot_events > 0 {
         hot::run(&env, &args, &mut summary).await?;
+    }
+    if runs(Part::Scheduled) {
+        scheduled::run(&env, &args, &mut summary).await?;
     }
 
     println!(

@@ -32,7 +32,7 @@ use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
 use crate::Args;
-use crate::cpu::{Sample, Use, Who};
+use crate::cpu::{Sample, Use};
 use crate::harness::{
     Db, Env, Phases, Result, TAIL, bulk_rate, drain, drop_slots, envelopes, insert_events, pad,
     publish_all, repeat_if_killed, stop_all, tail_secs, wait_for_messages, wait_marked, wal_drain,
@@ -169,33 +169,18 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
 /// Where the cores went: CPU seconds per 100,000 events by kind of process
 /// (medians over the rounds), and how full the machine was.
 fn cpu_table(modes: &[Mode], cpus: &[Vec<(Use, Duration)>], events: usize) -> String {
-    let per = 100_000.0 / events.max(1) as f64;
-    let mut out = format!(
+    let lines: Vec<(String, Vec<(Use, Duration)>)> = modes
+        .iter()
+        .zip(cpus)
+        .map(|(mode, runs)| (mode.name(), runs.clone()))
+        .collect();
+    format!(
         "\nCPU seconds per 100,000 events while each path ran, by process (median of the \
          rounds; from /proc, {} cores; the raw publisher and the simple relay run in the bench \
-         process):\n\n| path | {} | total | cores busy |\n|---|{}---:|---:|\n",
+         process):\n\n{}",
         std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
-        Who::ALL.map(Who::name).join(" | "),
-        "---:|".repeat(Who::ALL.len()),
-    );
-    for (mode, runs) in modes.iter().zip(cpus) {
-        let median = |f: &dyn Fn(&Use, Duration) -> f64| {
-            let values: Vec<f64> = runs.iter().map(|(u, w)| f(u, *w)).collect();
-            Spread::of(&values).median
-        };
-        let cells: Vec<String> = Who::ALL
-            .iter()
-            .map(|&who| format!("{:.2}", median(&|u, _| u.of(who) * per)))
-            .collect();
-        out.push_str(&format!(
-            "| {} | {} | {:.2} | {:.0} % |\n",
-            mode.name(),
-            cells.join(" | "),
-            median(&|u, _| u.total() * per),
-            median(&|u, w| u.busy(w)) * 100.0
-        ));
-    }
-    out
+        crate::cpu::per_events_table("path", &lines, events)
+    )
 }
 
 /// One mode's result in one round.
