@@ -386,7 +386,7 @@ fn statements() -> Vec<Statement> {
         Statement {
             name: "due_claim.sql (64 shards)",
             sql: include_str!("../../outbox-publisher/queries/due_claim.sql"),
-            args: format!("{all}, 20, 1000, 8388608, 1048576"),
+            args: format!("{all}, 20, 1000, 8388608, 1048576, 64"),
         },
     ]
 }

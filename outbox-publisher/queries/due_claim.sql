@@ -2,11 +2,12 @@
 -- (next_attempt_at, at or after due_at, passed by the database's clock), taken
 -- for publishing in one short statement.
 --   $1 shards (smallint[]); $2 max attempts; $3 rows; $4 byte budget of the
---   batch; $5 largest message (bytes)
+--   batch; $5 largest message (bytes); $6 rows read per shard at most
 --
--- - Per shard, one range scan of outbox_events_due_idx up to now(): rows due
---   later are never read, however many there are; then at most $3 of them in
---   due order.
+-- - Per shard, one range scan of outbox_events_due_idx up to now(), at most
+--   $6 rows deep: rows due later are never read, however many there are, and
+--   a burst due at once costs a claim a few rows per shard, not a batch per
+--   shard; then at most $3 of them in due order.
 -- - The rows are then found by primary key, one lookup per id
 --   (`= any(array(…))`, which the planner can only look up), in every plan:
 --   a generic plan cached while the table was empty otherwise scanned every
@@ -39,7 +40,7 @@ with due as materialized (
         and o.attempts < $2
         and o.skipped_at is null
       order by o.next_attempt_at, o.seq
-      limit $3
+      limit $6
    ) d
    order by d.next_attempt_at, d.seq
    limit $3

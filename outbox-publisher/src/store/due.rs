@@ -16,6 +16,20 @@ pub(crate) struct DueRequest<'a> {
     pub(crate) max_message: usize,
 }
 
+/// Fewest rows a due-lane claim reads from one shard.
+const MIN_PER_SHARD: usize = 64;
+
+/// Rows a due-lane claim reads from each of `shards` shards for a batch of
+/// `rows`: four times an even share, at least [`MIN_PER_SHARD`], so a burst
+/// spread over the shards fills the batch from a few rows of each instead of
+/// reading a batch from every shard; a burst in a few shards takes a few
+/// claims more.
+fn per_shard(rows: usize, shards: usize) -> usize {
+    rows.div_ceil(shards.max(1))
+        .saturating_mul(4)
+        .clamp(MIN_PER_SHARD.min(rows), rows.max(1))
+}
+
 impl Store {
     /// Takes the scheduled rows of `req.shards` that are due, in due-time
     /// order (see `queries/due_claim.sql`).
@@ -29,6 +43,7 @@ impl Store {
             count(req.rows),
             count(req.byte_budget),
             count(req.max_message),
+            count(per_shard(req.rows, req.shards.len())),
         )
         .fetch(&self.pool);
         let mut out = Vec::new();
@@ -56,5 +71,19 @@ impl Store {
             .await
             .map(|r| r.scheduled)
             .map_err(|e| Error::database("counting scheduled rows", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::per_shard;
+
+    #[test]
+    fn a_claim_reads_a_few_rows_of_each_shard_never_more_than_the_batch() {
+        assert_eq!(per_shard(1000, 64), 64);
+        assert_eq!(per_shard(1000, 32), 128);
+        assert_eq!(per_shard(1000, 1), 1000);
+        assert_eq!(per_shard(10, 64), 10);
+        assert_eq!(per_shard(1, 0), 1);
     }
 }
