@@ -130,12 +130,14 @@ begin
   end if;
 
   -- The due lane, per shard by the time a row is next due (its due time, or
-  -- its backoff after a failure). Cancelled rows leave it.
+  -- its backoff after a failure), then in insert order: the relay's take
+  -- reads rows due at the same time in seq order and stops after a few,
+  -- however many fall due together. Cancelled rows leave it.
   if not exists (select from pg_indexes
                   where schemaname = current_schema()
                     and indexname = 'outbox_events_due_idx') then
     create index outbox_events_due_idx
-      on outbox_events (shard, next_attempt_at)
+      on outbox_events (shard, next_attempt_at, seq)
       where published_at is null and due_at is not null and cancelled_at is null;
   end if;
 
