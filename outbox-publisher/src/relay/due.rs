@@ -49,7 +49,7 @@ use crate::store::DueRequest;
 /// The longest the source sleeps without asking the database again: a
 /// notification lost with its connection, or a row made due by hand, is
 /// seen within this.
-pub(crate) const MAX_SLEEP: Duration = Duration::from_secs(5);
+const MAX_SLEEP: Duration = Duration::from_secs(5);
 /// The pause when rows are due but none could be taken (held by a cancel in
 /// progress).
 const HELD_PAUSE: Duration = Duration::from_millis(100);
@@ -114,12 +114,12 @@ impl<'a, S: Sink> DueSource<'a, S> {
         if !self.engine.sink.is_available() {
             return BROKER_CHECK;
         }
-        let report = match self.batch(&shards).await {
-            Ok(report) => report,
-            Err(e) => {
-                debug!(error = %e, "due lane batch failed");
-                return idle.next();
-            }
+        // Said as the polling source says it: an outage once, a missing
+        // privilege every time (a due lane's failure is not only a debug line).
+        let result = self.batch(&shards).await;
+        self.engine.note_db_health(&result);
+        let Ok(report) = result else {
+            return idle.next();
         };
         if report.progress() == 0 && report.broker_faults > 0 {
             return idle.next();
