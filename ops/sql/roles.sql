@@ -24,7 +24,9 @@
 --                    (claims, marks, backoff) and DELETE (retention) on
 --                    outbox_events (retention's row locks are covered by
 --                    UPDATE); SELECT on outbox_events_seq (the settled
---                    horizon reads last_value). Advisory locks, pg_locks and
+--                    horizon reads last_value); SELECT, INSERT, UPDATE,
+--                    DELETE on outbox_relay_slots (the WAL source's record
+--                    of its slot's backfill). Advisory locks, pg_locks and
 --                    LISTEN need no grant.
 --   outbox_consumer  an inbox consumer: SELECT, INSERT, DELETE (retention) on
 --                    inbox_events and inbox_dead_letters, and UPDATE of one
@@ -125,6 +127,15 @@ grant select (id, due_at, published_at, released_at, cancelled_at),
 -- outbox_relay
 grant select, update, delete on outbox_events to outbox_relay;
 grant select on sequence outbox_events_seq to outbox_relay;
+-- The WAL source's record of its slot's backfill (outbox-relay --source wal),
+-- where the migrations made it (20260101000017).
+do $$
+begin
+  if to_regclass('outbox_relay_slots') is not null then
+    grant select, insert, update, delete on outbox_relay_slots to outbox_relay;
+  end if;
+end
+$$;
 
 -- outbox_consumer
 grant select, insert, delete on inbox_events to outbox_consumer;

@@ -874,3 +874,117 @@ async fn a_row_made_fresh_again_by_plain_sql_is_found_and_published() {
     assert_positions(&db.pool).await;
     assert_eq!(relay.terminate().await, Some(0), "{}", relays.tail("wal-1"));
 }
+
+/// The log line of a backfill through the polling path.
+const BACKFILLED: &str = "published through the polling path; reading the WAL";
+/// The log line of a lead that catches up from the slot instead.
+const CATCHING_UP: &str = "catching up from its confirmed position";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restarted_relay_catches_up_from_the_slot_even_killed_mid_way() {
+    let db = TestDb::new().await.unwrap();
+    let nats = nats().unwrap();
+    let relays = Relays::new(&db, nats.url());
+    // A backlog before the slot: the first lead backfills it and records that.
+    write_spread(&db.pool, "c", 200, 1, 5, 0).await;
+    let mut relay = relays.start_reading("wal-1").await;
+    assert!(
+        relays.log("wal-1").contains(BACKFILLED),
+        "{}",
+        relays.tail("wal-1")
+    );
+    write_spread(&db.pool, "c", 200, 1, 5, 5).await;
+    relays.wait_all(&db.pool, 2_000, &["wal-1"]).await;
+    let recorded: i64 = sqlx::query_scalar("select count(*) from outbox_relay_slots")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(recorded, 1, "the backfill is recorded");
+
+    // Killed while it publishes, 30,000 more rows written while it is down.
+    let writer = {
+        let pool = db.pool.clone();
+        tokio::spawn(async move { write_spread(&pool, "c", 200, 30, 5, 10).await })
+    };
+    wait_until(
+        "rows written after the first",
+        Duration::from_secs(30),
+        || async { count_where(&db.pool, "true").await >= 3_000 },
+    )
+    .await
+    .unwrap();
+    relay.kill9().await;
+    writer.await.unwrap();
+    let total = 2_000 + 30_000;
+
+    // The next lead catches up from the slot, and is killed part way.
+    let killed = count_where(&db.pool, "published_at is not null").await;
+    let mut relay = relays.start("wal-2").await;
+    relays.wait_logged("wal-2", CATCHING_UP).await;
+    wait_until(
+        "part of the rows published",
+        Duration::from_secs(60),
+        || async { count_where(&db.pool, "published_at is not null").await >= killed + 5_000 },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", relays.tail("wal-2")));
+    relay.kill9().await;
+    let published = count_where(&db.pool, "published_at is not null").await;
+    assert!(
+        published < total,
+        "wal-2 was killed after it had caught up: make the backlog larger"
+    );
+
+    // And the one after catches up from where that one's outcomes put the slot.
+    let mut relay = relays.start("wal-3").await;
+    relays.wait_logged("wal-3", CATCHING_UP).await;
+    relays
+        .wait_all(&db.pool, total, &["wal-1", "wal-2", "wal-3"])
+        .await;
+    relays
+        .wait_logged(
+            "wal-3",
+            "caught up with the WAL written before this session",
+        )
+        .await;
+    for name in ["wal-2", "wal-3"] {
+        assert!(
+            !relays.log(name).contains(BACKFILLED),
+            "{name} backfilled through the polling path:\n{}",
+            relays.tail(name)
+        );
+    }
+    let messages = read_stream(nats.url(), &relays.stream).await;
+    assert_eq!(messages.len() as i64, total);
+    assert_once_in_order(&messages);
+    assert_positions(&db.pool).await;
+    assert_eq!(relay.terminate().await, Some(0), "{}", relays.tail("wal-3"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slot_without_a_recorded_backfill_is_backfilled_again() {
+    let db = TestDb::new().await.unwrap();
+    let nats = nats().unwrap();
+    let relays = Relays::new(&db, nats.url());
+    let mut relay = relays.start_reading("wal-1").await;
+    write_spread(&db.pool, "b", 40, 1, 5, 0).await;
+    relays.wait_all(&db.pool, 200, &["wal-1"]).await;
+    assert_eq!(relay.terminate().await, Some(0), "{}", relays.tail("wal-1"));
+    // As a slot made by an older relay, or a backfill cut short, leaves it.
+    sqlx::query("delete from outbox_relay_slots")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    write_spread(&db.pool, "b", 40, 1, 5, 5).await;
+    let mut relay = relays.start_reading("wal-2").await;
+    assert!(
+        relays.log("wal-2").contains(BACKFILLED) && !relays.log("wal-2").contains(CATCHING_UP),
+        "{}",
+        relays.tail("wal-2")
+    );
+    write_spread(&db.pool, "b", 40, 1, 5, 10).await;
+    relays.wait_all(&db.pool, 600, &["wal-1", "wal-2"]).await;
+    let messages = read_stream(nats.url(), &relays.stream).await;
+    assert_once_in_order(&messages);
+    assert_eq!(relay.terminate().await, Some(0), "{}", relays.tail("wal-2"));
+}

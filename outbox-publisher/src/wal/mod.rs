@@ -46,9 +46,8 @@
 //! # Never lost with the slot
 //!
 //! Rows stay in the table until marked, so the polling path can always
-//! publish them. When the relay takes the lead (first start, a restart, a
-//! takeover) and whenever the slot had to be made again (dropped by an
-//! operator, invalidated by `max_slot_wal_keep_size`, missing after a
+//! publish them. When the relay makes the slot (first start, or again: dropped
+//! by an operator, invalidated by `max_slot_wal_keep_size`, missing after a
 //! failover), it reads the highest `seq` handed out, `S`, *after* the slot
 //! exists, lets the polling workers publish the main lane up to `S`, waits
 //! until the horizon has passed `S` (no transaction can still commit a row at
@@ -57,6 +56,14 @@
 //! before the slot's start has a seq at or below `S`; every row above `S`
 //! commits after it and is decoded. So the backlog at first start and the
 //! rows of a lost slot are published once each, in order.
+//!
+//! Once that backfill is done it is recorded beside the outbox
+//! (`outbox_relay_slots`), so a relay that takes the lead of the intact slot
+//! later (a restart, a deploy, a takeover from a killed leader) backfills
+//! nothing: it reads on from the slot's confirmed position, at the WAL's
+//! speed, passing over the rows streamed again that already have an outcome.
+//! Why that loses and reorders nothing, kill -9 included, is argued in
+//! `wal/backfill.rs`.
 //!
 //! The same backfill runs when a fresh row above `S` is found left behind
 //! (the WAL source reads inserts only, so a row made fresh again by an update
@@ -94,6 +101,7 @@
 //! or create it once as the owner:
 //! `create publication outbox_relay for table outbox_events with (publish = 'insert')`).
 
+mod backfill;
 mod monitor;
 pub(crate) mod pgoutput;
 mod pipeline;

@@ -129,17 +129,26 @@ struct Reader<'s> {
     schema: &'s str,
     /// Rows at or below it are the polling path's.
     floor: i64,
+    /// Transactions ending below this WAL position were written before the
+    /// session: their rows may have an outcome already.
+    written: u64,
     relations: HashMap<u32, Option<Layout>>,
     /// The transaction being read.
     xid: u32,
+    /// Whether its rows are checked for an outcome before they are queued.
+    recheck: bool,
 }
 
 /// What the WAL task keeps from one replication session to the next.
 #[derive(Debug, Default)]
 pub(super) struct Progress {
     /// Rows at or below it belong to the polling path (the backfill);
-    /// `None`: the next session backfills first.
+    /// `None`: the next session backfills first, unless the slot's backfill
+    /// is recorded.
     pub(super) floor: Option<i64>,
+    /// The next session backfills, whatever is recorded (the slot was made
+    /// by this relay, or rows were left behind).
+    pub(super) must_backfill: bool,
     /// Every transaction ending at or before it is published and recorded.
     pub(super) done: Lsn,
     /// A session failed and was not followed by a good one yet.
@@ -154,6 +163,12 @@ pub(super) struct Pipeline<'a, S: Sink> {
     subjects: Subjects,
     /// Rows of subjects not known clear, to check before they are queued.
     unchecked: Vec<ClaimedRow>,
+    /// Rows read again from WAL written before the session, to check for an
+    /// outcome before anything else (and every row read after them, so a
+    /// subject's rows stay in order).
+    rechecks: Vec<ClaimedRow>,
+    /// What catching up with that WAL did, said once it is done.
+    catch_up: CatchUp,
     /// When the stalled subjects may send again.
     stalled_until: Option<Instant>,
     fault_backoff: LoopBackoff,
@@ -180,6 +195,8 @@ impl<'a, S: Sink> Pipeline<'a, S> {
             max_payload: engine.sink.max_payload(),
             subjects: Subjects::default(),
             unchecked: Vec::new(),
+            rechecks: Vec::new(),
+            catch_up: CatchUp::default(),
             stalled_until: None,
             fault_backoff: LoopBackoff::new(Duration::from_millis(100), Duration::from_secs(5)),
             held: HashMap::new(),
@@ -202,15 +219,17 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         mut self,
         client: &mut ReplicationClient,
         schema: &str,
-        floor: i64,
+        (floor, written): (i64, u64),
         p: &mut Progress,
     ) -> Result<()> {
         let stop = self.stop.clone();
         let mut reader = Reader {
             schema,
             floor,
+            written,
             relations: HashMap::new(),
             xid: 0,
+            recheck: false,
         };
         let mut chains: FuturesUnordered<Chain<'a>> = FuturesUnordered::new();
         let mut marking: FuturesUnordered<Marking> = FuturesUnordered::new();
@@ -313,6 +332,10 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         match event {
             ReplicationEvent::Begin { final_lsn, xid, .. } => {
                 r.xid = xid;
+                r.recheck = final_lsn.0 < r.written;
+                if !r.recheck {
+                    self.catch_up.reached();
+                }
                 // A transaction confirmed before (a session that replays
                 // from the slot's position) is skipped: its rows are resolved.
                 self.watermark.begin(final_lsn);
@@ -331,7 +354,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
                             && let Inserted::Fresh(row) = layout.row(values, self.max_payload)
                             && row.seq > r.floor
                         {
-                            self.hold(*row, r.xid);
+                            self.hold(*row, r.xid, r.recheck);
                         }
                     }
                     _ => {}
@@ -344,7 +367,12 @@ impl<'a, S: Sink> Pipeline<'a, S> {
             } => self.watermark.commit(end_lsn, commit_time_micros),
             // Idle: nothing read is waiting, so the slot may move on (an
             // idle outbox must not hold WAL back).
+            // (A logical walsender's keep-alive carries how far it has
+            // decoded, so the stream has passed `written` once it does.)
             ReplicationEvent::KeepAlive { wal_end, .. } => {
+                if wal_end.0 >= r.written {
+                    self.catch_up.reached();
+                }
                 if let Some(lsn) = self.watermark.idle(wal_end) {
                     client.update_applied_lsn(lsn);
                     p.done = lsn;
@@ -355,13 +383,17 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         Ok(())
     }
 
-    /// Takes a row read from the stream into the pipeline.
-    fn hold(&mut self, row: ClaimedRow, xid: u32) {
+    /// Takes a row read from the stream into the pipeline; `recheck`: it
+    /// may have an outcome already.
+    fn hold(&mut self, row: ClaimedRow, xid: u32, recheck: bool) {
         let number = self.watermark.hand_out();
         let bytes = usize::try_from(row.data_len).unwrap_or(usize::MAX);
         self.held.insert(row.id, Held { number, bytes, xid });
         self.held_bytes = self.held_bytes.saturating_add(bytes);
-        if self.subjects.is_clear(&row.subject) {
+        if recheck || !self.rechecks.is_empty() {
+            self.catch_up.read += u64::from(recheck);
+            self.rechecks.push(row);
+        } else if self.subjects.is_clear(&row.subject) {
             self.subjects.enqueue(row);
         } else {
             self.unchecked.push(row);
@@ -376,6 +408,9 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         client: &ReplicationClient,
         p: &mut Progress,
     ) -> Result<()> {
+        if !self.rechecks.is_empty() {
+            self.recheck().await?;
+        }
         if !self.unchecked.is_empty() {
             self.check().await?;
         }
@@ -400,6 +435,31 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         self.start_marks(marking, false);
         self.confirm(client, p);
         self.subjects.forget_idle(CLEAR_SUBJECTS);
+        Ok(())
+    }
+
+    /// Passes over the rows read again that have a visible outcome (the
+    /// relay or session before published them, or put them in the retry
+    /// lane) and takes the others on, in read order.
+    async fn recheck(&mut self) -> Result<()> {
+        let rows = std::mem::take(&mut self.rechecks);
+        let ids: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
+        let done: std::collections::HashSet<Uuid> = slot::resolved(self.engine.store.pool(), &ids)
+            .await?
+            .into_iter()
+            .collect();
+        let mut numbers = Vec::with_capacity(done.len());
+        for row in rows {
+            if done.contains(&row.id) {
+                numbers.extend(self.settle(row.id).map(|h| h.number));
+            } else if self.subjects.is_clear(&row.subject) {
+                self.subjects.enqueue(row);
+            } else {
+                self.unchecked.push(row);
+            }
+        }
+        self.catch_up.passed_over += numbers.len() as u64;
+        self.resolve(&numbers);
         Ok(())
     }
 
@@ -631,6 +691,46 @@ async fn await_visible(pool: &sqlx::PgPool, xids: &[u32], stop: &CancellationTok
                 ));
             }
             () = tokio::time::sleep(pause.next()) => {}
+        }
+    }
+}
+
+/// Catching up with the WAL written before a session: said once the stream
+/// reaches a transaction that ended after the session began.
+#[derive(Debug)]
+struct CatchUp {
+    started: Instant,
+    /// Rows read from that WAL, and how many of them had an outcome.
+    read: u64,
+    passed_over: u64,
+    said: bool,
+}
+
+impl Default for CatchUp {
+    fn default() -> Self {
+        Self {
+            started: Instant::now(),
+            read: 0,
+            passed_over: 0,
+            said: false,
+        }
+    }
+}
+
+impl CatchUp {
+    /// The stream reached the WAL written since the session began.
+    fn reached(&mut self) {
+        if self.said {
+            return;
+        }
+        self.said = true;
+        if self.read > 0 {
+            tracing::info!(
+                rows = self.read,
+                already_done = self.passed_over,
+                took = ?self.started.elapsed(),
+                "caught up with the WAL written before this session: its rows are published or queued"
+            );
         }
     }
 }

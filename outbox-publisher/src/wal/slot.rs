@@ -426,3 +426,28 @@ pub(crate) async fn invisible(pool: &PgPool, xids: &[u32]) -> Result<Vec<u32>> {
         .filter_map(|x| u32::try_from(x).ok())
         .collect())
 }
+
+/// Which of `ids`, rows read from the WAL, already have a visible outcome:
+/// published, or in the retry lane (`queries/wal_resolved.sql`).
+///
+/// # Errors
+/// [`ErrorKind::Database`].
+pub(crate) async fn resolved(pool: &PgPool, ids: &[uuid::Uuid]) -> Result<Vec<uuid::Uuid>> {
+    sqlx::query_file_scalar!("queries/wal_resolved.sql", ids)
+        .fetch_all(pool)
+        .await
+        .map_err(|e| Error::database("checking rows read again from the WAL", e))
+}
+
+/// The server's WAL insert position (`queries/wal_insert_lsn.sql`): every
+/// transaction committed before the call ends below it.
+///
+/// # Errors
+/// [`ErrorKind::Database`].
+pub(crate) async fn insert_lsn(pool: &PgPool) -> Result<u64> {
+    let lsn = sqlx::query_file_scalar!("queries/wal_insert_lsn.sql")
+        .fetch_one(pool)
+        .await
+        .map_err(|e| Error::database("reading the WAL position", e))?;
+    Ok(u64::try_from(lsn).unwrap_or(0))
+}

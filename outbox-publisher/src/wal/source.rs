@@ -15,6 +15,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::backfill::Record;
 use super::pipeline::{Pipeline, Progress};
 use super::wal_error;
 use super::{WalSource, slot};
@@ -116,6 +117,8 @@ pub(crate) struct WalReader<'a, S> {
     pub(super) names: slot::Names,
     /// Hands the polling source's main lane the rows up to the floor.
     limit: MainLaneLimit,
+    /// Whether the slot's backfill was done, beyond this process.
+    record: Record,
 }
 
 impl<'a, S: Sink> WalReader<'a, S> {
@@ -134,6 +137,7 @@ impl<'a, S: Sink> WalReader<'a, S> {
             source,
             names,
             limit,
+            record: Record::default(),
         }
     }
 
@@ -174,7 +178,9 @@ impl<'a, S: Sink> WalReader<'a, S> {
         Ok(())
     }
 
-    /// One replication session: checks, slot, backfill if due, then reading.
+    /// One replication session: checks, slot, backfill unless the slot's
+    /// is recorded, then reading (catching up first with the WAL written
+    /// before the session, see [`super::backfill`]).
     async fn session(
         &self,
         wake: &watch::Sender<u64>,
@@ -182,17 +188,27 @@ impl<'a, S: Sink> WalReader<'a, S> {
         p: &mut Progress,
     ) -> Result<()> {
         self.prepare_slot(p).await?;
+        let pool = self.engine.store.pool();
+        let slot = self.names.slot.as_str();
         let floor = match p.floor {
             Some(floor) => floor,
-            None => match self.backfill(wake, stop).await? {
-                Some(floor) => {
-                    p.floor = Some(floor);
-                    floor
-                }
-                None => return Ok(()),
+            None => match self.recorded(p).await? {
+                Some(floor) => floor,
+                None => match self.backfill(wake, stop).await? {
+                    Some(floor) => {
+                        self.record.done(pool, slot, floor).await?;
+                        p.must_backfill = false;
+                        floor
+                    }
+                    None => return Ok(()),
+                },
             },
         };
-        let config = self.source.replication_config(&self.names.slot);
+        p.floor = Some(floor);
+        // Rows in transactions that end before this position may have their
+        // outcome already (the session or relay before): checked first.
+        let written = slot::insert_lsn(pool).await?;
+        let config = self.source.replication_config(slot);
         let mut client = tokio::select! {
             () = stop.cancelled() => return Ok(()),
             c = ReplicationClient::connect(config) => c.map_err(|e| wal_error("connecting for replication", &e))?,
@@ -202,7 +218,7 @@ impl<'a, S: Sink> WalReader<'a, S> {
             info!(slot = %self.names.slot, "WAL source reading again");
             p.failing = false;
         }
-        let result = self.read(&mut client, floor, stop, p).await;
+        let result = self.read(&mut client, floor, written, stop, p).await;
         let _ = tokio::time::timeout(Duration::from_secs(5), client.shutdown()).await;
         result
     }
@@ -249,12 +265,35 @@ impl<'a, S: Sink> WalReader<'a, S> {
             if lost {
                 slot::drop_slot(pool, &names.slot).await?;
             }
+            // A record must never speak of the slot made now.
+            self.record.forget(pool, &names.slot).await?;
             if slot::create(pool, &names.slot).await? {
                 info!(slot = %names.slot, "created the replication slot (pgoutput)");
             }
             p.floor = None;
+            p.must_backfill = true;
         }
         Ok(())
+    }
+
+    /// The floor of the slot's recorded backfill, unless this relay must
+    /// backfill (it made the slot, or found rows left behind).
+    async fn recorded(&self, p: &Progress) -> Result<Option<i64>> {
+        if p.must_backfill {
+            return Ok(None);
+        }
+        let floor = self
+            .record
+            .floor(self.engine.store.pool(), &self.names.slot)
+            .await?;
+        if let Some(floor) = floor {
+            info!(
+                slot = %self.names.slot,
+                up_to_seq = floor,
+                "the slot's backfill is done: catching up from its confirmed position; reading the WAL"
+            );
+        }
+        Ok(floor)
     }
 
     /// Reads the stream from above `floor` through the pipeline, with the
@@ -263,6 +302,7 @@ impl<'a, S: Sink> WalReader<'a, S> {
         &self,
         client: &mut ReplicationClient,
         floor: i64,
+        written: u64,
         stop: &CancellationToken,
         p: &mut Progress,
     ) -> Result<()> {
@@ -275,7 +315,7 @@ impl<'a, S: Sink> WalReader<'a, S> {
             let pipeline = Pipeline::new(self.engine, &session, p.done).run(
                 client,
                 &self.names.schema,
-                floor,
+                (floor, written),
                 p,
             );
             let monitor = self.monitor(floor);
@@ -292,6 +332,15 @@ impl<'a, S: Sink> WalReader<'a, S> {
         };
         if stranded > 0 {
             p.floor = None;
+            p.must_backfill = true;
+            // So that no other relay catches up past them either.
+            if let Err(e) = self
+                .record
+                .forget(self.engine.store.pool(), &self.names.slot)
+                .await
+            {
+                warn!(error = %e, "could not forget the slot's backfill; the next session backfills anyway");
+            }
         }
         result
     }

@@ -572,7 +572,8 @@ async fn migrate_under_a_non_owner_warns_on_an_up_to_date_schema_and_refuses_a_p
         "select r, t, p
            from unnest(array['outbox_writer', 'outbox_relay', 'outbox_consumer']) r,
                 unnest(array['outbox_events', 'inbox_events', 'inbox_dead_letters',
-                             'inbox_leases', 'inbox_consumers', 'outbox_schema_migrations']) t,
+                             'inbox_leases', 'inbox_consumers', 'outbox_schema_migrations',
+                             'outbox_relay_slots']) t,
                 unnest(array['SELECT', 'INSERT', 'UPDATE', 'DELETE', 'TRUNCATE',
                              'REFERENCES', 'TRIGGER']) p
           where has_table_privilege(r, t, p)
@@ -599,6 +600,10 @@ async fn migrate_under_a_non_owner_warns_on_an_up_to_date_schema_and_refuses_a_p
         "outbox_consumer UPDATE inbox_leases",
         "outbox_consumer SELECT outbox_schema_migrations",
         "outbox_relay DELETE outbox_events",
+        "outbox_relay DELETE outbox_relay_slots",
+        "outbox_relay INSERT outbox_relay_slots",
+        "outbox_relay SELECT outbox_relay_slots",
+        "outbox_relay UPDATE outbox_relay_slots",
         "outbox_relay SELECT outbox_events",
         "outbox_relay UPDATE outbox_events",
         "outbox_relay SELECT outbox_schema_migrations",
