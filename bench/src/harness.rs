@@ -873,7 +873,7 @@ pub(crate) async fn drain(
 /// Waits until `relays` have put `rows` messages in `stream` (timed from
 /// `started`) and marked every row, then reads their metrics; stops them on
 /// a failure.
-async fn finish_drain(
+pub(crate) async fn finish_drain(
     env: &Env,
     db: &Db,
     stream: &str,

@@ -49,8 +49,12 @@
 //!     million rows scheduled a day ahead, the relay's statements under
 //!     `EXPLAIN` on both; then the due lane publishing a burst of rows due at
 //!     the same second.
+//! 12. `catch-up` ([`catch_up`], not run by default): one `outbox-relay`
+//!     process restarted on a backlog written while it was stopped, polling
+//!     against `--source wal` (which catches up from its slot).
 
 mod audit;
+mod catch_up;
 mod consumer;
 mod cpu;
 mod drain;
@@ -87,6 +91,7 @@ enum Part {
     Audit,
     Hot,
     Scheduled,
+    CatchUp,
 }
 
 #[derive(Debug, Parser)]
@@ -202,6 +207,9 @@ pub(crate) struct Args {
     /// The relay's sources the scheduled part runs, comma-separated.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "poll,wal")]
     pub(crate) scheduled_sources: Vec<scheduled::Source>,
+    /// Backlog written while the relay is stopped in the catch-up part.
+    #[arg(long, default_value_t = 100_000)]
+    pub(crate) catch_up_events: usize,
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
@@ -264,6 +272,9 @@ async fn main() -> Result<()> {
     }
     if runs(Part::Scheduled) {
         scheduled::run(&env, &args, &mut summary).await?;
+    }
+    if runs(Part::CatchUp) && args.catch_up_events > 0 {
+        catch_up::run(&env, &args, &mut summary).await?;
     }
 
     println!(
