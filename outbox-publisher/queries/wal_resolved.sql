@@ -1,9 +1,16 @@
--- Which of the rows $1 read from the WAL already have an outcome: published
--- (marked), or in the retry lane (failed, deferred, skipped). A row another
--- session cannot see yet (its commit not visible) is not returned, so it is
--- published: a row is passed over only on a visible record of its outcome.
--- Each id is a primary-key lookup.
+-- Which of the rows $1 read again from the WAL are still to publish: fresh
+-- (neither published nor in the retry lane). Asked once their transactions
+-- are visible, so a row not returned has an outcome: published (marked),
+-- in the retry lane (failed, deferred, skipped), or published and deleted
+-- since by retention.
+--
+-- Found through the primary key whatever the statistics say: "fresh" is
+-- asked in a form no partial index's predicate matches (`case … then true
+-- end`), as in mark_published.sql. Asked plainly, with statistics that had
+-- not caught up with a burst of writes, the planner read every fresh row
+-- through outbox_events_shard_seq_idx for each look. The relay runs it
+-- unprepared, planned for the table as it is.
 select id as "id!"
   from outbox_events
  where id = any($1::uuid[])
-   and (published_at is not null or next_attempt_at is not null)
+   and case when published_at is null and next_attempt_at is null then true end

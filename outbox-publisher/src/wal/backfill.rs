@@ -22,11 +22,14 @@
 //! Why nothing is published twice or out of order beyond what a restart
 //! always allows: the rows streamed again from the confirmed position are
 //! those of the leader before, some of them already published. While it
-//! reads WAL written before it took the lead, the pipeline passes over every
-//! row with a visible outcome (`queries/wal_resolved.sql`) and publishes
-//! only the others, in commit order, each subject checked against the retry
-//! lane first as in every session. A row is passed over only on a record of
-//! its outcome that the database shows, never because it cannot see it yet.
+//! reads WAL written before it took the lead, the pipeline waits until the
+//! rows' transactions are visible, passes over every row that is no longer
+//! fresh (published, in the retry lane, or deleted since by retention:
+//! `queries/wal_resolved.sql`) and publishes only the others, in commit
+//! order, each subject checked against the retry lane first as in every
+//! session. Because it waits for visibility first, a row is never passed
+//! over because the database cannot show it yet. The look runs beside
+//! publishing, one at a time, so rows are taken on in read order.
 //! What is published again is what the leader before published and did not
 //! mark: a row of its last moments, which the stream's duplicate window
 //! stores once.

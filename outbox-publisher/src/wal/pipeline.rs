@@ -113,6 +113,9 @@ const INVISIBLE_WARN_EVERY: Duration = Duration::from_secs(30);
 type Chain<'a> = BoxFuture<'a, (String, Vec<(ClaimedRow, Outcome)>)>;
 /// A mark statement in flight, with the row numbers it resolves.
 type Marking = BoxFuture<'static, (Vec<u64>, Result<u64>)>;
+/// A look for the outcomes of rows read again, with the rows (each with
+/// whether it is looked for) and the ids of those still to publish.
+type Rechecking = BoxFuture<'static, (Vec<(ClaimedRow, bool)>, Result<Vec<Uuid>>)>;
 
 /// A row held by the pipeline: its number in read order, payload bytes and
 /// transaction (as the stream names it).
@@ -164,9 +167,12 @@ pub(super) struct Pipeline<'a, S: Sink> {
     /// Rows of subjects not known clear, to check before they are queued.
     unchecked: Vec<ClaimedRow>,
     /// Rows read again from WAL written before the session, to check for an
-    /// outcome before anything else (and every row read after them, so a
-    /// subject's rows stay in order).
-    rechecks: Vec<ClaimedRow>,
+    /// outcome before anything else (`true`), and every row read after them
+    /// (`false`), so a subject's rows stay in order.
+    rechecks: Vec<(ClaimedRow, bool)>,
+    /// A look for outcomes is in flight (one at a time, so rows are taken
+    /// on in read order).
+    rechecking: bool,
     /// What catching up with that WAL did, said once it is done.
     catch_up: CatchUp,
     /// When the stalled subjects may send again.
@@ -196,6 +202,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
             subjects: Subjects::default(),
             unchecked: Vec::new(),
             rechecks: Vec::new(),
+            rechecking: false,
             catch_up: CatchUp::default(),
             stalled_until: None,
             fault_backoff: LoopBackoff::new(Duration::from_millis(100), Duration::from_secs(5)),
@@ -233,7 +240,9 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         };
         let mut chains: FuturesUnordered<Chain<'a>> = FuturesUnordered::new();
         let mut marking: FuturesUnordered<Marking> = FuturesUnordered::new();
+        let mut rechecking: FuturesUnordered<Rechecking> = FuturesUnordered::new();
         let result = loop {
+            self.start_recheck(&mut rechecking);
             if let Err(e) = self.step(&mut chains, &mut marking, client, p).await {
                 break Err(e);
             }
@@ -244,6 +253,9 @@ impl<'a, S: Sink> Pipeline<'a, S> {
                 () = stop.cancelled() => break Ok(()),
                 Some((numbers, landed)) = marking.next(), if !marking.is_empty() => {
                     landed.map(|_| self.resolve(&numbers))
+                }
+                Some((rows, fresh)) = rechecking.next(), if !rechecking.is_empty() => {
+                    fresh.map(|fresh| self.rechecked(rows, &fresh))
                 }
                 Some((subject, results)) = chains.next(), if !chains.is_empty() => {
                     let mut answered = self.answered(subject, results).await;
@@ -390,9 +402,9 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         let bytes = usize::try_from(row.data_len).unwrap_or(usize::MAX);
         self.held.insert(row.id, Held { number, bytes, xid });
         self.held_bytes = self.held_bytes.saturating_add(bytes);
-        if recheck || !self.rechecks.is_empty() {
+        if recheck || self.rechecking || !self.rechecks.is_empty() {
             self.catch_up.read += u64::from(recheck);
-            self.rechecks.push(row);
+            self.rechecks.push((row, recheck));
         } else if self.subjects.is_clear(&row.subject) {
             self.subjects.enqueue(row);
         } else {
@@ -408,9 +420,6 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         client: &ReplicationClient,
         p: &mut Progress,
     ) -> Result<()> {
-        if !self.rechecks.is_empty() {
-            self.recheck().await?;
-        }
         if !self.unchecked.is_empty() {
             self.check().await?;
         }
@@ -438,19 +447,44 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         Ok(())
     }
 
-    /// Passes over the rows read again that have a visible outcome (the
-    /// relay or session before published them, or put them in the retry
-    /// lane) and takes the others on, in read order.
-    async fn recheck(&mut self) -> Result<()> {
+    /// Starts a look for the outcomes of the rows read again, unless one is
+    /// in flight: it runs beside publishing, and takes every row read again
+    /// meanwhile next time.
+    fn start_recheck(&mut self, rechecking: &mut FuturesUnordered<Rechecking>) {
+        if self.rechecking || self.rechecks.is_empty() {
+            return;
+        }
+        self.rechecking = true;
         let rows = std::mem::take(&mut self.rechecks);
-        let ids: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
-        let done: std::collections::HashSet<Uuid> = slot::resolved(self.engine.store.pool(), &ids)
-            .await?
-            .into_iter()
-            .collect();
-        let mut numbers = Vec::with_capacity(done.len());
-        for row in rows {
-            if done.contains(&row.id) {
+        let ids: Vec<Uuid> = rows.iter().filter(|r| r.1).map(|r| r.0.id).collect();
+        let xids = self.xids(ids.iter().copied());
+        let pool = self.engine.store.pool().clone();
+        let stop = self.stop.clone();
+        rechecking.push(
+            async move {
+                let fresh = async {
+                    if ids.is_empty() {
+                        return Ok(Vec::new());
+                    }
+                    // A row is passed over only on a visible outcome.
+                    await_visible(&pool, &xids, &stop).await?;
+                    slot::unresolved(&pool, &ids).await
+                };
+                (rows, fresh.await)
+            }
+            .boxed(),
+        );
+    }
+
+    /// Passes over the rows read again that have an outcome (the relay or
+    /// session before published them, or put them in the retry lane: all
+    /// but `fresh`) and takes the others on, in read order.
+    fn rechecked(&mut self, rows: Vec<(ClaimedRow, bool)>, fresh: &[Uuid]) {
+        self.rechecking = false;
+        let fresh: std::collections::HashSet<&Uuid> = fresh.iter().collect();
+        let mut numbers = Vec::new();
+        for (row, looked) in rows {
+            if looked && !fresh.contains(&row.id) {
                 numbers.extend(self.settle(row.id).map(|h| h.number));
             } else if self.subjects.is_clear(&row.subject) {
                 self.subjects.enqueue(row);
@@ -460,7 +494,6 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         }
         self.catch_up.passed_over += numbers.len() as u64;
         self.resolve(&numbers);
-        Ok(())
     }
 
     /// Checks the unchecked rows' subjects against the retry lane: rows of a

@@ -427,13 +427,16 @@ pub(crate) async fn invisible(pool: &PgPool, xids: &[u32]) -> Result<Vec<u32>> {
         .collect())
 }
 
-/// Which of `ids`, rows read from the WAL, already have a visible outcome:
-/// published, or in the retry lane (`queries/wal_resolved.sql`).
+/// Which of `ids`, rows read again from the WAL whose transactions are
+/// visible, are still fresh (`queries/wal_resolved.sql`); the others have an
+/// outcome.
 ///
 /// # Errors
 /// [`ErrorKind::Database`].
-pub(crate) async fn resolved(pool: &PgPool, ids: &[uuid::Uuid]) -> Result<Vec<uuid::Uuid>> {
+pub(crate) async fn unresolved(pool: &PgPool, ids: &[uuid::Uuid]) -> Result<Vec<uuid::Uuid>> {
+    // Unprepared, planned for the table as it is (see the file).
     sqlx::query_file_scalar!("queries/wal_resolved.sql", ids)
+        .persistent(false)
         .fetch_all(pool)
         .await
         .map_err(|e| Error::database("checking rows read again from the WAL", e))
