@@ -939,7 +939,7 @@ async fn handwritten_drain_on(
         .execute(&db.pool)
         .await?;
     // As billing's pool: a connection per slot, and 4 more (its relay's).
-    let pool = PgPoolOptions::new()
+    let pool = handwritten::pool_options()
         .max_connections(u32::try_from(handwritten::WORKERS + 4).unwrap_or(20))
         .connect(&db.url)
         .await?;
