@@ -162,6 +162,7 @@ impl<'a, R: Runner> Session<'a, R> {
             if self.client_closed {
                 return self.client_gone().await;
             }
+            self.take_arrived();
             self.start_jobs();
             if self.stopping && self.tasks.is_empty() && self.pull.is_none() {
                 self.record_last_checkpoint().await;
@@ -183,6 +184,18 @@ impl<'a, R: Runner> Session<'a, R> {
                 }
                 explained = explained(&mut self.gaps) => self.gap_explained(explained),
             }
+        }
+    }
+
+    /// Takes in what the open pull has already brought, without waiting for
+    /// more: a slot that frees then starts a batch of everything that has
+    /// arrived, not only of what the session happened to read before the
+    /// task's end woke it.
+    fn take_arrived(&mut self) {
+        if self.pull.is_some()
+            && let Some(next) = next_message(&mut self.pull).now_or_never()
+        {
+            self.received(next);
         }
     }
 
