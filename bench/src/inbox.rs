@@ -512,6 +512,7 @@ fn throughput_table(args: &Args, modes: &[Mode], drains: &[Vec<Option<Drained>>]
             },
         ));
     }
+    out.push_str(&cpu_per_event_table(modes, drains));
     // Billing's own counters, summed over the rounds.
     let mut counters = String::new();
     for (i, mode) in modes.iter().enumerate() {
@@ -544,6 +545,57 @@ fn throughput_table(args: &Args, modes: &[Mode], drains: &[Vec<Option<Drained>>]
         out.push_str(&counters);
     }
     out.push('\n');
+    out
+}
+
+/// CPU per event by process, and each mode against the hand-written
+/// consumer with a relay, per round (the median of the rounds' ratios).
+fn cpu_per_event_table(modes: &[Mode], drains: &[Vec<Option<Drained>>]) -> String {
+    let micros = |d: &Drained, cores: f64| cores / d.rate.max(1e-9) * 1e6;
+    let consumer = |d: &Drained| micros(d, d.cpu.consumer);
+    let all = |d: &Drained| micros(d, d.cpu.consumer + d.cpu.pg + d.cpu.nats);
+    let reference = modes.iter().position(|&m| m == Mode::HandWritten(true));
+    let mut out = String::from(
+        "\nCPU per event, µs (cores ÷ events/s), and against the hand-written consumer with a relay in the same round \
+         (median of the per-round ratios, range):\n\n\
+         | consumer | consumer process | PostgreSQL backends | nats-server | the three | throughput / hand-written | consumer CPU per event / hand-written | the three / hand-written |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for (i, mode) in modes.iter().enumerate() {
+        let runs: Vec<Drained> = drains[i].iter().flatten().copied().collect();
+        if runs.is_empty() {
+            continue;
+        }
+        let spread = |f: &dyn Fn(&Drained) -> f64| -> String {
+            Spread::of(&runs.iter().map(f).collect::<Vec<_>>()).show(1)
+        };
+        let against = |f: &dyn Fn(&Drained) -> f64| -> String {
+            let Some(r) = reference.filter(|&r| r != i) else {
+                return "–".to_owned();
+            };
+            let per_round: Vec<f64> = drains[i]
+                .iter()
+                .zip(&drains[r])
+                .filter_map(|(a, b)| Some(f(a.as_ref()?) / f(b.as_ref()?)))
+                .collect();
+            if per_round.is_empty() {
+                "–".to_owned()
+            } else {
+                Spread::of(&per_round).show(2)
+            }
+        };
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            mode.name(),
+            spread(&consumer),
+            spread(&|d| micros(d, d.cpu.pg)),
+            spread(&|d| micros(d, d.cpu.nats)),
+            spread(&all),
+            against(&|d| d.rate),
+            against(&consumer),
+            against(&all),
+        ));
+    }
     out
 }
 
