@@ -16,6 +16,9 @@
 //! with `double_ack`. With `relay`, an in-process relay publishes the
 //! `invoice.created` rows, configured as billing configures its own.
 //!
+//! Its pool is built as billing's: no test round trip before a connection
+//! used within the last second is handed out ([`pool_options`]).
+//!
 //! What it leaves out, against billing: the leader lease and its fence check
 //! in every transaction (billing is ordered by default), the `SET LOCAL`
 //! timeouts (sent with `BEGIN`, in the same round trip), per-subscription
@@ -55,6 +58,20 @@ const INSERT_INVOICES: &str = include_str!("../../examples/billing/queries/inser
 /// Billing's table, created as billing creates it at start.
 pub(crate) const CREATE_INVOICES: &str =
     include_str!("../../examples/billing/queries/create_invoices.sql");
+
+/// Pool options as billing's: a connection used within the last second is
+/// handed out without sqlx's test round trip first (tested when it came
+/// back), one idle longer is tested.
+pub(crate) fn pool_options() -> sqlx::postgres::PgPoolOptions {
+    use sqlx::Connection;
+    sqlx::postgres::PgPoolOptions::new()
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                Ok(meta.idle_for < Duration::from_secs(1) || conn.ping().await.is_ok())
+            })
+        })
+}
 
 /// Consumes `stream` into `pool` until `stop` is cancelled; with `relay`,
 /// publishes the `invoice.created` rows it writes as billing's relay would.

@@ -38,23 +38,27 @@
 //!
 //! **Latency through the shipped services.** `subscriptions` (default flags
 //! but `--no-relay` and a free loopback port) writes into an upstream
-//! database, one `outbox-relay` process (default flags) publishes its outbox
+//! database, one `outbox-relay` process (default flags but `--source`, each
+//! of `--inbox-sources`: the polling default and `wal`) publishes its outbox
 //! into the stream, and billing (default flags; `--inbox-latency-batches`
 //! adds `--batch` values) consumes it into its own database, on the same
 //! PostgreSQL server. One warm-up request must be invoiced before the clock
 //! starts. Then [`WRITERS`] keep-alive HTTP connections send `POST
-//! /v1/subscriptions` on a schedule paced at `--inbox-rate` per second for
-//! `--inbox-latency-secs`. Latency = the invoice's `created_at`
-//! (`clock_timestamp()` when billing inserted it, inside its transaction,
-//! just before its commit) − the subscription's `created_at` (its
-//! transaction's start, `now()`): both on the database server's clock. It is
-//! split per event where the event was stored in the stream (the message's
-//! timestamp, from the server's clock on this machine, as an ordered
-//! consumer of the harness receives it, noting when), and where billing's
-//! transaction began (its inbox row's `handled_at`); the HTTP answer's
-//! arrival (wall clock) is noted too. The relay's and billing's histograms
-//! (`/metrics`, read before and after) tell the relay's claims, publishes
-//! and marks, and billing's transaction time.
+//! /v1/subscriptions` on a schedule paced at each `--inbox-rate` per second
+//! for `--inbox-latency-secs`. Every source, rate and `--batch` is a mode of
+//! its own, the modes interleaved round by round. Latency runs from commit
+//! to commit, both from PostgreSQL's `track_commit_timestamp` (a server of
+//! its own with it on is started for these runs when the harness's server
+//! does not keep them): the writer's transaction (its `subscriptions` row's
+//! `xmin`, never updated; the outbox row is marked by the relay) to
+//! billing's (its invoice row's `xmin`). Neither the writer's own
+//! transaction nor any client's clock counts. It is split per event where
+//! the event was stored in the stream (the message's timestamp, from the
+//! server's clock on this machine), when it reached an ordered consumer of
+//! the harness waiting for it (wall clock), and where billing's transaction
+//! began (its inbox row's `handled_at`). The relay's and billing's
+//! histograms (`/metrics`, read before and after) tell the relay's claims,
+//! publishes and marks, and billing's handling time.
 //!
 //! Where the time goes: CPU (in cores, averaged over the drain) of the
 //! consumer process, of the PostgreSQL backends connected to its database,
@@ -95,8 +99,10 @@ use tower::ServiceBuilder;
 use crate::Args;
 use crate::handwritten;
 use crate::harness::{
-    BoxError, Db, Env, RelayProc, Result, publish_all, samples, scrape_metrics, stop_noting,
+    BoxError, Db, Env, RelayProc, Result, drop_slots, publish_all, samples, scrape_metrics,
+    stop_noting,
 };
+use crate::scheduled::Source;
 use crate::stats::{Spread, num, percentile};
 
 /// The stream's subjects, as billing's relay would create it.
@@ -177,23 +183,50 @@ struct Drained {
     commits_per_event: Option<f64>,
 }
 
+/// One latency mode: the relay's source, the paced rate, billing's `--batch`.
+#[derive(Debug, Clone, Copy)]
+struct LatencyMode {
+    source: Source,
+    rate: usize,
+    batch: Option<u16>,
+}
+
+impl LatencyMode {
+    fn name(self) -> String {
+        format!(
+            "{}, {} events/s, outbox-relay --source {}",
+            Mode::Billing(self.batch, true).name(),
+            num(self.rate as f64, 0),
+            source_flag(self.source)
+        )
+    }
+}
+
+fn source_flag(source: Source) -> &'static str {
+    match source {
+        Source::Poll => "poll",
+        Source::Wal => "wal",
+    }
+}
+
 /// One paced latency run through `subscriptions`, `outbox-relay` and billing.
-/// Pairs are p50 and p99, in ms.
+/// Pairs are p50 and p99, in ms; every time is on the PostgreSQL server's
+/// clock (commit timestamps) or the nats-server's (the stream's stored
+/// timestamp), both this machine's.
 #[derive(Debug, Clone, Copy)]
 struct Latency {
-    /// The subscription's transaction start → the invoice: p50, p99, max.
+    /// The writer's commit → billing's commit: p50, p99, max.
     total: (f64, f64, f64),
-    /// The HTTP answer (after the commit) → the invoice.
-    from_answer: (f64, f64),
-    /// The subscription's transaction start → its HTTP answer.
-    answer: (f64, f64),
-    /// The transaction start → the event stored in the stream (the relay's leg).
+    /// The writer's commit → the event stored in the stream (the relay's
+    /// wake-up, claim, publish and PubAck).
     to_stream: (f64, f64),
     /// Stored → at a consumer waiting for it (the observer).
     observed: (f64, f64),
-    /// Stored → billing's transaction start (its inbox row's `handled_at`).
+    /// At the observer → billing's transaction start (its inbox row's
+    /// `handled_at`): the delivery to billing's runtime beyond the
+    /// observer's, waiting for a slot or a batch, and `BEGIN`.
     to_tx: (f64, f64),
-    /// Billing's transaction start → the invoice's insert.
+    /// Billing's transaction start → its commit.
     tx: (f64, f64),
     relay: Phases,
     billing: Phases,
@@ -220,10 +253,74 @@ struct Bins {
 
 pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Result<()> {
     let (bin, built) = copy_bin(env, "billing", "example-billing")?;
-    let latency_modes: Vec<Option<u16>> = std::iter::once(None)
-        .chain(args.inbox_latency_batches.iter().map(|&b| Some(b)))
-        .collect();
+    let latency_modes = latency_modes(args);
     let nats_pid = child_named("nats-server");
+    let modes = drain_modes(args);
+    println!(
+        "\n## Inbox consumer: {} events from a backlog, then {:?} events/s for {} s through outbox-relay ({:?})\nbilling: {built}",
+        args.inbox_events, args.inbox_rates, args.inbox_latency_secs, args.inbox_sources
+    );
+
+    // Per mode, per round: `None` if the mode failed in that round (noted).
+    let mut drains: Vec<Vec<Option<Drained>>> = vec![Vec::new(); modes.len()];
+    let mut latencies: Vec<Vec<Option<Latency>>> = vec![Vec::new(); latency_modes.len()];
+    let bins = if latency_modes.is_empty() || args.inbox_latency_secs == 0 {
+        None
+    } else {
+        Some(Bins {
+            billing: bin.clone(),
+            subscriptions: copy_bin(env, "subscriptions", "example-subscriptions")?.0,
+        })
+    };
+    // The latency runs need commit timestamps: a server of their own when
+    // this one does not keep them.
+    let committed = match &bins {
+        Some(_) => Some(CommitClock::start(env).await?),
+        None => None,
+    };
+    for round in 0..args.rounds {
+        if args.inbox_events > 0 {
+            drain_round(env, args, (&bin, nats_pid), round, &modes, &mut drains).await;
+        }
+        if let (Some(bins), Some(clock)) = (&bins, &committed) {
+            let mut order: Vec<usize> = (0..latency_modes.len()).collect();
+            order.rotate_left(round % latency_modes.len());
+            for i in order {
+                let mode = latency_modes[i];
+                match latency(&clock.env, args, bins, mode, nats_pid).await {
+                    Ok(l) => {
+                        println!("round {round}: latency, {}: {}", mode.name(), l.line());
+                        latencies[i].push(Some(l));
+                    }
+                    Err(e) => {
+                        env.note(format!("round {round}, latency, {}: {e}", mode.name()));
+                        latencies[i].push(None);
+                    }
+                }
+            }
+        }
+    }
+    if let Some(clock) = committed {
+        for note in clock.env.notes() {
+            env.note(note);
+        }
+        clock.stop().await;
+    }
+
+    let mut out = format!("Inbox part: billing {built}.\n\n");
+    if args.inbox_events > 0 {
+        out.push_str(&throughput_table(args, &modes, &drains));
+    }
+    if bins.is_some() {
+        out.push_str(&latency_table(args, &latency_modes, &latencies));
+    }
+    println!("\n{out}");
+    summary.push(out);
+    Ok(())
+}
+
+/// The backlog modes `args` ask for, in their order.
+fn drain_modes(args: &Args) -> Vec<Mode> {
     let mut modes = vec![Mode::AckOnly, Mode::Billing(None, true)];
     modes.extend(
         args.inbox_batches
@@ -242,131 +339,116 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
         modes.push(Mode::HandWritten(false));
     }
     modes.extend(args.inbox_library.iter().map(|&b| Mode::Library(b)));
-    println!(
-        "\n## Inbox consumer: {} events from a backlog, then {} events/s for {} s through outbox-relay\nbilling: {built}",
-        args.inbox_events, args.inbox_rate, args.inbox_latency_secs
-    );
+    modes
+}
 
-    // Per mode, per round: `None` if the mode failed in that round (noted).
-    let mut drains: Vec<Vec<Option<Drained>>> = vec![Vec::new(); modes.len()];
-    let mut latencies: Vec<Vec<Option<Latency>>> = vec![Vec::new(); latency_modes.len()];
-    let bins = if args.inbox_rate > 0 && args.inbox_latency_secs > 0 {
-        Some(Bins {
-            billing: bin.clone(),
-            subscriptions: copy_bin(env, "subscriptions", "example-subscriptions")?.0,
+/// The latency modes `args` ask for: every source, rate and `--batch`.
+fn latency_modes(args: &Args) -> Vec<LatencyMode> {
+    let batches: Vec<Option<u16>> = std::iter::once(None)
+        .chain(args.inbox_latency_batches.iter().map(|&b| Some(b)))
+        .collect();
+    let mut modes = Vec::new();
+    for &source in &args.inbox_sources {
+        for &rate in args.inbox_rates.iter().filter(|&&r| r > 0) {
+            for &batch in &batches {
+                modes.push(LatencyMode {
+                    source,
+                    rate,
+                    batch,
+                });
+            }
+        }
+    }
+    modes
+}
+
+/// One round of the backlog drains, the modes' order rotated by `round`.
+async fn drain_round(
+    env: &Env,
+    args: &Args,
+    (bin, nats_pid): (&Path, Option<u32>),
+    round: usize,
+    modes: &[Mode],
+    drains: &mut [Vec<Option<Drained>>],
+) {
+    let mut order: Vec<usize> = (0..modes.len()).collect();
+    order.rotate_left(round % modes.len());
+    for i in order {
+        let mode = modes[i];
+        let result = match mode {
+            Mode::AckOnly => ack_only(env, args.inbox_events, nats_pid).await,
+            Mode::Billing(batch, relay) => {
+                billing_drain(env, bin, batch, relay, args.inbox_events, nats_pid).await
+            }
+            Mode::HandWritten(relay) => {
+                handwritten_drain(env, relay, args.inbox_events, nats_pid).await
+            }
+            Mode::Library(batch) => library_drain(env, batch, args.inbox_events, nats_pid).await,
+        };
+        match result {
+            Ok(d) => {
+                println!(
+                    "round {round}: {:<44} {:>8} events/s, first after {:.2} s, cores: consumer {:.2} pg {:.2} nats {:.2} machine {:.2}{}",
+                    mode.name(),
+                    num(d.rate, 0),
+                    d.first,
+                    d.cpu.consumer,
+                    d.cpu.pg,
+                    d.cpu.nats,
+                    d.cpu.machine,
+                    d.commits_per_event
+                        .map(|c| format!(", {c:.3} tx/event"))
+                        .unwrap_or_default()
+                );
+                drains[i].push(Some(d));
+            }
+            Err(e) => {
+                env.note(format!("round {round}, {}: {e}", mode.name()));
+                drains[i].push(None);
+            }
+        }
+    }
+}
+
+/// The PostgreSQL server of the latency runs, which keeps commit timestamps
+/// (`track_commit_timestamp`): the harness's own if it does, else one
+/// started here with it on (and stopped at the end).
+struct CommitClock {
+    env: Env,
+    server: Option<outbox_testkit::PgServer>,
+}
+
+impl CommitClock {
+    async fn start(env: &Env) -> Result<Self> {
+        let on: String = sqlx::query_scalar("show track_commit_timestamp")
+            .fetch_one(&env.admin)
+            .await?;
+        if on == "on" {
+            return Ok(Self {
+                env: Env::new(&env.admin_url, &env.nats_url).await?,
+                server: None,
+            });
+        }
+        let server = tokio::task::spawn_blocking(|| {
+            outbox_testkit::PgServer::start_with(&["track_commit_timestamp=on"])
         })
-    } else {
-        None
-    };
-    for round in 0..args.rounds {
-        if args.inbox_events > 0 {
-            let mut order: Vec<usize> = (0..modes.len()).collect();
-            order.rotate_left(round % modes.len());
-            for i in order {
-                let mode = modes[i];
-                let result = match mode {
-                    Mode::AckOnly => ack_only(env, args.inbox_events, nats_pid).await,
-                    Mode::Billing(batch, relay) => {
-                        billing_drain(env, &bin, batch, relay, args.inbox_events, nats_pid).await
-                    }
-                    Mode::HandWritten(relay) => {
-                        handwritten_drain(env, relay, args.inbox_events, nats_pid).await
-                    }
-                    Mode::Library(batch) => {
-                        library_drain(env, batch, args.inbox_events, nats_pid).await
-                    }
-                };
-                match result {
-                    Ok(d) => {
-                        println!(
-                            "round {round}: {:<44} {:>8} events/s, first after {:.2} s, cores: consumer {:.2} pg {:.2} nats {:.2} machine {:.2}{}",
-                            mode.name(),
-                            num(d.rate, 0),
-                            d.first,
-                            d.cpu.consumer,
-                            d.cpu.pg,
-                            d.cpu.nats,
-                            d.cpu.machine,
-                            d.commits_per_event
-                                .map(|c| format!(", {c:.3} tx/event"))
-                                .unwrap_or_default()
-                        );
-                        drains[i].push(Some(d));
-                    }
-                    Err(e) => {
-                        env.note(format!("round {round}, {}: {e}", mode.name()));
-                        drains[i].push(None);
-                    }
-                }
-            }
-        }
-        if let Some(bins) = &bins {
-            let mut order: Vec<usize> = (0..latency_modes.len()).collect();
-            order.rotate_left(round % latency_modes.len());
-            for i in order {
-                let batch = latency_modes[i];
-                let name = Mode::Billing(batch, true).name();
-                match latency(env, args, bins, batch, nats_pid).await {
-                    Ok(l) => {
-                        println!(
-                            "round {round}: latency, {name:<28} p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (from the answer p50 {:.1}); \
-                             answer {:.1}/{:.1}, to the stream {:.1}/{:.1}, observer {:.1}/{:.1}, to billing's tx {:.1}/{:.1}, in it {:.1}/{:.1}; \
-                             relay: {:.2} claims/event, claim {:.2} ms, publish {:.2} ms, mark {:.2} ms, {:.1} rows/batch; billing handler {:.1} ms, {:.2} deliveries/transaction, its relay {:.2} claims/event \
-                             (written at {}, invoiced at {} events/s; cores: billing {:.2} pg {:.2} nats {:.2} relay {:.2} upstream pg {:.2} subscriptions {:.2} harness {:.2} machine {:.2})",
-                            l.total.0,
-                            l.total.1,
-                            l.total.2,
-                            l.from_answer.0,
-                            l.answer.0,
-                            l.answer.1,
-                            l.to_stream.0,
-                            l.to_stream.1,
-                            l.observed.0,
-                            l.observed.1,
-                            l.to_tx.0,
-                            l.to_tx.1,
-                            l.tx.0,
-                            l.tx.1,
-                            l.relay.claims,
-                            l.relay.claim_ms,
-                            l.relay.publish_ms,
-                            l.relay.mark_ms,
-                            l.relay.rows,
-                            l.billing.handler_ms,
-                            l.per_transaction,
-                            l.billing.claims,
-                            num(l.written_rate, 0),
-                            num(l.handled_rate, 0),
-                            l.cpu.consumer,
-                            l.cpu.pg,
-                            l.cpu.nats,
-                            l.upstream.consumer,
-                            l.upstream.pg,
-                            l.service,
-                            l.upstream.nats,
-                            l.cpu.machine
-                        );
-                        latencies[i].push(Some(l));
-                    }
-                    Err(e) => {
-                        env.note(format!("round {round}, latency with {name}: {e}"));
-                        latencies[i].push(None);
-                    }
-                }
-            }
-        }
+        .await??;
+        println!(
+            "latency runs: a PostgreSQL server with track_commit_timestamp=on at {}",
+            server.url("postgres")
+        );
+        Ok(Self {
+            env: Env::new(&server.url("postgres"), &env.nats_url).await?,
+            server: Some(server),
+        })
     }
 
-    let mut out = format!("Inbox part: billing {built}.\n\n");
-    if args.inbox_events > 0 {
-        out.push_str(&throughput_table(args, &modes, &drains));
+    async fn stop(self) {
+        self.env.admin.close().await;
+        if let Some(server) = self.server {
+            let _ = tokio::task::spawn_blocking(move || drop(server)).await;
+        }
     }
-    if bins.is_some() {
-        out.push_str(&latency_table(args, &latency_modes, &latencies));
-    }
-    println!("\n{out}");
-    summary.push(out);
-    Ok(())
 }
 
 fn throughput_table(args: &Args, modes: &[Mode], drains: &[Vec<Option<Drained>>]) -> String {
@@ -430,6 +512,7 @@ fn throughput_table(args: &Args, modes: &[Mode], drains: &[Vec<Option<Drained>>]
             },
         ));
     }
+    out.push_str(&cpu_per_event_table(modes, drains));
     // Billing's own counters, summed over the rounds.
     let mut counters = String::new();
     for (i, mode) in modes.iter().enumerate() {
@@ -465,37 +548,90 @@ fn throughput_table(args: &Args, modes: &[Mode], drains: &[Vec<Option<Drained>>]
     out
 }
 
-fn latency_table(args: &Args, modes: &[Option<u16>], latencies: &[Vec<Option<Latency>>]) -> String {
+/// CPU per event by process, and each mode against the hand-written
+/// consumer with a relay, per round (the median of the rounds' ratios).
+fn cpu_per_event_table(modes: &[Mode], drains: &[Vec<Option<Drained>>]) -> String {
+    let micros = |d: &Drained, cores: f64| cores / d.rate.max(1e-9) * 1e6;
+    let consumer = |d: &Drained| micros(d, d.cpu.consumer);
+    let all = |d: &Drained| micros(d, d.cpu.consumer + d.cpu.pg + d.cpu.nats);
+    let reference = modes.iter().position(|&m| m == Mode::HandWritten(true));
+    let mut out = String::from(
+        "\nCPU per event, µs (cores ÷ events/s), and against the hand-written consumer with a relay in the same round \
+         (median of the per-round ratios, range):\n\n\
+         | consumer | consumer process | PostgreSQL backends | nats-server | the three | throughput / hand-written | consumer CPU per event / hand-written | the three / hand-written |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for (i, mode) in modes.iter().enumerate() {
+        let runs: Vec<Drained> = drains[i].iter().flatten().copied().collect();
+        if runs.is_empty() {
+            continue;
+        }
+        let spread = |f: &dyn Fn(&Drained) -> f64| -> String {
+            Spread::of(&runs.iter().map(f).collect::<Vec<_>>()).show(1)
+        };
+        let against = |f: &dyn Fn(&Drained) -> f64| -> String {
+            let Some(r) = reference.filter(|&r| r != i) else {
+                return "–".to_owned();
+            };
+            let per_round: Vec<f64> = drains[i]
+                .iter()
+                .zip(&drains[r])
+                .filter_map(|(a, b)| Some(f(a.as_ref()?) / f(b.as_ref()?)))
+                .collect();
+            if per_round.is_empty() {
+                "–".to_owned()
+            } else {
+                Spread::of(&per_round).show(2)
+            }
+        };
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            mode.name(),
+            spread(&consumer),
+            spread(&|d| micros(d, d.cpu.pg)),
+            spread(&|d| micros(d, d.cpu.nats)),
+            spread(&all),
+            against(&|d| d.rate),
+            against(&consumer),
+            against(&all),
+        ));
+    }
+    out
+}
+
+fn latency_table(args: &Args, modes: &[LatencyMode], latencies: &[Vec<Option<Latency>>]) -> String {
     let mut out = format!(
-        "### Inbox consumer: latency through subscriptions, outbox-relay and billing ({} requests/s for {} s, {} rounds)\n\n\
-         Start: the subscription's transaction start (its `created_at`); end: the invoice's insert (`created_at`, `clock_timestamp()`); both on the one PostgreSQL server's clock.\n\n\
-         | billing | p50, ms | p99, ms | max, ms | from the HTTP answer, p50 / p99 | requests/s answered | invoiced, events/s |\n\
-         |---|---:|---:|---:|---:|---:|---:|\n",
-        num(args.inbox_rate as f64, 0),
-        args.inbox_latency_secs,
-        args.rounds
+        "### Inbox consumer: latency through subscriptions, outbox-relay and billing ({} s per run, {} rounds)\n\n\
+         From the writer's commit (its `subscriptions` row's commit timestamp) to billing's commit (its invoice row's), \
+         both from PostgreSQL's `track_commit_timestamp`.\n\n\
+         | mode | p50, ms | p99, ms | max, ms | requests/s answered | invoiced, events/s |\n\
+         |---|---:|---:|---:|---:|---:|\n",
+        args.inbox_latency_secs, args.rounds
     );
     let mut split = String::from(
-        "\nWhere the time goes, p50 / p99 per event, ms (stream: the message's stored timestamp; billing's transaction: its inbox row's `handled_at`):\n\n\
-         | billing | transaction start → HTTP answer | → stored in the stream (relay) | stored → at a waiting observer | stored → billing's transaction start | → invoice insert |\n\
-         |---|---:|---:|---:|---:|---:|\n",
+        "\nWhere the time goes, p50 / p99 per event, ms (stored: the stream message's timestamp; \
+         observer: a consumer of the harness waiting for it; billing's transaction start: its inbox row's `handled_at`):\n\n\
+         | mode | writer's commit → stored in the stream (relay) | stored → at a waiting observer | \
+         → billing's transaction start | → billing's commit |\n\
+         |---|---:|---:|---:|---:|\n",
     );
     let mut phases = String::from(
         "\nThe relays' and billing's histograms over the run (means):\n\n\
-         | billing | outbox-relay: claims per event | claim, ms | publish → PubAck, ms | mark, ms | rows per batch | billing: transaction per delivery, ms | deliveries per transaction | billing's relay: claims per event |\n\
+         | mode | outbox-relay: claims per event | claim, ms | publish → PubAck, ms | mark, ms | rows per batch | \
+         billing: handling per delivery, ms | deliveries per transaction | billing's relay: claims per event |\n\
          |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let mut cpu = String::from(
         "\nCPU during the latency runs, cores:\n\n\
-         | billing | billing | its database's backends | nats-server | outbox-relay | subscriptions | upstream database's backends | the harness (HTTP clients, observer) | machine |\n\
+         | mode | billing | its database's backends | nats-server | outbox-relay | subscriptions | upstream database's backends | the harness (HTTP clients, observer) | machine |\n\
          |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
-    for (i, &batch) in modes.iter().enumerate() {
+    for (i, mode) in modes.iter().enumerate() {
         let runs: Vec<Latency> = latencies[i].iter().flatten().copied().collect();
-        let name = Mode::Billing(batch, true).name();
+        let name = mode.name();
         if runs.is_empty() {
             out.push_str(&format!(
-                "| {name} | failed in every round (see notes) | | | | | |\n"
+                "| {name} | failed in every round (see notes) | | | | |\n"
             ));
             continue;
         }
@@ -507,7 +643,7 @@ fn latency_table(args: &Args, modes: &[Option<u16>], latencies: &[Vec<Option<Lat
         };
         let failed = latencies[i].iter().filter(|l| l.is_none()).count();
         out.push_str(&format!(
-            "| {name}{} | {} | {} | {} | {} | {} | {} |\n",
+            "| {name}{} | {} | {} | {} | {} | {} |\n",
             if failed > 0 {
                 format!(" ({failed} rounds failed, see notes)")
             } else {
@@ -516,13 +652,11 @@ fn latency_table(args: &Args, modes: &[Option<u16>], latencies: &[Vec<Option<Lat
             pick(|l| l.total.0).show(1),
             pick(|l| l.total.1).show(1),
             pick(|l| l.total.2).show(1),
-            pair(|l| l.from_answer.0, |l| l.from_answer.1),
-            pick(|l| l.written_rate),
-            pick(|l| l.handled_rate),
+            pick(|l| l.written_rate).show(0),
+            pick(|l| l.handled_rate).show(0),
         ));
         split.push_str(&format!(
-            "| {name} | {} | {} | {} | {} | {} |\n",
-            pair(|l| l.answer.0, |l| l.answer.1),
+            "| {name} | {} | {} | {} | {} |\n",
             pair(|l| l.to_stream.0, |l| l.to_stream.1),
             pair(|l| l.observed.0, |l| l.observed.1),
             pair(|l| l.to_tx.0, |l| l.to_tx.1),
@@ -556,6 +690,48 @@ fn latency_table(args: &Args, modes: &[Option<u16>], latencies: &[Vec<Option<Lat
     out.push_str(&cpu);
     out.push('\n');
     out
+}
+
+impl Latency {
+    /// One round's line.
+    fn line(&self) -> String {
+        format!(
+            "commit → commit p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms; to the stream {:.1}/{:.1}, observer {:.1}/{:.1}, \
+             to billing's tx {:.1}/{:.1}, in it {:.1}/{:.1}; relay: {:.2} claims/event, claim {:.2} ms, publish {:.2} ms, \
+             mark {:.2} ms, {:.1} rows/batch; billing handling {:.1} ms, {:.2} deliveries/transaction, its relay {:.2} claims/event \
+             (written at {}, invoiced at {} events/s; cores: billing {:.2} pg {:.2} nats {:.2} relay {:.2} upstream pg {:.2} \
+             subscriptions {:.2} harness {:.2} machine {:.2})",
+            self.total.0,
+            self.total.1,
+            self.total.2,
+            self.to_stream.0,
+            self.to_stream.1,
+            self.observed.0,
+            self.observed.1,
+            self.to_tx.0,
+            self.to_tx.1,
+            self.tx.0,
+            self.tx.1,
+            self.relay.claims,
+            self.relay.claim_ms,
+            self.relay.publish_ms,
+            self.relay.mark_ms,
+            self.relay.rows,
+            self.billing.handler_ms,
+            self.per_transaction,
+            self.billing.claims,
+            num(self.written_rate, 0),
+            num(self.handled_rate, 0),
+            self.cpu.consumer,
+            self.cpu.pg,
+            self.cpu.nats,
+            self.upstream.consumer,
+            self.upstream.pg,
+            self.service,
+            self.upstream.nats,
+            self.cpu.machine
+        )
+    }
 }
 
 /// This run's copy of `name` (a rebuild during the run cannot change it
@@ -815,7 +991,7 @@ async fn handwritten_drain_on(
         .execute(&db.pool)
         .await?;
     // As billing's pool: a connection per slot, and 4 more (its relay's).
-    let pool = PgPoolOptions::new()
+    let pool = handwritten::pool_options()
         .max_connections(u32::try_from(handwritten::WORKERS + 4).unwrap_or(20))
         .connect(&db.url)
         .await?;
@@ -1023,7 +1199,7 @@ async fn latency(
     env: &Env,
     args: &Args,
     bins: &Bins,
-    batch: Option<u16>,
+    mode: LatencyMode,
     nats_pid: Option<u32>,
 ) -> Result<Latency> {
     let upstream = env.database("inbox_upstream").await?;
@@ -1035,9 +1211,10 @@ async fn latency(
         }
     };
     let stream = env.stream_name();
-    let result = latency_on(env, args, bins, batch, nats_pid, &upstream, &own, &stream).await;
+    let result = latency_on(env, args, bins, mode, nats_pid, &upstream, &own, &stream).await;
     env.delete_stream(&stream).await;
     env.drop_database(own).await?;
+    drop_slots(&upstream).await?;
     env.drop_database(upstream).await?;
     result
 }
@@ -1047,7 +1224,7 @@ async fn latency_on(
     env: &Env,
     args: &Args,
     bins: &Bins,
-    batch: Option<u16>,
+    mode: LatencyMode,
     nats_pid: Option<u32>,
     upstream: &Db,
     own: &Db,
@@ -1061,15 +1238,7 @@ async fn latency_on(
         &upstream.url,
     )
     .await?;
-    let relay = match RelayProc::start_with_subjects(
-        env,
-        &format!("{stream}_relay0"),
-        &upstream.url,
-        stream,
-        &STREAM_SUBJECTS.join(","),
-    )
-    .await
-    {
+    let relay = match start_relay(env, mode.source, upstream, stream).await {
         Ok(relay) => relay,
         Err(e) => {
             subscriptions.stop(env).await;
@@ -1082,7 +1251,7 @@ async fn latency_on(
         &format!("{stream}_billing"),
         &own.url,
         stream,
-        batch,
+        mode.batch,
         true,
     )
     .await
@@ -1097,7 +1266,7 @@ async fn latency_on(
     let mut relay = relay;
     let result = paced(
         env,
-        args,
+        (args, mode.rate),
         nats_pid,
         (upstream, own, stream),
         (&mut subscriptions, &mut billing, &mut relay),
@@ -1109,6 +1278,34 @@ async fn latency_on(
     subscriptions.stop(env).await;
     alive?;
     result
+}
+
+/// One `outbox-relay` with default flags but `--source`, publishing
+/// `upstream`'s outbox into `stream`; a WAL relay once it reads the WAL.
+async fn start_relay(env: &Env, source: Source, upstream: &Db, stream: &str) -> Result<RelayProc> {
+    let name = format!("{stream}_relay_{}", source_flag(source));
+    let subjects = STREAM_SUBJECTS.join(",");
+    match source {
+        Source::Poll => {
+            RelayProc::start_with_subjects(env, &name, &upstream.url, stream, &subjects).await
+        }
+        Source::Wal => {
+            let mut relay = RelayProc::start_with_args(
+                env,
+                &name,
+                &upstream.url,
+                stream,
+                &subjects,
+                &["--source", "wal"],
+            )
+            .await?;
+            if let Err(e) = relay.wait_logged("reading the WAL").await {
+                relay.stop(env).await;
+                return Err(e);
+            }
+            Ok(relay)
+        }
+    }
 }
 
 /// Wall-clock microseconds since the epoch.
@@ -1127,7 +1324,7 @@ struct Seen {
 
 async fn paced(
     env: &Env,
-    args: &Args,
+    (args, rate): (&Args, usize),
     nats_pid: Option<u32>,
     (upstream, own, stream): (&Db, &Db, &str),
     procs: (&mut SubscriptionsProc, &mut BillingProc, &mut RelayProc),
@@ -1162,7 +1359,15 @@ async fn paced(
             }
         }
     });
-    let result = paced_observed(env, args, nats_pid, (upstream, own), procs, &mut arrived).await;
+    let result = paced_observed(
+        env,
+        (args, rate),
+        nats_pid,
+        (upstream, own),
+        procs,
+        &mut arrived,
+    )
+    .await;
     reader.abort();
     result
 }
@@ -1189,7 +1394,7 @@ async fn create_subscription(http: &mut Http) -> Result<Uuid> {
 
 async fn paced_observed(
     env: &Env,
-    args: &Args,
+    (args, rate): (&Args, usize),
     nats_pid: Option<u32>,
     (upstream, own): (&Db, &Db),
     (subscriptions, billing, relay): (&mut SubscriptionsProc, &mut BillingProc, &mut RelayProc),
@@ -1210,13 +1415,7 @@ async fn paced_observed(
     .map_err(|e| format!("the warm-up event: {e}"))?;
     relay.check_alive("before the warm-up event was invoiced")?;
 
-    let total = args.inbox_rate * args.inbox_latency_secs as usize;
-    let interval = Duration::from_secs_f64(1.0 / args.inbox_rate as f64);
-    let next = Arc::new(AtomicUsize::new(0));
-    let mut conns = Vec::with_capacity(WRITERS);
-    for _ in 0..WRITERS {
-        conns.push(Http::connect(subscriptions.addr).await?);
-    }
+    let total = rate * args.inbox_latency_secs as usize;
     let relay_before = scrape_metrics(relay.metrics(), "outbox-relay").await?;
     let billing_before = scrape_metrics(billing.metrics, "billing").await?;
     let pid = billing.pid();
@@ -1227,28 +1426,7 @@ async fn paced_observed(
     let service0 = CpuMark::take(subscriptions_pid, None, None);
     let started = Instant::now();
     let started_wall = wall_micros();
-    let writers: Vec<_> = conns
-        .into_iter()
-        .map(|mut http| {
-            let next = next.clone();
-            tokio::spawn(async move {
-                let mut answered = Vec::new();
-                loop {
-                    let n = next.fetch_add(1, Ordering::Relaxed);
-                    if n >= total {
-                        return Ok::<_, BoxError>(answered);
-                    }
-                    tokio::time::sleep_until((started + interval.mul_f64(n as f64)).into()).await;
-                    let event = create_subscription(&mut http).await?;
-                    answered.push((event, wall_micros()));
-                }
-            })
-        })
-        .collect();
-    let mut answers: HashMap<Uuid, i64> = HashMap::with_capacity(total);
-    for writer in writers {
-        answers.extend(writer.await??);
-    }
+    let answers = write_paced(subscriptions.addr, rate, total).await?;
     let written_rate = total as f64 / started.elapsed().as_secs_f64();
     wait_invoices(
         &own.pool,
@@ -1272,24 +1450,77 @@ async fn paced_observed(
         &scrape_metrics(billing.metrics, "billing").await?,
         total,
     );
+    let reached = observed(env, arrived, &answers).await;
+    let (mut split, last, transactions) = split_times(upstream, own, &answers, &reached).await?;
+    if split.total.len() != total {
+        return Err(format!("{} of {total} paced events invoiced", split.total.len()).into());
+    }
+    let handled_rate = total as f64 / ((last - started_wall) as f64 / 1e6);
+    let p = |v: &mut Vec<f64>| (percentile(v, 50.0), percentile(v, 99.0));
+    Ok(Latency {
+        total: (
+            percentile(&mut split.total, 50.0),
+            percentile(&mut split.total, 99.0),
+            percentile(&mut split.total, 100.0),
+        ),
+        to_stream: p(&mut split.to_stream),
+        observed: p(&mut split.observed),
+        to_tx: p(&mut split.to_tx),
+        tx: p(&mut split.tx),
+        relay: relay_phases,
+        billing: billing_phases,
+        per_transaction: total as f64 / transactions.max(1) as f64,
+        handled_rate,
+        written_rate,
+        cpu,
+        upstream: upstream_cpu,
+        service: service_cpu.consumer,
+    })
+}
 
-    // The subscription's transaction start (its row's and its event's
-    // created_at), on the database server's clock.
-    let written: Vec<(Uuid, i64)> = sqlx::query_as(
-        "select id, (extract(epoch from created_at) * 1000000)::int8 from outbox_events",
-    )
-    .fetch_all(&upstream.pool)
-    .await?;
-    let written: HashMap<Uuid, i64> = written.into_iter().collect();
-    // Billing's transaction start (the inbox row's handled_at) and the
-    // invoice's insert (clock_timestamp()), on the same server's clock.
-    let rows: Vec<(Uuid, i64, i64)> = sqlx::query_as(
-        "select i.event_id, (extract(epoch from e.handled_at) * 1000000)::int8, \
-                (extract(epoch from i.created_at) * 1000000)::int8 \
-           from invoices i join inbox_events e on e.event_id = i.event_id",
-    )
-    .fetch_all(&own.pool)
-    .await?;
+/// Sends `total` `POST /v1/subscriptions` over [`WRITERS`] keep-alive
+/// connections on a schedule paced at `rate` per second; returns the events
+/// written, each with when its answer arrived.
+async fn write_paced(addr: SocketAddr, rate: usize, total: usize) -> Result<HashMap<Uuid, i64>> {
+    let interval = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut conns = Vec::with_capacity(WRITERS);
+    for _ in 0..WRITERS {
+        conns.push(Http::connect(addr).await?);
+    }
+    let started = Instant::now();
+    let writers: Vec<_> = conns
+        .into_iter()
+        .map(|mut http| {
+            let next = next.clone();
+            tokio::spawn(async move {
+                let mut answered = Vec::new();
+                loop {
+                    let n = next.fetch_add(1, Ordering::Relaxed);
+                    if n >= total {
+                        return Ok::<_, BoxError>(answered);
+                    }
+                    tokio::time::sleep_until((started + interval.mul_f64(n as f64)).into()).await;
+                    let event = create_subscription(&mut http).await?;
+                    answered.push((event, wall_micros()));
+                }
+            })
+        })
+        .collect();
+    let mut answers: HashMap<Uuid, i64> = HashMap::with_capacity(total);
+    for writer in writers {
+        answers.extend(writer.await??);
+    }
+    Ok(answers)
+}
+
+/// What the observer saw of the paced events (waiting at most 5 s more).
+async fn observed(
+    env: &Env,
+    arrived: &mut mpsc::UnboundedReceiver<(Uuid, Seen)>,
+    answers: &HashMap<Uuid, i64>,
+) -> HashMap<Uuid, Seen> {
+    let total = answers.len();
     let mut reached: HashMap<Uuid, Seen> = HashMap::with_capacity(total);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     while reached.len() < total {
@@ -1308,60 +1539,65 @@ async fn paced_observed(
             reached.len()
         ));
     }
+    reached
+}
+
+/// Per event of `answers`: the writer's commit (its `subscriptions` row's
+/// commit timestamp, upstream), the stream and the observer (`reached`),
+/// billing's transaction start (its inbox row's `handled_at`) and commit
+/// (its invoice row's commit timestamp). Returns the split, the last
+/// billing commit (µs since the epoch) and how many transactions billing
+/// spent on them.
+async fn split_times(
+    upstream: &Db,
+    own: &Db,
+    answers: &HashMap<Uuid, i64>,
+    reached: &HashMap<Uuid, Seen>,
+) -> Result<(Split, i64, usize)> {
+    // A row's xmin is the transaction that wrote it: the subscription's
+    // row is never updated (the outbox row is: the relay marks it).
+    let written: Vec<(String, i64)> = sqlx::query_as(
+        "select id, (extract(epoch from pg_xact_commit_timestamp(xmin)) * 1000000)::int8 \
+           from subscriptions",
+    )
+    .fetch_all(&upstream.pool)
+    .await?;
+    let written: HashMap<String, i64> = written.into_iter().collect();
+    let rows: Vec<(Uuid, String, i64, i64)> = sqlx::query_as(
+        "select i.event_id, i.subscription_id, (extract(epoch from e.handled_at) * 1000000)::int8, \
+                (extract(epoch from pg_xact_commit_timestamp(i.xmin)) * 1000000)::int8 \
+           from invoices i join inbox_events e on e.event_id = i.event_id",
+    )
+    .fetch_all(&own.pool)
+    .await?;
     let mut split = Split::default();
-    let mut last = started_wall;
+    let mut last = 0;
     let mut transactions = std::collections::HashSet::new();
-    for &(id, handled_at, invoiced) in &rows {
-        let (Some(&answered), Some(&created)) = (answers.get(&id), written.get(&id)) else {
+    let ms = |from: i64, to: i64| (to - from) as f64 / 1e3;
+    for (id, subscription, handled_at, committed) in rows {
+        let Some(&written) = written.get(&subscription) else {
             continue;
         };
-        last = last.max(invoiced);
-        let ms = |from: i64, to: i64| (to - from) as f64 / 1e3;
-        split.total.push(ms(created, invoiced));
-        split.from_answer.push(ms(answered, invoiced));
-        split.answer.push(ms(created, answered));
-        split.tx.push(ms(handled_at, invoiced));
+        if !answers.contains_key(&id) {
+            continue;
+        }
+        last = last.max(committed);
+        split.total.push(ms(written, committed));
+        split.tx.push(ms(handled_at, committed));
         transactions.insert(handled_at);
         if let Some(seen) = reached.get(&id) {
-            split.to_stream.push(ms(created, seen.stored));
+            split.to_stream.push(ms(written, seen.stored));
             split.observed.push(ms(seen.stored, seen.observed));
-            split.to_tx.push(ms(seen.stored, handled_at));
+            split.to_tx.push(ms(seen.observed, handled_at));
         }
     }
-    if split.total.len() != total {
-        return Err(format!("{} of {total} paced events invoiced", split.total.len()).into());
-    }
-    let handled_rate = total as f64 / ((last - started_wall) as f64 / 1e6);
-    let p = |v: &mut Vec<f64>| (percentile(v, 50.0), percentile(v, 99.0));
-    Ok(Latency {
-        total: (
-            percentile(&mut split.total, 50.0),
-            percentile(&mut split.total, 99.0),
-            percentile(&mut split.total, 100.0),
-        ),
-        from_answer: p(&mut split.from_answer),
-        answer: p(&mut split.answer),
-        to_stream: p(&mut split.to_stream),
-        observed: p(&mut split.observed),
-        to_tx: p(&mut split.to_tx),
-        tx: p(&mut split.tx),
-        relay: relay_phases,
-        billing: billing_phases,
-        per_transaction: total as f64 / transactions.len().max(1) as f64,
-        handled_rate,
-        written_rate,
-        cpu,
-        upstream: upstream_cpu,
-        service: service_cpu.consumer,
-    })
+    Ok((split, last, transactions.len()))
 }
 
 /// Per-event times of one latency run, ms.
 #[derive(Debug, Default)]
 struct Split {
     total: Vec<f64>,
-    from_answer: Vec<f64>,
-    answer: Vec<f64>,
     to_stream: Vec<f64>,
     observed: Vec<f64>,
     to_tx: Vec<f64>,

@@ -164,10 +164,14 @@ pub(crate) struct Args {
     /// none by default.
     #[arg(long, value_delimiter = ',')]
     pub(crate) inbox_library: Vec<u16>,
-    /// Paced write rate of the inbox part's latency runs, events per second
-    /// (0 skips them).
-    #[arg(long, default_value_t = 1_000)]
-    pub(crate) inbox_rate: usize,
+    /// Paced write rates of the inbox part's latency runs, events per second,
+    /// comma-separated (0 alone skips them).
+    #[arg(long = "inbox-rate", value_delimiter = ',', default_value = "200,500")]
+    pub(crate) inbox_rates: Vec<usize>,
+    /// The `outbox-relay --source` values of the inbox part's latency runs
+    /// (the relay between `subscriptions` and billing), comma-separated.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "poll,wal")]
+    pub(crate) inbox_sources: Vec<scheduled::Source>,
     /// How long each inbox latency run writes, in seconds.
     #[arg(long, default_value_t = 10)]
     pub(crate) inbox_latency_secs: u64,

@@ -81,9 +81,10 @@ pub struct Delivery {
     /// payload is decoded from a borrow ([`typed`](crate::typed) of a clone
     /// copies it only when another clone is still held).
     envelope: Arc<Envelope<Value>>,
-    info: DeliveryInfo,
-    traceparent: Option<String>,
-    tracestate: Option<String>,
+    /// Shared too, as the trace headers: a clone copies no string.
+    info: Arc<DeliveryInfo>,
+    traceparent: Option<Arc<str>>,
+    tracestate: Option<Arc<str>>,
     leader_epoch: Option<i64>,
     /// The span to handle the delivery in, when it is not the current one
     /// (batch mode: see [`crate::trace`]).
@@ -95,7 +96,7 @@ impl Delivery {
     pub fn new(envelope: Envelope<Value>, info: DeliveryInfo) -> Self {
         Self {
             envelope: Arc::new(envelope),
-            info,
+            info: Arc::new(info),
             traceparent: None,
             tracestate: None,
             leader_epoch: None,
@@ -126,21 +127,31 @@ impl Delivery {
     /// the body and the trace headers are all it reads.
     fn decode_nats(message: &async_nats::Message, info: DeliveryInfo) -> Result<Self, Poison> {
         let envelope = decode_envelope(&message.payload)?;
+        Ok(Self::from_decoded(message, envelope, info))
+    }
+
+    /// A delivery of `envelope`, decoded from `message`'s body already: the
+    /// trace headers are read from the message.
+    pub(crate) fn from_decoded(
+        message: &async_nats::Message,
+        envelope: Envelope<Value>,
+        info: DeliveryInfo,
+    ) -> Self {
         let header = |name: &str| {
             message
                 .headers
                 .as_ref()
                 .and_then(|h| h.get(name))
-                .map(|v| v.as_str().to_owned())
+                .map(|v| Arc::from(v.as_str()))
         };
-        Ok(Self {
+        Self {
             traceparent: header(TRACEPARENT_HEADER),
             tracestate: header(TRACESTATE_HEADER),
             envelope: Arc::new(envelope),
-            info,
+            info: Arc::new(info),
             leader_epoch: None,
             span: None,
-        })
+        }
     }
 
     /// Marks the delivery as handled by the leader of an ordered consumer in
@@ -178,14 +189,19 @@ impl Delivery {
         traceparent: Option<String>,
         tracestate: Option<String>,
     ) -> Self {
-        self.traceparent = traceparent;
-        self.tracestate = tracestate;
+        self.traceparent = traceparent.map(Arc::from);
+        self.tracestate = tracestate.map(Arc::from);
         self
     }
 
     /// The envelope, payload untyped.
     pub fn envelope(&self) -> &Envelope<Value> {
         &self.envelope
+    }
+
+    /// The envelope, shared (for the runtime's bookkeeping of what a task holds).
+    pub(crate) fn shared_envelope(&self) -> Arc<Envelope<Value>> {
+        Arc::clone(&self.envelope)
     }
 
     /// Consumes the delivery, returning the envelope.

@@ -183,6 +183,7 @@ mod health;
 pub mod metrics;
 pub mod ordering;
 mod poison;
+pub mod pool;
 pub mod prelude;
 pub mod retention;
 mod retry;

@@ -173,7 +173,8 @@ async fn run() -> Result<(), Box<dyn Error>> {
     let pool = args
         .database
         .connect(
-            PgPoolOptions::new()
+            // No test round trip before a recently used connection's BEGIN.
+            inbox_consumer::pool::handler_pool(PgPoolOptions::new())
                 .max_connections(
                     u32::try_from(concurrency)
                         .unwrap_or(u32::MAX)

@@ -180,12 +180,40 @@ where
     }
 }
 
-/// Begins a transaction with `begin` (the statement that also sets its timeouts).
+/// Most connections a transaction's `BEGIN` is tried on.
+const BEGIN_TRIES: usize = 3;
+
+/// Begins a transaction with `begin` (the statement that also sets its
+/// timeouts). A pooled connection the server dropped since it was last used
+/// fails its `BEGIN`, which had no effect: the transaction is begun again on
+/// another connection (a pool built with [`handler_pool`](crate::pool::handler_pool)
+/// does not test a recently used connection before handing it out).
 async fn begin_tx(pool: &PgPool, begin: String) -> Result<PgTransaction<'static>, Error> {
-    // Not checked at compile time: built at run time from `Timeouts` (`SET LOCAL`).
-    pool.begin_with(sqlx::AssertSqlSafe(begin))
-        .await
-        .map_err(|e| Error::database("beginning the inbox transaction", e))
+    let mut tries = 1;
+    loop {
+        // Not checked at compile time: built at run time from `Timeouts` (`SET LOCAL`).
+        match pool.begin_with(sqlx::AssertSqlSafe(begin.clone())).await {
+            Ok(tx) => return Ok(tx),
+            Err(e) if tries < BEGIN_TRIES && connection_dropped(&e) => {
+                tracing::debug!(error = %e, "a pooled connection was dropped; beginning on another");
+                tries += 1;
+            }
+            Err(e) => return Err(Error::database("beginning the inbox transaction", e)),
+        }
+    }
+}
+
+/// Whether `error` says the connection itself is gone (closed, reset, or
+/// ended by the server: SQLSTATE class 08 and 57P01–57P03), rather than that
+/// the statement failed.
+fn connection_dropped(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) | sqlx::Error::Protocol(_) => true,
+        sqlx::Error::Database(e) => e
+            .code()
+            .is_some_and(|code| code.starts_with("08") || code.starts_with("57P0")),
+        _ => false,
+    }
 }
 
 /// What a handler that returned `Ok` on an aborted transaction is told.

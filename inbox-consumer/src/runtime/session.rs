@@ -27,7 +27,8 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind, consumer::PullConsumer};
 use futures::{FutureExt, StreamExt};
-use outbox_pg::EventId;
+use outbox_pg::{Envelope, EventId};
+use serde_json::Value;
 use tokio::sync::watch;
 use tokio::task::{Id, JoinError, JoinSet};
 use tokio::time::Instant;
@@ -70,7 +71,8 @@ pub(crate) enum Served {
 /// another consumer or a message handed back holds one and no job).
 #[derive(Default)]
 struct Holding {
-    jobs: Vec<(String, EventId)>,
+    /// Each job's envelope (shared with its delivery): its subject and event.
+    jobs: Vec<Arc<Envelope<Value>>>,
     sequences: Vec<u64>,
 }
 
@@ -160,6 +162,7 @@ impl<'a, R: Runner> Session<'a, R> {
             if self.client_closed {
                 return self.client_gone().await;
             }
+            self.take_arrived();
             self.start_jobs();
             if self.stopping && self.tasks.is_empty() && self.pull.is_none() {
                 self.record_last_checkpoint().await;
@@ -184,6 +187,18 @@ impl<'a, R: Runner> Session<'a, R> {
         }
     }
 
+    /// Takes in what the open pull has already brought, without waiting for
+    /// more: a slot that frees then starts a batch of everything that has
+    /// arrived, not only of what the session happened to read before the
+    /// task's end woke it.
+    fn take_arrived(&mut self) {
+        if self.pull.is_some()
+            && let Some(next) = next_message(&mut self.pull).now_or_never()
+        {
+            self.received(next);
+        }
+    }
+
     /// Starts tasks for cleared and ready jobs while slots are free.
     fn start_jobs(&mut self) {
         let most = self.runner.max_jobs();
@@ -197,12 +212,13 @@ impl<'a, R: Runner> Session<'a, R> {
             while jobs.len() < most
                 && let Some(job) = self.ready.pop_front()
             {
-                let key = job.1.subject().to_owned();
-                if self.abandoned.contains(&key) {
+                let envelope = job.1.shared_envelope();
+                let key = envelope.subject();
+                if self.abandoned.contains(key) {
                     self.held = self.held.saturating_sub(1);
                     continue;
                 }
-                if let Some(job) = self.dispatcher.offer(&key, job) {
+                if let Some(job) = self.dispatcher.offer(key, job) {
                     jobs.push(job);
                 }
             }
@@ -210,10 +226,7 @@ impl<'a, R: Runner> Session<'a, R> {
                 return;
             }
             let keys = Holding {
-                jobs: jobs
-                    .iter()
-                    .map(|(_, d)| (d.subject().to_owned(), d.id()))
-                    .collect(),
+                jobs: jobs.iter().map(|(_, d)| d.shared_envelope()).collect(),
                 sequences: jobs.iter().map(|(_, d)| d.info().stream_sequence).collect(),
             };
             let stopping = self.stop.subscribe();
@@ -388,8 +401,9 @@ impl<'a, R: Runner> Session<'a, R> {
             self.ignore_replay(message, info, target);
             return;
         }
-        match Delivery::decode(&message, info.clone()) {
-            Ok(delivery) => {
+        match crate::delivery::decode_envelope(&message.payload) {
+            Ok(envelope) => {
+                let delivery = Delivery::from_decoded(&message.message, envelope, info);
                 let delivery = match self.tenure.as_ref().map(Tenure::epoch) {
                     Some(epoch) => delivery.with_leader_epoch(epoch),
                     None => delivery,
@@ -500,36 +514,40 @@ impl<'a, R: Runner> Session<'a, R> {
         }
         // A poison task holds one message and no subject.
         self.held = self.held.saturating_sub(jobs.len().max(1));
-        for (index, (key, event)) in jobs.into_iter().enumerate() {
+        for (index, envelope) in jobs.into_iter().enumerate() {
+            let (key, event) = (envelope.subject(), envelope.id());
             let done = finished.get(index).copied().unwrap_or(false);
             if !done && self.stopping && self.tenure.is_some() {
                 // A leader shutting down left this subject's event unfinished
                 // (an in-place retry cut short): its later events must not
                 // overtake it here.
-                let dropped = self.dispatcher.abandon(&key).len();
+                let dropped = self.dispatcher.abandon(key).len();
                 self.held = self.held.saturating_sub(dropped);
-                self.abandoned.insert(key);
+                self.abandoned.insert(key.to_owned());
                 continue;
             }
             if lost.is_some() && self.tenure.is_some() {
                 let sequence = sequences.get(index).copied().unwrap_or_default();
-                self.hold_behind(&key, event, sequence);
+                self.hold_behind(key, event, sequence);
                 continue;
             }
-            if let Some(job) = self.dispatcher.finish(&key) {
+            if let Some(job) = self.dispatcher.finish(key) {
                 self.cleared.push_back(job);
             }
             if done {
-                self.ready.extend(self.backlog.finished(&key, event));
+                self.ready.extend(self.backlog.finished(key, event));
             }
         }
     }
 
     /// Logs a task that ended without answering, naming what it held.
-    fn report_lost(&self, keys: &[(String, EventId)], why: &str) {
+    fn report_lost(&self, jobs: &[Arc<Envelope<Value>>], why: &str) {
         let consumer = &self.shared.config.durable;
-        let subjects: Vec<&str> = keys.iter().map(|(subject, _)| subject.as_str()).collect();
-        let events: Vec<String> = keys.iter().map(|(_, event)| event.to_string()).collect();
+        let subjects: Vec<&str> = jobs.iter().map(|envelope| envelope.subject()).collect();
+        let events: Vec<String> = jobs
+            .iter()
+            .map(|envelope| envelope.id().to_string())
+            .collect();
         if self.tenure.is_some() {
             tracing::error!(
                 consumer = %consumer, ?subjects, ?events, error = %why,
