@@ -32,7 +32,7 @@ use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
 use crate::Args;
-use crate::cpu::{Sample, Use};
+use crate::cpu::{Sample, Use, Who};
 use crate::harness::{
     Db, Env, Phases, Result, TAIL, bulk_rate, drain, drop_slots, envelopes, insert_events, pad,
     publish_all, repeat_if_killed, stop_all, tail_secs, wait_for_messages, wait_marked, wal_drain,
@@ -161,6 +161,7 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
         ));
     }
     out.push_str(&cpu_table(&modes, &cpus, args.events));
+    out.push_str(&replica_table(&modes, &rates, &cpus, args.events));
     println!("\n{out}");
     summary.push(out);
     Ok(())
@@ -181,6 +182,59 @@ fn cpu_table(modes: &[Mode], cpus: &[Vec<(Use, Duration)>], events: usize) -> St
         std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
         crate::cpu::per_events_table("path", &lines, events)
     )
+}
+
+/// Replicas against one process, round by round: the ratio of their
+/// events/s and of their CPU seconds per event, by kind of process (median
+/// of the per-round ratios, with the range). Empty unless one process and
+/// more were both run.
+fn replica_table(
+    modes: &[Mode],
+    rates: &[Vec<f64>],
+    cpus: &[Vec<(Use, Duration)>],
+    events: usize,
+) -> String {
+    let Some(one) = modes.iter().position(|m| matches!(m, Mode::Relay(1))) else {
+        return String::new();
+    };
+    let per = 100_000.0 / events.max(1) as f64;
+    let kinds = [Who::Relay, Who::Database, Who::Broker];
+    let mut out = format!(
+        "\nReplicas against one process, round by round: events/s of N processes over 1 process's \
+         (median of the per-round ratios, range); CPU seconds per 100,000 events as N processes' \
+         median vs 1 process's median, ×the per-round ratio (median, range):\n\n\
+         | processes | events/s, to 1 process | {} | all, CPU-s / 100k |\n|---|---:|{}---:|\n",
+        kinds
+            .map(|w| format!("{}, CPU-s / 100k", w.name()))
+            .join(" | "),
+        "---:|".repeat(kinds.len()),
+    );
+    for (i, mode) in modes.iter().enumerate() {
+        let Mode::Relay(n) = *mode else { continue };
+        if n == 1 {
+            continue;
+        }
+        let cell = |f: &dyn Fn(&Use) -> f64| {
+            let of = |runs: &[(Use, Duration)]| -> Vec<f64> {
+                runs.iter().map(|(u, _)| f(u) * per).collect()
+            };
+            let (mine, base) = (of(&cpus[i]), of(&cpus[one]));
+            format!(
+                "{:.2} vs {:.2}, ×{}",
+                Spread::of(&mine).median,
+                Spread::of(&base).median,
+                Spread::of(&ratios(&mine, &base)).show(2)
+            )
+        };
+        let by_kind: Vec<String> = kinds.iter().map(|&w| cell(&|u| u.of(w))).collect();
+        out.push_str(&format!(
+            "| {n} | {} | {} | {} |\n",
+            Spread::of(&ratios(&rates[i], &rates[one])).show(2),
+            by_kind.join(" | "),
+            cell(&|u| u.total()),
+        ));
+    }
+    out
 }
 
 /// One mode's result in one round.

@@ -45,6 +45,10 @@ use crate::store::Store;
 pub use outbox_pg::SHARDS;
 /// How often ownership is confirmed and rebalanced.
 pub(crate) const REBALANCE_INTERVAL: Duration = Duration::from_millis(500);
+/// Takes of free shards in one rebalance: after the first, each reads
+/// ownership again and takes what is still free, in place of the shards
+/// another relay took meanwhile.
+const TAKE_ROUNDS: usize = 4;
 /// Every owned shard is read from its start again this often, to pick up
 /// rows an operator put back in the main lane below the cursor.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(60);
@@ -416,21 +420,9 @@ impl Shards {
         let owned = self.owned();
         let mut changed = false;
         if owned.len() < target {
-            let mut free: Vec<i32> = (0..SHARDS)
-                .filter_map(|i| i32::try_from(i).ok())
-                .filter(|i| !state.taken.contains(i))
-                .filter(|&i| !owned.iter().any(|&o| i32::from(o) == i))
-                .collect();
-            free.shuffle(&mut rand::rng());
-            free.truncate(target - owned.len());
-            if !free.is_empty() {
-                let taken = Store::acquire_shards(conn, keys.shards, &free).await?;
-                for &id in &taken {
-                    self.set_owned(id, true);
-                }
-                changed |= !taken.is_empty();
-                debug!(taken = taken.len(), target, "took shards");
-            }
+            let taken = self.take_free(conn, keys, &state.taken, target).await?;
+            changed |= taken > 0;
+            debug!(taken, target, "took shards");
         } else if owned.len() > target {
             let excess: Vec<i16> = owned[target..].to_vec();
             for &id in &excess {
@@ -448,6 +440,47 @@ impl Shards {
         Ok(())
     }
 
+    /// Takes free shards (neither held by `others` nor owned here) at random
+    /// until this relay owns `target`; returns how many it took. When another
+    /// relay took some of them between the read of `others` and this take
+    /// (replicas starting together pick at the same moment), ownership is
+    /// read again and the shards still free are taken at once, up to
+    /// [`TAKE_ROUNDS`] times, rather than a rebalance later: that left a few
+    /// shards unowned, their rows waiting, for half a second.
+    async fn take_free(
+        &self,
+        conn: &mut PgConnection,
+        keys: Keys,
+        others: &[i32],
+        target: usize,
+    ) -> Result<usize> {
+        let mut others = others.to_vec();
+        let mut took = 0;
+        for round in 0..TAKE_ROUNDS {
+            if round > 0 {
+                others = Store::shards_state(conn, keys.members, keys.shards)
+                    .await?
+                    .taken;
+            }
+            let owned = self.owned();
+            let mut free = free_shards(&others, &owned);
+            free.shuffle(&mut rand::rng());
+            free.truncate(target.saturating_sub(owned.len()));
+            if free.is_empty() {
+                break;
+            }
+            let taken = Store::acquire_shards(conn, keys.shards, &free).await?;
+            for &id in &taken {
+                self.set_owned(id, true);
+            }
+            took += taken.len();
+            if taken.len() == free.len() {
+                break;
+            }
+        }
+        Ok(took)
+    }
+
     /// Waits until no worker has any of `ids` checked out (at most the lease).
     async fn wait_idle(&self, ids: &[i16]) {
         let deadline = Instant::now() + self.lease;
@@ -461,9 +494,26 @@ impl Shards {
     }
 }
 
+/// The shards neither held by other relays (`others`) nor owned here.
+fn free_shards(others: &[i32], owned: &[i16]) -> Vec<i32> {
+    (0..SHARDS)
+        .filter_map(|i| i32::try_from(i).ok())
+        .filter(|i| !others.contains(i))
+        .filter(|&i| !owned.iter().any(|&o| i32::from(o) == i))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn free_shards_leave_out_those_held_elsewhere_or_owned() {
+        assert_eq!(free_shards(&[], &[]).len(), SHARDS);
+        let free = free_shards(&[0, 1, 2, 63], &[3, 4]);
+        assert_eq!(free.len(), SHARDS - 6);
+        assert!(free.iter().all(|i| (5..63).contains(i)));
+    }
 
     #[test]
     fn debug_names_the_server_and_not_the_password() {
