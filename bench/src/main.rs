@@ -108,7 +108,7 @@ pub(crate) struct Args {
         default_value = "raw-vs-relay,drain,latency,rss,writers"
     )]
     parts: Vec<Part>,
-    /// Rounds of every part (except rss, run once).
+    /// Rounds of every part.
     #[arg(long, default_value_t = 5)]
     pub(crate) rounds: usize,
     /// Events for relay vs raw.
