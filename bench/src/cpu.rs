@@ -3,9 +3,13 @@
 //!
 //! Read from `/proc/<pid>/stat` (user and system time, in clock ticks of
 //! 1/100 s, the kernel's `USER_HZ` on Linux) for every process by its command
-//! name, and this process's own. A process that exits inside the window
-//! loses its share, so the end is read before the relays are stopped; the
-//! PostgreSQL backends of the relays' pools live as long as the relays.
+//! name, and this process's own. Where the bench started a kind of process
+//! itself (its relays; PostgreSQL and nats-server unless `DATABASE_URL` /
+//! `NATS_URL` name servers of their own), only its own descendants of that
+//! kind count: other servers and relays on the machine are not the bench's.
+//! A process that exits inside the window loses its share, so the end is
+//! read before the relays are stopped; the PostgreSQL backends of the
+//! relays' pools live as long as the relays.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -48,9 +52,12 @@ impl Sample {
     /// and any that cannot be read, are left out.
     pub(crate) fn now() -> Self {
         let me = std::process::id();
-        let mut ticks = HashMap::new();
+        let mut seen: HashMap<u32, (Who, u64, u32)> = HashMap::new();
+        let mut parents: HashMap<u32, u32> = HashMap::new();
         let Ok(dir) = std::fs::read_dir("/proc") else {
-            return Self { ticks };
+            return Self {
+                ticks: HashMap::new(),
+            };
         };
         for entry in dir.flatten() {
             let Some(pid) = entry
@@ -63,7 +70,8 @@ impl Sample {
             let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
                 continue;
             };
-            if let Some((comm, used)) = parse_stat(&stat) {
+            if let Some((comm, used, parent)) = parse_stat(&stat) {
+                parents.insert(pid, parent);
                 let who = match comm {
                     _ if pid == me => Who::Bench,
                     "outbox-relay" => Who::Relay,
@@ -71,9 +79,20 @@ impl Sample {
                     "postgres" => Who::Database,
                     _ => continue,
                 };
-                ticks.insert(pid, (who, used));
+                seen.insert(pid, (who, used, parent));
             }
         }
+        let ours = |pid: u32| descends_from(pid, me, &parents);
+        let kinds_ours: Vec<Who> = seen
+            .iter()
+            .filter(|(pid, _)| ours(**pid))
+            .map(|(_, (who, _, _))| *who)
+            .collect();
+        let ticks = seen
+            .into_iter()
+            .filter(|(pid, (who, _, _))| !kinds_ours.contains(who) || ours(*pid))
+            .map(|(pid, (who, used, _))| (pid, (who, used)))
+            .collect();
         Self { ticks }
     }
 
@@ -146,19 +165,35 @@ pub(crate) fn per_events_table(
     out
 }
 
-/// The command name and user + system ticks of a `/proc/<pid>/stat` line.
-/// The name is in parentheses and may itself hold spaces or parentheses, so
-/// the fields are counted from the last `)`.
-fn parse_stat(stat: &str) -> Option<(&str, u64)> {
+/// Whether `pid` is `ancestor` or one of its descendants, by `parents`.
+fn descends_from(mut pid: u32, ancestor: u32, parents: &HashMap<u32, u32>) -> bool {
+    // A chain longer than this is a loop in a racy read of /proc.
+    for _ in 0..64 {
+        if pid == ancestor {
+            return true;
+        }
+        match parents.get(&pid) {
+            Some(&parent) if parent != 0 && parent != pid => pid = parent,
+            _ => return false,
+        }
+    }
+    false
+}
+
+/// The command name, user + system ticks and parent pid of a
+/// `/proc/<pid>/stat` line. The name is in parentheses and may itself hold
+/// spaces or parentheses, so the fields are counted from the last `)`.
+fn parse_stat(stat: &str) -> Option<(&str, u64, u32)> {
     let open = stat.find('(')?;
     let close = stat.rfind(')')?;
     let comm = stat.get(open + 1..close)?;
     let mut fields = stat.get(close + 2..)?.split_whitespace();
-    // Fields 3.. of proc(5): state is the first after the name; utime and
-    // stime are fields 14 and 15.
-    let utime: u64 = fields.nth(11)?.parse().ok()?;
+    // Fields 3.. of proc(5): state is the first after the name, the parent
+    // pid the second; utime and stime are fields 14 and 15.
+    let parent: u32 = fields.nth(1)?.parse().ok()?;
+    let utime: u64 = fields.nth(9)?.parse().ok()?;
     let stime: u64 = fields.next()?.parse().ok()?;
-    Some((comm, utime + stime))
+    Some((comm, utime + stime, parent))
 }
 
 #[cfg(test)]
@@ -169,8 +204,20 @@ mod tests {
     fn user_and_system_ticks_from_a_stat_line() {
         let line =
             "4242 (nats-server) S 1 4242 4242 0 -1 4194560 1000 0 0 0 150 25 0 0 20 0 8 0 100 0 0";
-        assert_eq!(parse_stat(line), Some(("nats-server", 175)));
+        assert_eq!(parse_stat(line), Some(("nats-server", 175, 1)));
         let odd = "7 (a (b) c) R 1 7 7 0 -1 0 0 0 0 0 3 4 0 0";
-        assert_eq!(parse_stat(odd), Some(("a (b) c", 7)));
+        assert_eq!(parse_stat(odd), Some(("a (b) c", 7, 1)));
+    }
+
+    #[test]
+    fn descendants_by_parent_pids() {
+        // 10 -> 20 -> 30; 40 is not ours; 50 loops on itself.
+        let parents: HashMap<u32, u32> = [(20, 10), (30, 20), (40, 1), (50, 50), (10, 1)]
+            .into_iter()
+            .collect();
+        assert!(descends_from(30, 10, &parents));
+        assert!(descends_from(10, 10, &parents));
+        assert!(!descends_from(40, 10, &parents));
+        assert!(!descends_from(50, 10, &parents));
     }
 }
