@@ -25,7 +25,7 @@
 //! reads WAL written before it took the lead, the pipeline waits until the
 //! rows' transactions are visible, passes over every row that is no longer
 //! fresh (published, in the retry lane, or deleted since by retention:
-//! `queries/wal_resolved.sql`) and publishes only the others, in commit
+//! `queries/wal_still_fresh.sql`) and publishes only the others, in commit
 //! order, each subject checked against the retry lane first as in every
 //! session. Because it waits for visibility first, a row is never passed
 //! over because the database cannot show it yet. The look runs beside

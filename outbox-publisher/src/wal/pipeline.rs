@@ -431,7 +431,15 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         if recheck || self.rechecking || !self.rechecks.is_empty() {
             self.catch_up.read += u64::from(recheck);
             self.rechecks.push((row, recheck));
-        } else if self.subjects.is_clear(&row.subject) {
+        } else {
+            self.take_on(row);
+        }
+    }
+
+    /// Queues a row of a subject known clear of the retry lane; keeps the
+    /// others to check first.
+    fn take_on(&mut self, row: ClaimedRow) {
+        if self.subjects.is_clear(&row.subject) {
             self.subjects.enqueue(row);
         } else {
             self.unchecked.push(row);
@@ -494,7 +502,7 @@ impl<'a, S: Sink> Pipeline<'a, S> {
                     }
                     // A row is passed over only on a visible outcome.
                     await_visible(&pool, &xids, &stop).await?;
-                    slot::unresolved(&pool, &ids).await
+                    slot::still_fresh(&pool, &ids).await
                 };
                 (rows, fresh.await)
             }
@@ -512,10 +520,8 @@ impl<'a, S: Sink> Pipeline<'a, S> {
         for (row, looked) in rows {
             if looked && !fresh.contains(&row.id) {
                 numbers.extend(self.settle(row.id).map(|h| h.number));
-            } else if self.subjects.is_clear(&row.subject) {
-                self.subjects.enqueue(row);
             } else {
-                self.unchecked.push(row);
+                self.take_on(row);
             }
         }
         self.catch_up.passed_over += numbers.len() as u64;

@@ -391,17 +391,6 @@ pub(crate) async fn fresh_probe(
     Ok((found, lsn))
 }
 
-/// Which of `ids` are still fresh (`queries/wal_still_fresh.sql`).
-///
-/// # Errors
-/// [`ErrorKind::Database`].
-pub(crate) async fn still_fresh(pool: &PgPool, ids: &[uuid::Uuid]) -> Result<Vec<uuid::Uuid>> {
-    sqlx::query_file_scalar!("queries/wal_still_fresh.sql", ids)
-        .fetch_all(pool)
-        .await
-        .map_err(|e| Error::database("checking rows the WAL source has read", e))
-}
-
 /// The transactions of `xids` (as the replication stream names them) not yet
 /// visible to a new statement (`queries/wal_invisible.sql`).
 ///
@@ -427,19 +416,19 @@ pub(crate) async fn invisible(pool: &PgPool, xids: &[u32]) -> Result<Vec<u32>> {
         .collect())
 }
 
-/// Which of `ids`, rows read again from the WAL whose transactions are
-/// visible, are still fresh (`queries/wal_resolved.sql`); the others have an
+/// Which of `ids`, rows read from the WAL whose transactions are visible,
+/// are still fresh (`queries/wal_still_fresh.sql`); the others have an
 /// outcome.
 ///
 /// # Errors
 /// [`ErrorKind::Database`].
-pub(crate) async fn unresolved(pool: &PgPool, ids: &[uuid::Uuid]) -> Result<Vec<uuid::Uuid>> {
+pub(crate) async fn still_fresh(pool: &PgPool, ids: &[uuid::Uuid]) -> Result<Vec<uuid::Uuid>> {
     // Unprepared, planned for the table as it is (see the file).
-    sqlx::query_file_scalar!("queries/wal_resolved.sql", ids)
+    sqlx::query_file_scalar!("queries/wal_still_fresh.sql", ids)
         .persistent(false)
         .fetch_all(pool)
         .await
-        .map_err(|e| Error::database("checking rows read again from the WAL", e))
+        .map_err(|e| Error::database("checking rows read from the WAL", e))
 }
 
 /// The server's WAL insert position (`queries/wal_insert_lsn.sql`): every
