@@ -988,3 +988,37 @@ async fn a_slot_without_a_recorded_backfill_is_backfilled_again() {
     assert_once_in_order(&messages);
     assert_eq!(relay.terminate().await, Some(0), "{}", relays.tail("wal-2"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn without_the_backfill_table_the_relay_says_so_and_backfills_at_every_lead() {
+    let db = TestDb::new().await.unwrap();
+    let nats = nats().unwrap();
+    let relays = Relays::new(&db, nats.url());
+    sqlx::query("drop table outbox_relay_slots")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    write_spread(&db.pool, "t", 40, 1, 5, 0).await;
+    let mut relay = relays.start_reading("wal-1").await;
+    relays.wait_all(&db.pool, 200, &["wal-1"]).await;
+    assert_eq!(relay.terminate().await, Some(0), "{}", relays.tail("wal-1"));
+    write_spread(&db.pool, "t", 40, 1, 5, 5).await;
+    let mut relay = relays.start_reading("wal-2").await;
+    relays.wait_all(&db.pool, 400, &["wal-1", "wal-2"]).await;
+    let log = relays.log("wal-2");
+    assert!(
+        log.contains(BACKFILLED) && !log.contains(CATCHING_UP),
+        "{}",
+        relays.tail("wal-2")
+    );
+    assert_eq!(
+        log.matches("the relay cannot use outbox_relay_slots")
+            .count(),
+        1,
+        "named once:\n{}",
+        relays.tail("wal-2")
+    );
+    let messages = read_stream(nats.url(), &relays.stream).await;
+    assert_once_in_order(&messages);
+    assert_eq!(relay.terminate().await, Some(0), "{}", relays.tail("wal-2"));
+}
