@@ -84,9 +84,36 @@ fn cursor_moves(
         .collect()
 }
 
+/// Whether a claim read its shards to their end: each shard fewer main-lane
+/// rows than its limit, the retry lane fewer than its own, and nothing left
+/// unresolved (over the byte budget, behind a broker fault). Rows committed
+/// after it are another NOTIFY's.
+fn read_to_end(
+    shards: &[i16],
+    limits: &[i32],
+    read: &HashMap<i16, (usize, i64)>,
+    retried: usize,
+    retry_limit: usize,
+    unresolved: &[ClaimedRow],
+) -> bool {
+    unresolved.is_empty()
+        && retried < retry_limit
+        && shards.iter().zip(limits).all(|(shard, &limit)| {
+            read.get(shard)
+                .is_none_or(|&(n, _)| n < usize::try_from(limit).unwrap_or(usize::MAX))
+        })
+}
+
+/// What a batch did, and whether it read its part of the shards to its end.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Ran {
+    pub(super) report: BatchReport,
+    pub(super) to_end: bool,
+}
+
 impl<S: Sink> PollSource<'_, S> {
     /// Claims from `checkout`'s shards, publishes, marks, and advances cursors.
-    pub(super) async fn run_batch(&self, checkout: &Checkout<'_>) -> Result<BatchReport> {
+    pub(super) async fn run_batch(&self, checkout: &Checkout<'_>) -> Result<Ran> {
         // Settled before the claim's snapshot is taken: safe to move cursors
         // to, within the same epoch (read first).
         let epoch = self.horizon.epoch();
@@ -120,7 +147,10 @@ impl<S: Sink> PollSource<'_, S> {
                 checkout.set_had_rows(shard, false);
             }
             self.tick_horizon().await?;
-            return Ok(BatchReport::default());
+            return Ok(Ran {
+                report: BatchReport::default(),
+                to_end: true,
+            });
         }
         metrics::batch(rows.len());
         let claimed_at = Instant::now();
@@ -135,18 +165,27 @@ impl<S: Sink> PollSource<'_, S> {
             ..BatchReport::default()
         };
         let read = main_lane_reads(&rows);
+        let retried = rows.iter().filter(|r| r.retry).count();
         let unresolved = self
             .engine
             .publish_rows(rows, deadline, max_payload, &mut report)
             .await?;
+        let to_end = read_to_end(
+            checkout.ids(),
+            &limits,
+            &read,
+            retried,
+            self.engine.config.batch_size,
+            &unresolved,
+        );
         let moves = cursor_moves(checkout.ids(), &limits, settled, &read, &unresolved);
         for (&shard, to) in checkout.ids().iter().zip(moves) {
             checkout.set_had_rows(shard, read.contains_key(&shard));
             checkout.advance(shard, to, epoch);
         }
         self.tick_horizon().await?;
-        debug!(?report, settled, cursors = ?cursors.iter().take(3).collect::<Vec<_>>(), took = ?claimed_at.elapsed(), "batch done");
-        Ok(report)
+        debug!(?report, to_end, settled, cursors = ?cursors.iter().take(3).collect::<Vec<_>>(), took = ?claimed_at.elapsed(), "batch done");
+        Ok(Ran { report, to_end })
     }
 
     /// Moves the settled horizon on for the next batch, off the path from a
@@ -215,5 +254,27 @@ mod tests {
             cursor_moves(&shards, &[16; 4], 30, &read, &[]),
             [30, 30, 30, 30]
         );
+    }
+
+    #[test]
+    fn a_claim_reads_its_part_to_the_end_when_no_limit_is_reached_and_nothing_is_left() {
+        let rows = [row(1, 10, false), row(1, 12, false), row(3, 5, true)];
+        let read = main_lane_reads(&rows);
+        let shards = [1, 2];
+        // Shard 1 read 2 of 16, shard 2 nothing, the retry lane 1 of 100.
+        assert!(read_to_end(&shards, &[16, 16], &read, 1, 100, &[]));
+        // Shard 1 read its whole limit: it may have more.
+        assert!(!read_to_end(&shards, &[2, 16], &read, 1, 100, &[]));
+        // The retry lane read its whole limit.
+        assert!(!read_to_end(&shards, &[16, 16], &read, 100, 100, &[]));
+        // A row left unresolved is read again.
+        assert!(!read_to_end(
+            &shards,
+            &[16, 16],
+            &read,
+            1,
+            100,
+            &[row(1, 12, false)]
+        ));
     }
 }

@@ -30,6 +30,9 @@ use crate::error::Result;
 use crate::sink::Sink;
 
 mod batch;
+mod sweep;
+
+use self::sweep::Sweep;
 
 /// Consecutive batches without progress after which `drain` gives up on rows
 /// that are neither published nor failed (not counting broker faults).
@@ -88,6 +91,8 @@ pub(crate) struct PollSource<'a, S> {
     shards: &'a Shards,
     horizon: &'a Horizon,
     lane: MainLane,
+    /// When the workers may sleep.
+    sweep: Sweep,
 }
 
 impl<'a, S: Sink> PollSource<'a, S> {
@@ -103,6 +108,7 @@ impl<'a, S: Sink> PollSource<'a, S> {
             shards,
             horizon,
             lane,
+            sweep: Sweep::default(),
         }
     }
 
@@ -117,46 +123,27 @@ impl<'a, S: Sink> PollSource<'a, S> {
     /// One worker's loop.
     async fn worker(&self, mut wake: watch::Receiver<u64>, shutdown: &CancellationToken) {
         let mut owned = self.shards.subscribe();
+        let mut more = self.sweep.subscribe();
         let mut idle = LoopBackoff::new(Duration::from_millis(100), Duration::from_secs(10));
-        // Consecutive empty batches: a worker sleeps only once it has found
-        // every part of the owned shards empty, not just its last one.
-        let mut empty = 0;
         while !shutdown.is_cancelled() {
-            wake.borrow_and_update();
+            let woken = *wake.borrow_and_update();
             owned.borrow_and_update();
+            more.borrow_and_update();
             let pause = if self.engine.sink.is_available() {
                 let checkout = self.shards.checkout(self.engine.config.workers);
                 if checkout.is_empty() {
                     Some(self.engine.config.poll_interval)
                 } else {
-                    let result = self.run_batch(&checkout).await;
+                    self.sweep.claiming(woken);
+                    let (result, to_end) = match self.run_batch(&checkout).await {
+                        Ok(ran) => (Ok(ran.report), ran.to_end),
+                        Err(e) => (Err(e), false),
+                    };
                     drop(checkout);
                     self.engine.note_db_health(&result);
                     self.engine.note_broker_idle(&result);
                     self.engine.report_health();
-                    empty = match &result {
-                        Ok(report) if report.claimed == 0 => empty + 1,
-                        _ => 0,
-                    };
-                    match result {
-                        Ok(report) if report.claimed == 0 => {
-                            idle.reset();
-                            (empty >= self.engine.config.workers)
-                                .then_some(self.engine.config.poll_interval)
-                        }
-                        Ok(report) if report.progress() == 0 && report.broker_faults > 0 => {
-                            Some(idle.next())
-                        }
-                        Ok(report) if report.progress() == 0 => {
-                            Some(self.engine.config.poll_interval)
-                        }
-                        // Progress: more may be waiting, go straight on.
-                        Ok(_) => {
-                            idle.reset();
-                            None
-                        }
-                        Err(_) => Some(idle.next()),
-                    }
+                    self.after(&result, to_end, &mut idle)
                 }
             } else {
                 self.engine
@@ -165,13 +152,52 @@ impl<'a, S: Sink> PollSource<'a, S> {
                 Some(idle.next())
             };
             if let Some(pause) = pause {
-                empty = 0;
                 tokio::select! {
                     _ = wake.changed() => {}
-                    _ = owned.changed() => {}
-                    () = tokio::time::sleep(pause) => {}
+                    _ = owned.changed() => self.sweep.restart(),
+                    _ = more.changed() => {}
+                    () = tokio::time::sleep(pause) => self.sweep.restart(),
                     () = shutdown.cancelled() => {}
                 }
+            }
+        }
+    }
+
+    /// How long a worker pauses after a batch (`to_end`:
+    /// it read its part to the end): not at all
+    /// while there is more to read; the poll interval once the workers have
+    /// read every part to its end since the wake-up ([`Sweep`]), or made no
+    /// progress; a growing backoff after faults.
+    fn after(
+        &self,
+        result: &Result<BatchReport>,
+        to_end: bool,
+        idle: &mut LoopBackoff,
+    ) -> Option<Duration> {
+        let interval = self.engine.config.poll_interval;
+        let workers = self.engine.config.workers;
+        match result {
+            Ok(report) if report.progress() == 0 && report.broker_faults > 0 => {
+                self.sweep.claimed(false, false, workers);
+                Some(idle.next())
+            }
+            Ok(_) if to_end => {
+                idle.reset();
+                self.sweep.claimed(true, false, workers).then_some(interval)
+            }
+            Ok(report) if report.progress() == 0 => {
+                self.sweep.claimed(false, false, workers);
+                Some(interval)
+            }
+            // More may be waiting: go straight on, and wake the others.
+            Ok(_) => {
+                idle.reset();
+                self.sweep.claimed(false, true, workers);
+                None
+            }
+            Err(_) => {
+                self.sweep.claimed(false, false, workers);
+                Some(idle.next())
             }
         }
     }
@@ -264,7 +290,7 @@ impl<'a, S: Sink> PollSource<'a, S> {
             if checkout.is_empty() {
                 return Ok(total);
             }
-            let report = self.run_batch(&checkout).await?;
+            let report = self.run_batch(&checkout).await?.report;
             drop(checkout);
             total.add(report);
             if report.claimed == 0 {
