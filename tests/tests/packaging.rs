@@ -156,9 +156,13 @@ fn each_library_crate_carries_what_the_registry_shows() {
 /// stops compiling, or a dependency it needs that its block leaves out, fails
 /// here. Built into `target/readme-snippets` (the workspace's own target
 /// directory is locked while the tests run), then run as a user runs them
-/// against real servers, beside the shipped `outbox-relay`: N writes give N
-/// invoices, once each, through a duplicate delivery, and the consumer
-/// drains and exits 0 on SIGTERM.
+/// against real servers, beside the shipped `outbox-relay`, on a nats-server
+/// that admits users by password only: the consumer connects through the
+/// library's flags as its NATS user (password from a file) with its own
+/// inbox prefix, the only inbox its user may subscribe to; without the
+/// password it is refused at once. N writes give N invoices, once each,
+/// through a duplicate delivery, and the consumer drains and exits 0 on
+/// SIGTERM.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_readme_programs_build_in_a_fresh_crate_and_run_against_real_servers() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -263,9 +267,27 @@ async fn the_readme_programs_build_in_a_fresh_crate_and_run_against_real_servers
     run_readme_programs(writer, consumer).await;
 }
 
+/// The NATS users of the run: the relay's, the README consumer's (which may
+/// subscribe to its own inbox prefix only, as docs/security.md's "NATS"
+/// section sets up every consumer) and the test's own.
+const NATS_CONFIG: &str = r#"authorization {
+  users = [
+    { user: relay, password: "relay-s3cret" }
+    {
+      user: billing
+      password: "billing-s3cret"
+      permissions: { subscribe: { allow: ["_INBOX_billing.>"] } }
+    }
+    { user: test, password: "test-s3cret" }
+  ]
+}
+"#;
+
 /// The README's writer `N` times, the relay, then the README's consumer: N
 /// invoices, one per event, also after one message is delivered again under
-/// another message id; SIGTERM drains the consumer, exit 0.
+/// another message id; SIGTERM drains the consumer, exit 0. NATS requires a
+/// user and password ([`NATS_CONFIG`]): the consumer without them exits
+/// non-zero at once, naming the refusal.
 async fn run_readme_programs(writer: &Path, consumer: &Path) {
     const N: i64 = 5;
     const WAIT: std::time::Duration = std::time::Duration::from_secs(60);
@@ -278,11 +300,15 @@ async fn run_readme_programs(writer: &Path, consumer: &Path) {
     .execute(&db.pool)
     .await
     .unwrap();
-    let broker = outbox_testkit::nats().unwrap();
+    let broker =
+        tokio::task::block_in_place(|| outbox_testkit::NatsServer::start_with_config(NATS_CONFIG))
+            .unwrap();
     let logs = tempfile::Builder::new()
         .prefix("outbox-readme-run-")
         .tempdir()
         .unwrap();
+    let password_file = logs.path().join("nats-password");
+    std::fs::write(&password_file, "billing-s3cret\n").unwrap();
     for _ in 0..N {
         let out = tokio::process::Command::new(writer)
             .env_clear()
@@ -308,6 +334,8 @@ async fn run_readme_programs(writer: &Path, consumer: &Path) {
         outbox_testkit::Program::new("outbox-relay", bin_dir.join("outbox-relay"), logs.path())
             .env("DATABASE_URL", db.url())
             .env("NATS_URL", broker.url())
+            .env("NATS_USER", "relay")
+            .env("NATS_PASSWORD", "relay-s3cret")
             .args([
                 "--stream",
                 "OUTBOX",
@@ -318,10 +346,33 @@ async fn run_readme_programs(writer: &Path, consumer: &Path) {
     let log = |name: &str| {
         std::fs::read_to_string(logs.path().join(format!("{name}.log"))).unwrap_or_default()
     };
+    // Without its password: refused by the server, an error at once.
+    let mut refused = outbox_testkit::Program::new(
+        "readme-consumer-refused",
+        consumer.to_path_buf(),
+        logs.path(),
+    )
+    .env("DATABASE_URL", db.url())
+    .env("NATS_URL", broker.url());
+    refused.start().await.unwrap();
+    let status = refused.wait_exit(std::time::Duration::from_secs(30)).await;
+    assert!(
+        status.is_some_and(|code| code != 0)
+            && log("readme-consumer-refused")
+                .to_lowercase()
+                .contains("authorization violation"),
+        "the README's consumer without NATS credentials: {status:?}\n{}",
+        log("readme-consumer-refused")
+    );
+    // As production runs it: its user, the password from a file, its own
+    // inbox prefix (the default `_INBOX.>` is not allowed to it).
     let mut consumer =
         outbox_testkit::Program::new("readme-consumer", consumer.to_path_buf(), logs.path())
             .env("DATABASE_URL", db.url())
-            .env("NATS_URL", broker.url());
+            .env("NATS_URL", broker.url())
+            .env("NATS_USER", "billing")
+            .env("NATS_PASSWORD_FILE", password_file.display().to_string())
+            .env("NATS_INBOX_PREFIX", "_INBOX_billing");
     consumer.start().await.unwrap();
     let count = |sql: &'static str| {
         let pool = db.pool.clone();
@@ -338,7 +389,13 @@ async fn run_readme_programs(writer: &Path, consumer: &Path) {
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", log("readme-consumer")));
     // One event delivered again, under another message id: no new invoice.
-    let js = async_nats::jetstream::new(async_nats::connect(broker.url()).await.unwrap());
+    let js = async_nats::jetstream::new(
+        async_nats::ConnectOptions::new()
+            .user_and_password("test".into(), "test-s3cret".into())
+            .connect(broker.url())
+            .await
+            .unwrap(),
+    );
     let stored = js
         .get_stream("OUTBOX")
         .await
