@@ -8,6 +8,8 @@
 //! database and nats-server, so the page's fixed id is new to both. Then the
 //! event has its inbox row and its invoice, the message is stored with the
 //! page's headers, nothing is dead-lettered and nothing is left unacked.
+//! And the other way: the example's event written as a row is published by
+//! `outbox-relay` as the page says the relay writes it.
 //!
 //! The binaries are built by `scripts/test` before the tests run.
 
@@ -251,6 +253,103 @@ async fn the_page_s_example_published_with_nats_py_is_handled_by_billing() {
 
     support::assert_running(&mut billing, &dir.path().join("billing.log"));
     assert_eq!(billing.terminate().await, Some(0), "{}", log());
+}
+
+/// The other half of the page: the relay publishes the example's event,
+/// written as a row of `outbox_events` with the example's trace context, as
+/// the page says it does. The same subject and headers; the same body but
+/// for the three differences the page names: one line, `sequence` (the
+/// row's insert order, 1 in a fresh database), and the trace context in the
+/// body as well.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_relay_publishes_the_page_s_example_as_the_page_says() {
+    let example = example();
+    let body: Value = serde_json::from_str(&example.body).unwrap();
+    let header = |name: &str| {
+        example
+            .headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_else(|| panic!("the example has no {name} header"))
+    };
+    let db = TestDb::new().await.unwrap();
+    sqlx::query(
+        "insert into outbox_events (id, event_type, source, subject, time, data, traceparent, tracestate)
+         values ($1::uuid, $2, $3, $4, $5::timestamptz, $6, $7, $8)",
+    )
+    .bind(body["id"].as_str().unwrap())
+    .bind(body["type"].as_str().unwrap())
+    .bind(body["source"].as_str().unwrap())
+    .bind(body["subject"].as_str().unwrap())
+    .bind(body["time"].as_str().unwrap())
+    .bind(&body["data"])
+    .bind(header("traceparent"))
+    .bind(header("tracestate"))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let nats: NatsServer = blocking(NatsServer::start).unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("outbox-wire-relay-")
+        .tempdir()
+        .unwrap();
+    let mut relay = Program::new(
+        "outbox-relay",
+        support::bin_dir().join("outbox-relay"),
+        dir.path(),
+    )
+    .env("DATABASE_URL", db.url())
+    .env("NATS_URL", nats.url())
+    .args(["--stream", STREAM, "--subjects", "subscription.>,invoice.>"]);
+    relay.start().await.unwrap();
+    let log = || support::log_tail(&dir.path().join("outbox-relay.log"));
+    wait_until("the row published", WAIT, || async {
+        support::count(
+            &db.pool,
+            "select count(*) from outbox_events where published_at is not null",
+        )
+        .await
+            == 1
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", log()));
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let stored = js
+        .get_stream(STREAM)
+        .await
+        .unwrap()
+        .get_raw_message(1)
+        .await
+        .unwrap();
+
+    assert_eq!(stored.subject.as_str(), example.subject);
+    let mut sent: Vec<(String, String)> = stored
+        .headers
+        .iter()
+        .flat_map(|(name, values)| {
+            values
+                .iter()
+                .map(move |v| (name.to_string(), v.as_str().to_owned()))
+        })
+        .collect();
+    sent.sort();
+    let mut expected = example.headers.clone();
+    expected.sort();
+    assert_eq!(sent, expected, "the relay's headers are the page's");
+
+    let payload = std::str::from_utf8(&stored.payload).unwrap();
+    assert!(!payload.contains('\n'), "one line: {payload}");
+    let published: Value = serde_json::from_str(payload).unwrap();
+    let mut expected = body.clone();
+    expected["sequence"] = "00000000000000000001".into();
+    expected["traceparent"] = header("traceparent").into();
+    expected["tracestate"] = header("tracestate").into();
+    assert_eq!(
+        published, expected,
+        "the relay's body is the page's, plus its three differences"
+    );
+    assert_eq!(relay.terminate().await, Some(0), "{}", log());
 }
 
 /// The time forms docs/wire.md ("The time") says the consumer reads, and
