@@ -128,6 +128,8 @@ pub mod guide {
     pub mod scheduling {}
     #[doc = include_str!("../docs/security.md")]
     pub mod security {}
+    #[doc = include_str!("../docs/wire.md")]
+    pub mod wire {}
 }
 
 pub mod prelude;
