@@ -70,10 +70,10 @@ fn example() -> Example {
     }
 }
 
-/// The Python with `nats-py` that `scripts/setup` installs: `OUTBOX_PYTHON`,
+/// The Python with `nats-py` that `scripts/setup` installs: `NATS_PYTHON`,
 /// else `.tools/venv/bin/python`.
 fn python() -> PathBuf {
-    let python = std::env::var_os("OUTBOX_PYTHON")
+    let python = std::env::var_os("NATS_PYTHON")
         .map(PathBuf::from)
         .unwrap_or_else(|| root().join(".tools/venv/bin/python"));
     let works = std::process::Command::new(&python)
@@ -83,7 +83,7 @@ fn python() -> PathBuf {
     assert!(
         works,
         "{} cannot import nats (nats-py): run `. scripts/setup`, which installs it into .tools/venv \
-         (or `pip install nats-py` and set OUTBOX_PYTHON to that python)",
+         (or `pip install nats-py` and set NATS_PYTHON to that python)",
         python.display()
     );
     python
