@@ -173,7 +173,8 @@ impl<K: Kind> Error<K> {
     /// An error of `kind` caused by `source`: `"{context}: {source}"`.
     pub fn caused(kind: K, context: impl fmt::Display, source: impl Into<BoxError>) -> Self {
         let source = source.into();
-        Self::new(kind, format!("{context}: {source}")).with_source(source)
+        let text = crate::human::error_text(&*source);
+        Self::new(kind, format!("{context}: {text}")).with_source(source)
     }
 
     /// A failed statement, `context` saying what it was for: the kind
@@ -181,9 +182,10 @@ impl<K: Kind> Error<K> {
     /// crate has one, naming the grant that fixes it).
     pub fn database(context: &str, source: sqlx::Error) -> Self {
         let (kind, hint) = K::database(crate::is_insufficient_privilege(&source));
+        let text = crate::db_error_text(&source);
         let message = match hint {
-            Some(hint) => format!("{context}: {source} ({hint})"),
-            None => format!("{context}: {source}"),
+            Some(hint) => format!("{context}: {text} ({hint})"),
+            None => format!("{context}: {text}"),
         };
         Self::new(kind, message).with_source(source)
     }

@@ -1,8 +1,11 @@
-//! Messages for people: durations as they are written, and an error with
-//! its causes on one line.
+//! Messages for people: durations as they are written, an error with its
+//! causes on one line, and a database error without the server's C-source
+//! location.
 
 use std::fmt;
 use std::time::Duration;
+
+use sqlx::postgres::{PgDatabaseError, PgErrorPosition};
 
 /// A duration as an operator writes it, for error messages and log lines:
 /// `14d`, `2h30m`, `1m5s`, `1.5s`, `250ms`, `0s` (what `--retention 14d`
@@ -62,10 +65,10 @@ impl fmt::Display for HumanDuration {
 /// assert_eq!(outbox_pg::error_line(&e), "the disk is full");
 /// ```
 pub fn error_line(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut line = error.to_string();
+    let mut line = error_text(error);
     let mut cause = error.source();
     while let Some(e) = cause {
-        let text = e.to_string();
+        let text = error_text(e);
         if !text.is_empty() && !line.contains(&text) {
             line.push_str(": ");
             line.push_str(&text);
@@ -73,6 +76,65 @@ pub fn error_line(error: &(dyn std::error::Error + 'static)) -> String {
         cause = e.source();
     }
     line.replace(['\n', '\r'], " ")
+}
+
+/// One error's own text: a database error as [`db_error_text`] writes it,
+/// any other as its `Display`.
+pub(crate) fn error_text(error: &(dyn std::error::Error + 'static)) -> String {
+    if let Some(e) = error.downcast_ref::<sqlx::Error>() {
+        db_error_text(e)
+    } else if let Some(e) = error.downcast_ref::<PgDatabaseError>() {
+        pg_error_text(e)
+    } else if let Some(e) = error
+        .downcast_ref::<Box<dyn sqlx::error::DatabaseError>>()
+        .and_then(|d| d.try_downcast_ref::<PgDatabaseError>())
+    {
+        // sqlx::Error::Database's source: the boxed server error.
+        pg_error_text(e)
+    } else {
+        error.to_string()
+    }
+}
+
+/// A failed statement's error as a person reads it: sqlx's text without the
+/// location in PostgreSQL's C source that sqlx appends (`permission denied
+/// for schema public at line 3655`, where 3655 is a line of the server's
+/// `aclchk.c`, not of any SQL), and with where in the SQL it failed when
+/// the server says so (`at character 15 of the statement`, or of the
+/// function's query, and the PL/pgSQL context). Any other error is its
+/// `Display`.
+///
+/// ```
+/// let e = sqlx::Error::RowNotFound;
+/// assert_eq!(outbox_pg::db_error_text(&e), e.to_string());
+/// ```
+pub fn db_error_text(error: &sqlx::Error) -> String {
+    match error
+        .as_database_error()
+        .and_then(|d| d.try_downcast_ref::<PgDatabaseError>())
+    {
+        Some(pg) => format!("error returned from database: {}", pg_error_text(pg)),
+        None => error.to_string(),
+    }
+}
+
+/// A server's error or notice: its message, and where in the SQL it arose
+/// (never the server's source file, line or routine).
+fn pg_error_text(e: &PgDatabaseError) -> String {
+    let mut text = e.message().to_owned();
+    match e.position() {
+        Some(PgErrorPosition::Original(at)) => {
+            text.push_str(&format!(" (at character {at} of the statement)"));
+        }
+        Some(PgErrorPosition::Internal { position, query }) => {
+            text.push_str(&format!(" (at character {position} of `{query}`)"));
+        }
+        None => {}
+    }
+    if let Some(context) = e.r#where().filter(|w| !w.is_empty()) {
+        text.push_str(&format!(" (context: {})", context.replace('\n', "; ")));
+    }
+    text
 }
 
 /// A binary's exit: `SUCCESS`, or `result`'s error as one line on stderr,

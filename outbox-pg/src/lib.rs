@@ -140,14 +140,15 @@ pub use envelope::{
 pub use error::{BoxError, Error, ErrorKind, Result, Violation};
 pub use event::{Event, check_schema_file};
 pub use failure::sqlstate;
-pub use human::{HumanDuration, error_line, exit_code};
+pub use human::{HumanDuration, db_error_text, error_line, exit_code};
 pub use layout::{
     SCHEMA_WAIT, SHARDS, check_inbox_layout, check_inbox_layout_at_start, check_outbox_layout,
     check_outbox_layout_at_start,
 };
 #[cfg(feature = "migrate")]
 pub use migrate::{
-    MIGRATION_LOCK, MIGRATION_TABLE, MIGRATOR, explain_migrate_error, migrate, migrate_with,
+    AppSql, MIGRATION_LOCK, MIGRATION_TABLE, MIGRATOR, Migrated, explain_migrate_error, migrate,
+    migrate_report, migrate_with,
 };
 pub use namespace::Namespace;
 pub use outbox::{DEFAULT_MAX_MESSAGE_SIZE, Outbox};

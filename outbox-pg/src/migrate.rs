@@ -227,9 +227,18 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
 /// needs ownership or CREATE runs (only the lock and a read of
 /// [`MIGRATION_TABLE`]), and `app_sql` refused for want of a privilege
 /// (SQLSTATE `42501`: `create table if not exists` needs CREATE on the schema
-/// even when the table is there) is rolled back and logged as a warning
-/// naming the role and what was refused, not returned. A schema that is not
-/// up to date under such a role is an error saying to migrate as the owner.
+/// even when the table is there) is rolled back and left to the owner, not
+/// returned. A schema that is not up to date under such a role is an error
+/// saying to migrate as the owner (`outboxctl migrate`).
+///
+/// # What it logs
+///
+/// One line at INFO saying what it did ([`Migrated`]'s `Display`): the files
+/// applied, or that the schema is up to date, and what became of `app_sql`
+/// (applied, or left to the owner: the role and the server's reason).
+/// PostgreSQL's notices (`relation … already exists, skipping`) are turned
+/// off in each step's transaction (`set local client_min_messages =
+/// warning`).
 ///
 /// # Errors
 /// [`ErrorKind::Database`] if no connection can be had or the lock taken, a
@@ -241,6 +250,75 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
 /// apply them (the message lists them and says to run them as the owner), or
 /// the role may not read [`MIGRATION_TABLE`].
 pub async fn migrate_with(pool: &PgPool, app_sql: &str) -> Result<()> {
+    let report = migrate_report(pool, app_sql).await?;
+    tracing::info!("{report}");
+    Ok(())
+}
+
+/// What [`migrate_report`] did: the files it applied, how many the build has,
+/// and what became of the service's SQL. Its `Display` is the one line a
+/// service logs at start (`outbox schema: applied 17 migrations (…)`, `outbox
+/// schema up to date (17 migrations)`, then what became of the service's SQL).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Migrated {
+    /// The embedded files applied by this call, by file name, in order;
+    /// empty when the schema was up to date.
+    pub applied: Vec<String>,
+    /// How many embedded migrations this build has.
+    pub total: usize,
+    /// The role the migrations ran as.
+    pub role: String,
+    /// What became of the service's own SQL.
+    pub app_sql: AppSql,
+}
+
+/// What became of the service's own SQL given to [`migrate_report`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AppSql {
+    /// None was given.
+    None,
+    /// It ran and committed.
+    Applied,
+    /// The role may not run it (SQLSTATE `42501`): rolled back, left to the
+    /// schema's owner (`outboxctl migrate`); the server's reason.
+    LeftToOwner(String),
+}
+
+impl std::fmt::Display for Migrated {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.applied.first(), self.applied.last()) {
+            (Some(first), Some(last)) if first == last => {
+                write!(f, "outbox schema: applied migration {first}")?;
+            }
+            (Some(first), Some(last)) => write!(
+                f,
+                "outbox schema: applied {} migrations ({first} … {last})",
+                self.applied.len()
+            )?,
+            _ => write!(f, "outbox schema up to date ({} migrations)", self.total)?,
+        }
+        match &self.app_sql {
+            AppSql::None => Ok(()),
+            AppSql::Applied => f.write_str("; the service's schema SQL applied"),
+            AppSql::LeftToOwner(why) => write!(
+                f,
+                "; the service's schema SQL left to the owner (role `{}` may not run it: {why}; \
+                 the owner applies it with outboxctl migrate)",
+                self.role
+            ),
+        }
+    }
+}
+
+/// [`migrate_with`] without its log line: applies what is pending, runs
+/// `app_sql`, and says what it did. For a tool that reports it itself
+/// (`outboxctl migrate`).
+///
+/// # Errors
+/// As [`migrate_with`].
+pub async fn migrate_report(pool: &PgPool, app_sql: &str) -> Result<Migrated> {
     let mut conn = pool
         .acquire()
         .await
@@ -260,7 +338,7 @@ pub async fn migrate_with(pool: &PgPool, app_sql: &str) -> Result<()> {
         .await
         .map_err(|e| Error::database("reading the current role", e))?;
     let pending = pending(&mut tx, &role).await?;
-    if pending.is_empty() {
+    let applied = if pending.is_empty() {
         // Nothing to apply: no step that needs ownership or CREATE runs, so a
         // role that only uses the tables starts on an up-to-date schema.
         if let Err(e) = adopt(&mut tx).await {
@@ -273,50 +351,75 @@ pub async fn migrate_with(pool: &PgPool, app_sql: &str) -> Result<()> {
             );
         }
         commit(tx).await?;
+        Vec::new()
     } else {
         commit(tx).await?;
-        // One transaction per file, as sqlx applies them: a failing file is
-        // rolled back alone, the ones before it stay applied and recorded.
-        for version in MIGRATOR
-            .iter()
-            .filter(|m| !m.migration_type.is_down_migration())
-            .map(|m| m.version)
-        {
-            let mut tx = begin_locked(&mut conn).await?;
-            apply_up_to(&mut tx, version).await.map_err(|e| {
-                if is_insufficient_privilege(&e) {
-                    not_up_to_date(&role, &pending, e)
-                } else {
-                    e
-                }
-            })?;
-            commit(tx).await?;
-        }
-    }
-    if !app_sql.trim().is_empty() {
-        let mut tx = begin_locked(&mut conn).await?;
-        match sqlx::raw_sql(sqlx::AssertSqlSafe(app_sql.to_owned()))
-            .execute(&mut *tx)
-            .await
-        {
-            Ok(_) => commit(tx).await?,
-            Err(e) if is_insufficient_privilege(&e) => {
-                drop(tx); // rolled back
-                // The service's own DDL (`create table if not exists …`) needs
-                // CREATE on the schema or ownership of its tables even when
-                // they are there; a role that only uses them is refused.
-                tracing::warn!(
-                    role = %role, refused = %e,
-                    "the service's schema SQL was refused and rolled back (the role does not own \
-                     the schema or its tables); its tables are used as they are: run it as the \
-                     owner when it changes"
-                );
-            }
-            Err(e) => return Err(Error::database("running the service's schema SQL", e)),
-        }
-    }
+        apply_pending(&mut conn, &role, &pending).await?;
+        pending.clone()
+    };
+    let app_sql = run_app_sql(&mut conn, app_sql).await?;
     let _closed = conn.close().await;
+    Ok(Migrated {
+        applied,
+        total: up_migrations().count(),
+        role,
+        app_sql,
+    })
+}
+
+/// The embedded up-migrations, in order.
+fn up_migrations() -> impl Iterator<Item = &'static sqlx::migrate::Migration> {
+    MIGRATOR
+        .iter()
+        .filter(|m| !m.migration_type.is_down_migration())
+}
+
+/// Applies the pending files, one transaction per file, as sqlx applies
+/// them: a failing file is rolled back alone, the ones before it stay
+/// applied and recorded.
+async fn apply_pending(conn: &mut PgConnection, role: &str, pending: &[String]) -> Result<()> {
+    for version in up_migrations().map(|m| m.version) {
+        let mut tx = begin_locked(conn).await?;
+        apply_up_to(&mut tx, version).await.map_err(|e| {
+            if is_insufficient_privilege(&e) {
+                not_up_to_date(role, pending, e)
+            } else {
+                e
+            }
+        })?;
+        commit(tx).await?;
+    }
     Ok(())
+}
+
+/// Runs the service's own SQL in a step of its own; a refusal for want of a
+/// privilege is rolled back and reported, not returned.
+async fn run_app_sql(conn: &mut PgConnection, app_sql: &str) -> Result<AppSql> {
+    if app_sql.trim().is_empty() {
+        return Ok(AppSql::None);
+    }
+    let mut tx = begin_locked(conn).await?;
+    match sqlx::raw_sql(sqlx::AssertSqlSafe(app_sql.to_owned()))
+        .execute(&mut *tx)
+        .await
+    {
+        Ok(_) => {
+            commit(tx).await?;
+            Ok(AppSql::Applied)
+        }
+        Err(e) if is_insufficient_privilege(&e) => {
+            drop(tx); // rolled back
+            // The service's own DDL (`create table if not exists …`) needs
+            // CREATE on the schema or ownership of its tables even when
+            // they are there; a role that only uses them is refused.
+            let why = match e.as_database_error() {
+                Some(d) => d.message().to_owned(),
+                None => crate::db_error_text(&e),
+            };
+            Ok(AppSql::LeftToOwner(why))
+        }
+        Err(e) => Err(Error::database("running the service's schema SQL", e)),
+    }
 }
 
 /// Begins a transaction holding the schema's migration lock, on a session
@@ -341,6 +444,13 @@ async fn begin_locked(conn: &mut PgConnection) -> Result<sqlx::Transaction<'_, s
     .execute(&mut *tx)
     .await
     .map_err(|e| Error::database("taking the migration lock", e))?;
+    // No NOTICE at all from the steps (`relation … already exists, skipping`
+    // from each `if not exists`, which sqlx logs at INFO): transaction-scoped,
+    // so nothing is left on a pooler's shared session.
+    sqlx::raw_sql("set local client_min_messages = warning")
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| Error::database("quieting the migration's notices", e))?;
     Ok(tx)
 }
 
@@ -428,8 +538,8 @@ fn not_up_to_date(role: &str, pending: &[String], cause: Error) -> Error {
         ErrorKind::Privilege,
         format!(
             "the outbox schema is not up to date (pending: {}) and role `{role}` may not change \
-             it ({cause}): run the migrations as the schema owner (outbox_pg::migrate, or the \
-             files of outbox-pg/migrations/), then ops/sql/roles.sql",
+             it ({cause}): run the migrations as the schema owner (outboxctl migrate, \
+             outbox_pg::migrate, or the files of outbox-pg/migrations/), then ops/sql/roles.sql",
             pending.join(", ")
         ),
     )
@@ -471,12 +581,16 @@ async fn apply_up_to(conn: &mut PgConnection, version: i64) -> Result<()> {
 /// whose checksum is not this build's (an earlier build of this library
 /// wrote them); one transaction. Nothing happens without `_sqlx_migrations`.
 async fn adopt(conn: &mut PgConnection) -> Result<()> {
-    let found: bool = sqlx::query_scalar("select to_regclass($1) is not null")
-        .bind(SQLX_TABLE)
-        .persistent(false)
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(|e| Error::database("looking for _sqlx_migrations", e))?;
+    // A role that may not read it (a service's, when the owner's tool keeps
+    // its history there) has nothing to adopt: the owner's migrate did.
+    let found: bool = sqlx::query_scalar(
+        "select coalesce(has_table_privilege(to_regclass($1)::oid, 'select'), false)",
+    )
+    .bind(SQLX_TABLE)
+    .persistent(false)
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(|e| Error::database("looking for _sqlx_migrations", e))?;
     if !found {
         return Ok(());
     }
@@ -662,7 +776,11 @@ fn file_name(version: i64) -> String {
 fn migrate_error(context: &str, e: MigrateError) -> Error {
     let message = match &e {
         MigrateError::ExecuteMigration(cause, version) => {
-            format!("applying migration {}: {cause}", file_name(*version))
+            format!(
+                "applying migration {}: {}",
+                file_name(*version),
+                crate::db_error_text(cause)
+            )
         }
         MigrateError::VersionMissing(version) => format!(
             "{MIGRATION_TABLE} records migration {version}, which this build of outbox-pg \
