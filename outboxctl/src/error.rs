@@ -70,7 +70,7 @@ impl Error {
             Some(code) if code == "42P01" => ErrorKind::MissingTable,
             _ => ErrorKind::Database,
         };
-        Self::new(kind, format!("{context}: {e}"))
+        Self::new(kind, format!("{context}: {}", outbox_pg::db_error_text(&e)))
     }
 }
 

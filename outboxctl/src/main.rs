@@ -1,6 +1,7 @@
 //! `outboxctl`: what an operator needs when events are late.
 //!
 //! ```text
+//! DATABASE_URL=postgres://owner@… outboxctl migrate [--sql-dir DIR]   # as the schema's owner
 //! DATABASE_URL=postgres://… outboxctl status          # backlog, stuck rows, blocked subjects, relays
 //! outboxctl stuck                                     # rows past the cap or failing, with their errors
 //! outboxctl retry <id>… | --entity S | --all-stuck    # claimable again now
@@ -25,6 +26,7 @@ mod dead_letters;
 mod deleted;
 mod error;
 mod inbox;
+mod migrate;
 mod nats;
 mod outbox;
 mod output;
@@ -42,7 +44,7 @@ use crate::error::Result;
 #[command(
     name = "outboxctl",
     version,
-    about = "Operate an outbox and its inboxes: status, stuck rows, retry, skip, retention, scheduled events, dead letters"
+    about = "Operate an outbox and its inboxes: migrations, status, stuck rows, retry, skip, retention, scheduled events, dead letters"
 )]
 struct Cli {
     #[command(flatten)]
@@ -58,6 +60,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Apply the outbox's migrations, and with `--sql-dir` the service's own,
+    /// as the connecting role (the schema's owner), so no service starts as
+    /// the owner.
+    Migrate(migrate::Args),
     /// Backlog, oldest unpublished age, rows in backoff and past the cap,
     /// blocked subjects, per event type; published in the last hour; relays.
     Status(outbox::status::Args),
@@ -95,6 +101,7 @@ async fn run(cli: Cli) -> Result<bool> {
     let db = &cli.database;
     let json = cli.json;
     let done = match &cli.command {
+        Command::Migrate(args) => migrate::run(db, args, json).await,
         Command::Status(args) => outbox::status::run(db, args, json).await,
         Command::Stuck(args) => outbox::stuck::run(db, args, json).await,
         Command::Retry(args) => outbox::retry::run(db, args, json).await,
