@@ -251,7 +251,25 @@ pub async fn connect_consumer(
 /// [`Error::Migrate`] if either step fails.
 pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
     outbox_pg::migrate_with(pool, CREATE_TABLE).await?;
-    Ok(())
+    // Under a role that may not create them, the tables are the owner's to
+    // make (`outboxctl migrate --sql-dir examples/billing/migrations`).
+    let missing: Vec<String> =
+        sqlx::query_scalar("select t from unnest($1::text[]) t where to_regclass(t) is null")
+            .bind(&["invoices", "trial_ends"][..])
+            .fetch_all(pool)
+            .await
+            .map_err(|e| outbox_pg::Error::database("looking for billing's tables", e))?;
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Migrate(outbox_pg::Error::new(
+        outbox_pg::ErrorKind::Schema,
+        format!(
+            "billing's tables are missing ({}) and this role may not create them: run \
+             `outboxctl migrate --sql-dir examples/billing/migrations` as the schema's owner",
+            missing.join(", ")
+        ),
+    )))
 }
 
 /// A start-up failure: migrating the database.

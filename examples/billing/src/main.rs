@@ -289,7 +289,7 @@ async fn consume(
     nats: async_nats::Client,
     round: &CancellationToken,
 ) -> Result<(), Round> {
-    let (concurrency, batch) = (args.concurrency.max(1), batch(args));
+    let batch = batch(args);
     let js = async_nats::jetstream::new(nats);
     let creating = |e: &dyn std::fmt::Display| {
         format!(
@@ -316,10 +316,7 @@ async fn consume(
         .await
         .map_err(|e| Round::Failed(e.to_string().into()))?;
     let options = stack_options(args);
-    tracing::info!(
-        consumer = %args.consumer, stream = %args.stream.name(), concurrency, batch,
-        ordered = !args.unordered, "billing consuming",
-    );
+    // The runtime logs `inbox consumer started` with its settings.
     let stopped = round.clone().cancelled_owned();
     let ran = if batch > 1 {
         let stack = batch_service(pool.clone(), outbox.clone(), options)

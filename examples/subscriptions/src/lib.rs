@@ -142,7 +142,25 @@ pub fn router(state: AppState) -> Router {
 /// [`Error::Migrate`] if either step fails.
 pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
     outbox_pg::migrate_with(pool, CREATE_TABLE).await?;
-    Ok(())
+    // Under a role that may not create them, the tables are the owner's to
+    // make (`outboxctl migrate --sql-dir examples/subscriptions/migrations`).
+    let missing: Vec<String> =
+        sqlx::query_scalar("select t from unnest($1::text[]) t where to_regclass(t) is null")
+            .bind(&["subscriptions"][..])
+            .fetch_all(pool)
+            .await
+            .map_err(|e| outbox_pg::Error::database("looking for subscriptions' tables", e))?;
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Migrate(outbox_pg::Error::new(
+        outbox_pg::ErrorKind::Schema,
+        format!(
+            "subscriptions' tables are missing ({}) and this role may not create them: run \
+             `outboxctl migrate --sql-dir examples/subscriptions/migrations` as the schema's owner",
+            missing.join(", ")
+        ),
+    )))
 }
 
 /// Where the event schemas are by default: `schemas/events` when it exists

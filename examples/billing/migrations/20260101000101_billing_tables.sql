@@ -1,0 +1,1 @@
+../queries/create_invoices.sql
