@@ -494,3 +494,101 @@ async fn a_refusal_at_start_is_one_plain_line_with_humane_durations() {
         assert!(!last.contains(debug), "{debug} in {last}");
     }
 }
+
+/// The lines of `log` that are noise at start: a PostgreSQL notice
+/// (`relation … already exists, skipping`, which sqlx logs at INFO), or a
+/// server error's location in PostgreSQL's C source (`… at line 3655`).
+fn start_noise(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|l| {
+            l.contains("already exists, skipping")
+                || l.contains("sqlx::postgres::notice")
+                || l.split(" at line ")
+                    .skip(1)
+                    .any(|rest| rest.starts_with(|c: char| c.is_ascii_digit()))
+        })
+        .collect()
+}
+
+/// A first start of `billing` (its in-process relay on, as shipped) on a
+/// fresh database, then a second on the migrated one: no PostgreSQL notice,
+/// no C-source line number, nothing at WARN or ERROR (but the single-server
+/// NATS's one replica), and one line saying
+/// what the migrations did (applied every file, then up to date).
+#[tokio::test]
+async fn billing_starts_quietly_on_a_fresh_database_and_again_on_a_migrated_one() {
+    let nats = tokio::task::spawn_blocking(NatsServer::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let dbs = Databases::new("quiet").await;
+    let (url, pool) = dbs.empty("quiet", 1).await;
+    let total = outbox_pg::MIGRATOR.iter().count();
+    for (run, said) in [
+        (1, format!("outbox schema: applied {total} migrations")),
+        (2, format!("outbox schema up to date ({total} migrations)")),
+    ] {
+        let name = format!("billing-quiet-{run}");
+        let mut billing = Program::new(&name, support::bin_dir().join("billing"), &dbs.log_dir)
+            .env("DATABASE_URL", &url)
+            .env("NATS_URL", nats.url())
+            .args(["--consumer", "billing_quiet"])
+            .ready_when("billing ready");
+        let log_path = dbs.log_dir.join(format!("{name}.log"));
+        billing
+            .start()
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", support::log_tail(&log_path)));
+        let code = billing.terminate().await;
+        let log = std::fs::read_to_string(&log_path).unwrap();
+        assert_eq!(code, Some(0), "{log}");
+        assert!(start_noise(&log).is_empty(), "run {run}: noise:\n{log}");
+        // The test's NATS is one server: a stream of 1 replica is warned on,
+        // as it should be; nothing else is.
+        let warned: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+            .filter(|l| !l.contains("the stream has 1 replica"))
+            .collect();
+        assert!(warned.is_empty(), "run {run}: {warned:?}:\n{log}");
+        let migrations: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("outbox schema"))
+            .collect();
+        assert_eq!(migrations.len(), 1, "run {run}:\n{log}");
+        assert!(
+            migrations[0].contains(&said),
+            "run {run}: not `{said}`:\n{log}"
+        );
+        assert!(
+            migrations[0].contains("the service's schema SQL applied"),
+            "run {run}:\n{log}"
+        );
+    }
+    assert!(exists(&pool, "invoices").await);
+}
+
+/// A server error shown by the library carries no C-source location: sqlx's
+/// text of a `PgDatabaseError` ends in ` at line N`, N a line of the server's
+/// C file; `outbox_pg::db_error_text`, `Error::database` and `error_line`
+/// leave it out and keep the SQL position.
+#[tokio::test]
+async fn a_server_error_names_no_line_of_the_server_s_c_source() {
+    let db = TestDb::new().await.unwrap();
+    let e = sqlx::query("select * from no_such_table")
+        .execute(&db.pool)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains(" at line "), "sqlx's text: {e}");
+    let text = outbox_pg::db_error_text(&e);
+    assert_eq!(
+        text,
+        "error returned from database: relation \"no_such_table\" does not exist \
+         (at character 15 of the statement)"
+    );
+    let err = outbox_pg::Error::<ErrorKind>::database("reading", e);
+    assert!(start_noise(&err.to_string()).is_empty(), "{err}");
+    let line = outbox_pg::error_line(&err);
+    assert!(start_noise(&line).is_empty(), "{line}");
+    assert!(line.contains("no_such_table"), "{line}");
+}

@@ -15,7 +15,7 @@
 //! - Events driven through subscriptions' HTTP API; effects asserted from the
 //!   database: invoices raised and voided, inbox rows, every outbox row
 //!   published. Each start-up `migrate` ran under a non-owner on an
-//!   up-to-date schema and only warned.
+//!   up-to-date schema and said so in one line.
 //! - A relay run in-process (billing's, subscriptions') under a role without
 //!   `outbox_relay` stops its service, naming what it lacks.
 //! - Only what the configuration uses is required: DELETE on `outbox_events`
@@ -24,8 +24,8 @@
 //!   exits non-zero with an error naming the role, the privilege and the table.
 //! - A privilege revoked while billing runs is logged as an error on every
 //!   attempt and never dead-lettered; granted again, the event is handled.
-//! - `outbox_pg::migrate_with` under a non-owner: an up-to-date schema only
-//!   warns; a pending migration is a `Privilege` error saying to migrate as
+//! - `outbox_pg::migrate_with` under a non-owner: an up-to-date schema
+//!   leaves the service's SQL to the owner; a pending migration is a `Privilege` error saying to migrate as
 //!   the owner. Each group role holds exactly its grants.
 //! - In a schema reached through `search_path`, roles.sql grants there.
 //! - Consumers kept apart from each other by row-level security:
@@ -64,7 +64,7 @@ impl Logins {
 }
 
 /// `url` with `user` instead of the owner (the test server trusts loopback).
-fn as_user(url: &str, user: &str) -> String {
+pub(super) fn as_user(url: &str, user: &str) -> String {
     url.replacen("postgres://postgres@", &format!("postgres://{user}@"), 1)
 }
 
@@ -129,18 +129,23 @@ async fn drop_logins(owner: &PgPool, logins: &Logins, databases: &[&PgPool]) {
     let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(owner).await;
 }
 
-fn log_dir(name: &str) -> PathBuf {
+pub(super) fn log_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join("outbox-roles").join(name);
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
 
-fn log_of(dir: &Path, name: &str) -> String {
+pub(super) fn log_of(dir: &Path, name: &str) -> String {
     std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap_or_default()
 }
 
 /// One HTTP/1.1 request to `addr`; returns the status and the JSON body.
-async fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, serde_json::Value) {
+pub(super) async fn http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> (u16, serde_json::Value) {
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     let request = format!(
         "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
@@ -163,7 +168,7 @@ async fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, serde_j
     (status, json)
 }
 
-async fn count(pool: &PgPool, sql: &str, bind: &str) -> i64 {
+pub(super) async fn count(pool: &PgPool, sql: &str, bind: &str) -> i64 {
     sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
         .bind(bind)
         .fetch_one(pool)
@@ -244,15 +249,17 @@ async fn the_binaries_run_under_least_privilege_roles_and_a_missing_right_is_nam
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", log_of(&dir, "billing")));
 
-    // Start-up migrations under non-owners on an up-to-date schema: warnings.
+    // Start-up migrations under non-owners on an up-to-date schema: one INFO
+    // line leaving the service's SQL to the owner, no warning.
     for (name, user) in [
         ("subscriptions", &logins.writer),
         ("billing", &logins.billing),
     ] {
         let log = log_of(&dir, name);
         assert!(
-            log.contains("the service's schema SQL was refused") && log.contains(user.as_str()),
-            "{name}: no warning naming {user}:\n{log}"
+            log.contains("the service's schema SQL left to the owner")
+                && log.contains(user.as_str()),
+            "{name}: no line naming {user}:\n{log}"
         );
         assert!(!log.contains("ERROR"), "{name}:\n{log}");
     }
@@ -661,12 +668,17 @@ async fn migrate_under_a_non_owner_warns_on_an_up_to_date_schema_and_refuses_a_p
 
     // Up to date: nothing needing ownership runs; refused app DDL is no error.
     outbox_pg::migrate(&as_relay).await.unwrap();
-    outbox_pg::migrate_with(
+    let report = outbox_pg::migrate_report(
         &as_relay,
         "create table if not exists invoices (id uuid primary key)",
     )
     .await
     .unwrap();
+    assert!(report.applied.is_empty(), "{report}");
+    assert!(
+        matches!(&report.app_sql, outbox_pg::AppSql::LeftToOwner(why) if why.contains("permission denied")),
+        "{report}"
+    );
     // Any other failure of the app's SQL still is one.
     let err = outbox_pg::migrate_with(&as_relay, "select no_such_function()")
         .await

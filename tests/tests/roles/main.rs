@@ -7,3 +7,4 @@ mod support;
 
 mod grants;
 mod isolation;
+mod snippet;
