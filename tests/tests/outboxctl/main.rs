@@ -6,5 +6,6 @@
 mod support;
 
 mod inbox;
+mod migrate;
 mod outbox;
 mod schedule;
