@@ -123,7 +123,7 @@ impl Database {
                     CONNECT_TIMEOUT.as_secs()
                 )));
             }
-            Ok(Err(e)) => return Err(refused(e.to_string())),
+            Ok(Err(e)) => return Err(refused(outbox_pg::db_error_text(&e))),
             Ok(Ok(conn)) => {
                 let _ = conn.close().await;
             }

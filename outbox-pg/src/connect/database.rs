@@ -163,7 +163,10 @@ impl DatabaseArgs {
         let pool = pool.connect_with(options.clone()).await.map_err(|e| {
             Error::new(
                 ErrorKind::Database,
-                format!("connecting to the database at {shown}: {e}"),
+                format!(
+                    "connecting to the database at {shown}: {}",
+                    crate::db_error_text(&e)
+                ),
             )
             .with_source(e)
         })?;
