@@ -510,62 +510,80 @@ fn start_noise(log: &str) -> Vec<&str> {
         .collect()
 }
 
-/// A first start of `billing` (its in-process relay on, as shipped) on a
-/// fresh database, then a second on the migrated one: no PostgreSQL notice,
-/// no C-source line number, nothing at WARN or ERROR (but the single-server
-/// NATS's one replica), and one line saying
-/// what the migrations did (applied every file, then up to date).
+/// A first start of `billing` and of `subscriptions` (their in-process
+/// relays on, as shipped) on a fresh database, then a second on the migrated
+/// one: no PostgreSQL notice, no C-source line number, nothing at WARN or
+/// ERROR (but the single-server NATS's one replica), and one line saying what
+/// the migrations did (applied every file, then up to date).
 #[tokio::test]
-async fn billing_starts_quietly_on_a_fresh_database_and_again_on_a_migrated_one() {
+async fn the_services_start_quietly_on_a_fresh_database_and_again_on_a_migrated_one() {
     let nats = tokio::task::spawn_blocking(NatsServer::start)
         .await
         .unwrap()
         .unwrap();
     let dbs = Databases::new("quiet").await;
-    let (url, pool) = dbs.empty("quiet", 1).await;
-    let total = outbox_pg::MIGRATOR.iter().count();
-    for (run, said) in [
-        (1, format!("outbox schema: applied {total} migrations")),
-        (2, format!("outbox schema up to date ({total} migrations)")),
-    ] {
-        let name = format!("billing-quiet-{run}");
-        let mut billing = Program::new(&name, support::bin_dir().join("billing"), &dbs.log_dir)
-            .env("DATABASE_URL", &url)
-            .env("NATS_URL", nats.url())
-            .args(["--consumer", "billing_quiet"])
-            .ready_when("billing ready");
-        let log_path = dbs.log_dir.join(format!("{name}.log"));
-        billing
-            .start()
-            .await
-            .unwrap_or_else(|e| panic!("{e}\n{}", support::log_tail(&log_path)));
-        let code = billing.terminate().await;
-        let log = std::fs::read_to_string(&log_path).unwrap();
-        assert_eq!(code, Some(0), "{log}");
-        assert!(start_noise(&log).is_empty(), "run {run}: noise:\n{log}");
-        // The test's NATS is one server: a stream of 1 replica is warned on,
-        // as it should be; nothing else is.
-        let warned: Vec<&str> = log
-            .lines()
-            .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
-            .filter(|l| !l.contains("the stream has 1 replica"))
-            .collect();
-        assert!(warned.is_empty(), "run {run}: {warned:?}:\n{log}");
-        let migrations: Vec<&str> = log
-            .lines()
-            .filter(|l| l.contains("outbox schema"))
-            .collect();
-        assert_eq!(migrations.len(), 1, "run {run}:\n{log}");
-        assert!(
-            migrations[0].contains(&said),
-            "run {run}: not `{said}`:\n{log}"
-        );
-        assert!(
-            migrations[0].contains("the service's schema SQL applied"),
-            "run {run}:\n{log}"
-        );
+    for (i, (bin, ready, args)) in [
+        (
+            "billing",
+            "billing ready",
+            vec!["--consumer", "billing_quiet"],
+        ),
+        (
+            "subscriptions",
+            "listening on",
+            vec!["--listen", "127.0.0.1:0"],
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (url, pool) = dbs.empty("quiet", i).await;
+        let total = outbox_pg::MIGRATOR.iter().count();
+        for (run, said) in [
+            (1, format!("outbox schema: applied {total} migrations")),
+            (2, format!("outbox schema up to date ({total} migrations)")),
+        ] {
+            let name = format!("{bin}-quiet-{run}");
+            let mut p = Program::new(&name, support::bin_dir().join(bin), &dbs.log_dir)
+                .env("DATABASE_URL", &url)
+                .env("NATS_URL", nats.url())
+                .args(args.clone())
+                .ready_when(ready);
+            let log_path = dbs.log_dir.join(format!("{name}.log"));
+            p.start()
+                .await
+                .unwrap_or_else(|e| panic!("{e}\n{}", support::log_tail(&log_path)));
+            let code = p.terminate().await;
+            let log = std::fs::read_to_string(&log_path).unwrap();
+            assert_eq!(code, Some(0), "{log}");
+            assert!(
+                start_noise(&log).is_empty(),
+                "{bin} run {run}: noise:\n{log}"
+            );
+            // The test's NATS is one server: a stream of 1 replica is warned
+            // on, as it should be; nothing else is.
+            let warned: Vec<&str> = log
+                .lines()
+                .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+                .filter(|l| !l.contains("the stream has 1 replica"))
+                .collect();
+            assert!(warned.is_empty(), "{bin} run {run}: {warned:?}:\n{log}");
+            let migrations: Vec<&str> = log
+                .lines()
+                .filter(|l| l.contains("outbox schema"))
+                .collect();
+            assert_eq!(migrations.len(), 1, "{bin} run {run}:\n{log}");
+            assert!(
+                migrations[0].contains(&said),
+                "{bin} run {run}: not `{said}`:\n{log}"
+            );
+            assert!(
+                migrations[0].contains("the service's schema SQL applied"),
+                "{bin} run {run}:\n{log}"
+            );
+        }
+        pool.close().await;
     }
-    assert!(exists(&pool, "invoices").await);
 }
 
 /// A server error shown by the library carries no C-source location: sqlx's
