@@ -124,7 +124,10 @@ pub(crate) async fn run(db: &Database, args: &Args, json: bool) -> Result<()> {
         None => None,
     };
     let pool = db.connect(&[]).await?;
-    let report = outbox_pg::migrate_report(&pool, "").await?;
+    // A failed migration is the database's answer, not a connection's.
+    let report = outbox_pg::migrate_report(&pool, "")
+        .await
+        .map_err(|e| Error::new(ErrorKind::Database, outbox_pg::error_line(&e)))?;
     let sql_dir = match (&args.sql_dir, migrator) {
         (Some(dir), Some(migrator)) => {
             let mut conn = pool
