@@ -68,11 +68,12 @@
 --
 --   create role relay_login login password '…';
 --   grant outbox_relay to relay_login;
---   grant outbox_writer, outbox_consumer to billing_login;  -- consumes and enqueues
+--   grant outbox_writer, outbox_consumer, outbox_relay to billing_login;  -- consumes, enqueues, relays in-process
 --   grant outbox_consumer to shipping_login;                -- another consumer, kept apart
 --
 -- A service's own tables (invoices, subscriptions, …) are granted by the
--- service's operator the same way. A role missing a privilege is refused at
+-- service's operator the same way; docs/security.md has the whole sequence
+-- (outboxctl migrate, this file, the logins) as it runs. A role missing a privilege is refused at
 -- start-up with an error naming the role, the privilege and the table.
 
 select pg_advisory_xact_lock(1868721409, 0); -- outbox_pg::MIGRATION_LOCK: not during a migration
