@@ -8,7 +8,8 @@
 //! one event per transaction at `--rate` per second for `--latency-secs`,
 //! each noting the instant its COMMIT returned; the consumer notes the
 //! instant each event arrived. Latency = arrival − commit, on this process's
-//! monotonic clock.
+//! monotonic clock. Beside it, the relay's claim statements per event (from
+//! its `/metrics`): what waking on each commit costs the database.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -37,6 +38,10 @@ struct Run {
     p99: f64,
     max: f64,
     written_rate: f64,
+    /// The relay's claim statements per event published (its
+    /// `outbox_relay_batch_phase_seconds_count{phase="claim"}`): at a paced
+    /// rate, what waking up on each commit costs.
+    claims_per_event: f64,
 }
 
 /// The relay's sources measured, by their `--source` flag.
@@ -54,12 +59,13 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
         for i in order {
             let run = repeat_if_killed(env, || one(env, args, SOURCES[i])).await?;
             println!(
-                "round {round}: --source {:<4} p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (written at {} events/s)",
+                "round {round}: --source {:<4} p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (written at {} events/s), {:.2} claims per event",
                 SOURCES[i],
                 run.p50,
                 run.p99,
                 run.max,
-                num(run.written_rate, 0)
+                num(run.written_rate, 0),
+                run.claims_per_event
             );
             runs[i].push(run);
         }
@@ -72,11 +78,15 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
         let values: Vec<f64> = runs[i].iter().map(|r| r.written_rate).collect();
         Spread::of(&values).to_string()
     };
+    let pick2 = |i: usize| -> String {
+        let values: Vec<f64> = runs[i].iter().map(|r| r.claims_per_event).collect();
+        Spread::of(&values).show(2)
+    };
     let out = format!(
         "### Commit → broker latency ({} events/s for {} s, {} rounds)\n\n\
          | median (range) | `--source poll` (default) | `--source wal` |\n|---|---:|---:|\n\
          | p50, ms | {} | {} |\n| p99, ms | {} | {} |\n| max, ms | {} | {} |\n\
-         | written, events/s | {} | {} |\n",
+         | written, events/s | {} | {} |\n| claims per event | {} | {} |\n",
         num(args.rate as f64, 0),
         args.latency_secs,
         args.rounds,
@@ -88,6 +98,8 @@ pub(crate) async fn run(env: &Env, args: &Args, summary: &mut Vec<String>) -> Re
         pick(1, |r| r.max),
         written(0),
         written(1),
+        pick2(0),
+        pick2(1),
     );
     println!("\n{out}");
     summary.push(out);
@@ -225,8 +237,11 @@ async fn one_on(env: &Env, args: &Args, db: &Db, stream: &str, source: &str) -> 
     }
     reader.abort();
     let alive = relays[0].check_alive("while the writers wrote");
+    let phases = relays[0].phases().await;
     stop_all(env, relays).await;
     alive?;
+    let phases = phases?;
+    let claims = phases.batches.get("claim").copied().unwrap_or(0.0);
     if latencies.len() < total {
         return Err(format!("{} of {total} events arrived within 30 s", latencies.len()).into());
     }
@@ -235,5 +250,6 @@ async fn one_on(env: &Env, args: &Args, db: &Db, stream: &str, source: &str) -> 
         p99: percentile(&mut latencies, 99.0),
         max: percentile(&mut latencies, 100.0),
         written_rate,
+        claims_per_event: claims / phases.published.max(1.0),
     })
 }
