@@ -7,6 +7,16 @@ use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
 use crate::retention::Retention;
 use crate::retry::RetryPolicy;
 
+/// The default [`ConsumerConfig::ack_wait`]: 3 s.
+///
+/// Chosen so that what a dead process held is handled elsewhere within 5 s
+/// of its death: JetStream redelivers each message at most 3 s after its
+/// last in-progress ack, which leaves 2 s for the server's timer, the pull
+/// that receives it and the handler. An in-progress ack every second
+/// ([`ConsumerConfig::progress_interval`]) keeps every message a live
+/// process holds, however long its handler runs.
+pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(3);
+
 /// Configuration of a [`Consumer`](super::Consumer): the JetStream durable pull
 /// consumer it creates (or updates) and how the runtime drives it.
 ///
@@ -79,7 +89,7 @@ impl ConsumerConfig {
             stream: stream.into(),
             durable: durable.into(),
             filter_subjects: Vec::new(),
-            ack_wait: Duration::from_secs(30),
+            ack_wait: DEFAULT_ACK_WAIT,
             max_deliver: 10,
             backoff: Vec::new(),
             max_ack_pending: 1_000,
@@ -115,8 +125,21 @@ impl ConsumerConfig {
         self
     }
 
-    /// How long JetStream waits for an ack before redelivering. Default: 30 s.
-    /// Long handlers keep their message with in-progress acks.
+    /// How long JetStream waits for an ack (or an in-progress ack) before
+    /// redelivering. Default: [`DEFAULT_ACK_WAIT`], 3 s.
+    ///
+    /// It is how long the messages a process held wait after the process
+    /// dies (a `kill -9`, a lost machine, a dropped client) before JetStream
+    /// hands them to another puller: at most `ack_wait` after its last
+    /// in-progress ack. It does not bound a handler: every message the
+    /// runtime holds, running or waiting, gets an in-progress ack every
+    /// [`progress_interval`](Self::progress_interval) (a third of this), so a
+    /// slow handler's message, and those waiting behind it, are not
+    /// redelivered while the process lives.
+    ///
+    /// The durable is created or updated to this value at start, so a
+    /// durable created with another (the 30 s of earlier versions) takes
+    /// the new one when its consumer starts.
     #[must_use]
     pub fn ack_wait(mut self, ack_wait: Duration) -> Self {
         self.ack_wait = ack_wait;
@@ -189,7 +212,11 @@ impl ConsumerConfig {
     }
 
     /// How often every held message (running or waiting) gets an in-progress
-    /// ack. Default: a third of `ack_wait`.
+    /// ack (`+WPI`, which restarts its `ack_wait`). Default: a third of
+    /// `ack_wait` (1 s with the default ack wait), which leaves two periods
+    /// of slack for an ack delayed by a busy process or network before a
+    /// live process's message could be redelivered. Keep it well under
+    /// `ack_wait`.
     #[must_use]
     pub fn progress_interval(mut self, every: Duration) -> Self {
         self.progress_interval = Some(every);

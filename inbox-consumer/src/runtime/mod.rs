@@ -65,7 +65,12 @@
 //!   message waiting (behind a busy subject, for a free slot, or behind a
 //!   previous leader's unfinished event), gets an in-progress ack every
 //!   [`ConsumerConfig::progress_interval`], so JetStream redelivers none of
-//!   them while the runtime holds it, however slow the handler ahead.
+//!   them while the runtime holds it, however slow the handler ahead. That
+//!   lets [`ConsumerConfig::ack_wait`] be short ([`DEFAULT_ACK_WAIT`], 3 s):
+//!   what a dead process held is redelivered within it. A service call still
+//!   running after 60 s is logged at warn with its messages' stream
+//!   sequences, and again every 60 s: a hung handler keeps its messages
+//!   while its process lives, but not silently.
 //! - **Batched handling** ([`Consumer::run_batched`]): up to
 //!   [`ConsumerConfig::max_batch`] deliveries of distinct subjects in one
 //!   transaction (inbox rows written set-based, handlers in order, one
@@ -341,7 +346,7 @@ use crate::error::{BoxError, Error, ErrorKind, Result};
 use crate::retention;
 
 pub use crate::retry::RetryPolicy;
-pub use config::{ConsumerConfig, Unrouted};
+pub use config::{ConsumerConfig, DEFAULT_ACK_WAIT, Unrouted};
 pub use lag::{LAG_INTERVAL, LAG_TIMEOUT};
 pub use position::Start;
 
