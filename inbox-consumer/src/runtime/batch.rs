@@ -128,7 +128,7 @@ where
     let messages: Vec<&jetstream::Message> = jobs.iter().map(|(m, _)| m).collect();
     let call = service.oneshot(deliveries);
     let call = async move { call.await.map_err(Into::<BoxError>::into) };
-    match with_progress_all(panics::catch(call), &messages, &shared.config).await {
+    match process::running(panics::catch(call), &messages, &shared.config).await {
         Err(panicked) => Called::Panicked(panicked),
         Ok(Ok(results)) if results.len() == count => Called::Results(results),
         Ok(Ok(results)) => Called::Failed(Box::new(Error::new(

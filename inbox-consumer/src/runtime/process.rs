@@ -81,7 +81,7 @@ where
 {
     let attempt = service.oneshot(delivery.clone());
     let call = async move { attempt.await.map_err(Into::into) };
-    match with_progress(panics::catch(call), message, &shared.config).await {
+    match running(panics::catch(call), &[message], &shared.config).await {
         Ok(result) => result,
         Err(panicked) => {
             panics::count(&delivery.info().consumer, delivery.event_type().as_str());
@@ -315,6 +315,12 @@ async fn with_progress<F: Future>(
     with_progress_all(fut, &[message], config).await
 }
 
+/// How long a service call may run before it is logged as still running
+/// (and again each time as long again): the default idle-in-transaction
+/// timeout of [`Timeouts`](crate::dedupe::Timeouts), past which a handler
+/// that waits on something else than its database has lost its transaction.
+pub(crate) const STILL_RUNNING_AFTER: Duration = Duration::from_secs(60);
+
 /// Runs `fut`, sending an in-progress ack for each of `messages` every
 /// `progress_every` until it finishes.
 pub(crate) async fn with_progress_all<F: Future>(
@@ -322,9 +328,33 @@ pub(crate) async fn with_progress_all<F: Future>(
     messages: &[&jetstream::Message],
     config: &ConsumerConfig,
 ) -> F::Output {
+    keep_while(fut, messages, config, None).await
+}
+
+/// [`with_progress_all`] for a service call: one that runs longer than
+/// [`STILL_RUNNING_AFTER`] is logged at warn, with its messages' stream
+/// sequences, and again each time it has run as long again, so that a hung
+/// handler, whose messages the in-progress acks keep from every other
+/// replica, does not hold them silently.
+pub(crate) async fn running<F: Future>(
+    fut: F,
+    messages: &[&jetstream::Message],
+    config: &ConsumerConfig,
+) -> F::Output {
+    keep_while(fut, messages, config, Some(STILL_RUNNING_AFTER)).await
+}
+
+async fn keep_while<F: Future>(
+    fut: F,
+    messages: &[&jetstream::Message],
+    config: &ConsumerConfig,
+    warn_every: Option<Duration>,
+) -> F::Output {
     let every = config.progress_every();
-    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    let started = tokio::time::Instant::now();
+    let mut ticks = tokio::time::interval_at(started + every, every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut warn_at = warn_every.map(|after| started + after);
     let mut fut = std::pin::pin!(fut);
     loop {
         tokio::select! {
@@ -335,9 +365,28 @@ pub(crate) async fn with_progress_all<F: Future>(
                         tracing::debug!(error = %e, "in-progress ack failed");
                     }
                 }
+                if let (Some(at), Some(after)) = (warn_at, warn_every)
+                    && tokio::time::Instant::now() >= at
+                {
+                    still_running(messages, config, started.elapsed());
+                    warn_at = Some(at + after);
+                }
             }
         }
     }
+}
+
+/// The warning of a service call still running after `elapsed`.
+fn still_running(messages: &[&jetstream::Message], config: &ConsumerConfig, elapsed: Duration) {
+    let sequences: Vec<u64> = messages
+        .iter()
+        .filter_map(|m| m.info().ok().map(|i| i.stream_sequence))
+        .collect();
+    tracing::warn!(
+        consumer = %config.durable, stream_sequences = ?sequences, running = ?elapsed,
+        "a handler is still running: its messages are kept from redelivery (in-progress acks) \
+         for as long as it runs; a hung handler holds them until its process stops",
+    );
 }
 
 /// The panic a failed delivery stands for, if its service call panicked.
