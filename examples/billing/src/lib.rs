@@ -43,7 +43,7 @@
 //! | `--add-subjects`, `--stream-storage`, `--stream-replicas`, `--duplicate-window` | | what the relay's stream must be, as for `outbox-relay` (docs/relay.md) |
 //! | `--no-relay` | | leave billing's outbox to a separate `outbox-relay` |
 //! | `--max-deliver` | 50 | deliveries before a failing event is dead-lettered (billing counts them; the broker redelivers without limit, and a database that cannot be reached never spends them) |
-//! | `--ack-wait` | 30s | redelivery after a silent consumer |
+//! | `--ack-wait` | 3s | how soon what a killed replica held is redelivered (a live one keeps its messages with in-progress acks, however slow its handlers); applied to an existing durable at start |
 //! | `--metrics-addr` | | `/metrics` (Prometheus text), `/healthz`, `/readyz` (database, NATS, stream, durable consumer; 503 naming the failed check) |
 //! | `--schemas` | `schemas/events` | where `invoice.created.schema.json` is |
 //! | `--log-format` | `human` | or `json`; logs go to stderr |

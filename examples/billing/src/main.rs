@@ -79,8 +79,10 @@ struct Args {
     #[arg(long, default_value_t = 50)]
     max_deliver: i64,
 
-    /// How long JetStream waits for an ack before redelivering (e.g. 30s).
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    /// How long JetStream waits for an ack before redelivering what a dead
+    /// process held (a live one keeps its messages with in-progress acks, a
+    /// third of this apart, however slow its handlers).
+    #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
     ack_wait: Duration,
 
     /// Let every replica consume at once, without per-subscription order
