@@ -6,7 +6,9 @@
 //!   and its acks (redelivered, then deduped);
 //! - every held message keeps its ack deadline: a handler slower than
 //!   `ack_wait`, with messages queued behind its subject and behind the one
-//!   slot, causes no redelivery;
+//!   slot, causes no redelivery; with the default ack wait, a handler
+//!   running three ack waits is handled once, and a durable created with the
+//!   30 s ack wait of earlier versions takes the default at start;
 //! - a lock wait that times out (an inbox row held by a frozen transaction)
 //!   is retried without spending the delivery budget, and the broker's own
 //!   delivery limit is unlimited;
@@ -19,9 +21,10 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use inbox_consumer::runtime::DEFAULT_ACK_WAIT;
 use inbox_consumer::{
-    BatchResults, BoxError, DedupeLayer, Delivery, DeliveryInfo, HandlerService, MetricsLayer,
-    Outcome, Router, Timeouts, TraceLayer,
+    BatchResults, BoxError, ConsumerConfig, DedupeLayer, Delivery, DeliveryInfo, HandlerService,
+    MetricsLayer, Outcome, Router, Timeouts, TraceLayer,
 };
 use outbox_pg::EventId;
 use outbox_testkit::wait_until;
@@ -238,6 +241,65 @@ async fn a_handler_slower_than_ack_wait_gets_no_redelivery_of_what_waits_behind_
     let info = stream.consumer_info("slow").await.unwrap();
     assert_eq!(info.num_redelivered, 0, "no message was redelivered");
     assert_eq!(info.delivered.consumer_sequence, 6, "six deliveries in all");
+}
+
+// ---------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_the_default_ack_wait_a_handler_running_three_ack_waits_is_handled_once() {
+    let w = world("INBOX_SLEEPY").await;
+    // A durable left by an earlier version, with its 30 s ack wait.
+    let stream = w.js.get_stream(&w.stream).await.unwrap();
+    stream
+        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            durable_name: Some("sleepy".into()),
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(30),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let handler = Record::new("a");
+    // Every default but the slots: one, so that the second subject's event
+    // waits behind the first for the whole sleep.
+    let config = ConsumerConfig::new(&w.stream, "sleepy").concurrency(1);
+    let running = start(&w, config, stack(&w.db.pool, handler.clone())).await;
+    let info = stream.consumer_info("sleepy").await.unwrap();
+    assert_eq!(
+        info.config.ack_wait, DEFAULT_ACK_WAIT,
+        "the existing durable was updated to the default ack wait"
+    );
+    let sleep = DEFAULT_ACK_WAIT * 3;
+    let ms = u64::try_from(sleep.as_millis()).unwrap();
+    let events = vec![
+        event(
+            "t.ok",
+            "sleepy_1",
+            json!({"seq": 1, "mode": {"sleep_ms": ms}}),
+        ),
+        event("t.ok", "sleepy_2", json!({"seq": 2})),
+        event("t.ok", "sleepy_1", json!({"seq": 3})),
+    ];
+    let published = std::time::Instant::now();
+    w.publish_all(&events).await;
+    wait_until("all three handled", sleep + WAIT, || async {
+        w.count("select count(*) from effects").await == 3
+    })
+    .await
+    .unwrap();
+    let took = published.elapsed();
+    w.wait_settled("sleepy").await;
+    running.shutdown().await;
+    assert!(took >= sleep, "the sleeping handler ran {took:?}");
+    for e in &events {
+        assert_eq!(handler.attempts(e), 1, "{} handled once", e.id());
+    }
+    let info = stream.consumer_info("sleepy").await.unwrap();
+    assert_eq!(info.num_redelivered, 0, "no message was redelivered");
+    assert_eq!(
+        info.delivered.consumer_sequence, 3,
+        "three deliveries in all"
+    );
 }
 
 // ---------------------------------------------------------------------------

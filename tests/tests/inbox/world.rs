@@ -217,6 +217,9 @@ pub(crate) enum Mode {
     Slow,
     /// Hold the transaction for 1.2 s: longer than a 1 s ack wait.
     Slower,
+    /// Sleep this many milliseconds outside the database, inside the
+    /// transaction (a handler waiting on something else), then write.
+    SleepMs(u64),
     /// Stall 0.9 s between two statements, idle inside the transaction.
     Stall,
     /// Swallow a failed statement and return Ok (a handler bug).
@@ -302,6 +305,11 @@ impl Record {
                 sqlx::query("select pg_sleep(1.2)")
                     .execute(&mut **tx)
                     .await?;
+                Ok(())
+            }
+            Mode::SleepMs(ms) => {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                sqlx::query("select 1").execute(&mut **tx).await?;
                 Ok(())
             }
             Mode::Stall => {
