@@ -11,6 +11,10 @@
 //! - Batched handling (`--batch 64`): one invoice per subscription through
 //!   duplicates, a process killed between a batch's commit and its acks, and a
 //!   cancellation whose handler fails until its creation is applied.
+//! - What a process killed with SIGKILL held (running, and waiting for a
+//!   slot) is handled by the next process within 5 s of the kill, with the
+//!   default ack wait, ordered and unordered; held past the ack wait while
+//!   the process lives, none of it is redelivered.
 //!
 //! The binaries are built by `scripts/test` (`cargo build --workspace --bins`)
 //! before the tests run.
@@ -510,4 +514,106 @@ async fn a_durable_deleted_after_retention_invoices_nothing_twice() {
         w.log_tail("billing-again")
     );
     billing.terminate().await;
+}
+
+// ---------------------------------------------------------------------------
+// 4. What a killed process held comes back within seconds.
+
+/// The bound, from the kill of the process that held the events to every one
+/// of them handled by the process started in its place.
+const HELD_BACK_WITHIN: Duration = Duration::from_secs(5);
+
+/// Billing (default ack wait, `extra`) holds 20 creations: the test holds an
+/// exclusive lock on `invoices`, so each handler waits on it (16 running, the
+/// others waiting for a slot). Held past the ack wait with no redelivery (the
+/// in-progress acks keep them), billing is killed with SIGKILL, the lock is
+/// let go and another billing started at once: every event is invoiced
+/// within [`HELD_BACK_WITHIN`] of the kill, once.
+async fn held_events_come_back_within_seconds(extra: &[&str]) {
+    const EVENTS: usize = 20;
+    let w = world().await;
+    let mut first = w.start("billing-held", extra).await;
+    let mut lock = w.db.pool.begin().await.unwrap();
+    sqlx::query("lock table invoices in exclusive mode")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let events: Vec<Published> = (0..EVENTS)
+        .map(|i| created(&format!("sub-{i:02}")))
+        .collect();
+    w.publish_all(&events).await;
+    let stream = w.js.get_stream(STREAM).await.unwrap();
+    wait_until(
+        "billing holds every event",
+        Duration::from_secs(30),
+        || async {
+            let info = stream.consumer_info(DURABLE).await.unwrap();
+            info.num_ack_pending == EVENTS && info.num_pending == 0
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", w.log_tail("billing-held")));
+    let info = stream.consumer_info(DURABLE).await.unwrap();
+    let ack_wait = info.config.ack_wait;
+    assert!(
+        ack_wait <= Duration::from_secs(4),
+        "billing's default ack wait is short: {ack_wait:?}"
+    );
+    // Held past the ack wait (within the 5 s lock timeout, after which an
+    // unordered billing would nak): nothing comes back while billing lives.
+    tokio::time::sleep(ack_wait + Duration::from_millis(500)).await;
+    let info = stream.consumer_info(DURABLE).await.unwrap();
+    assert_eq!(
+        (info.num_redelivered, info.delivered.consumer_sequence),
+        (0, EVENTS as u64),
+        "billing kept what it held, undelivered elsewhere and not redelivered"
+    );
+    w.assert_running(&mut first);
+
+    first.kill9().await;
+    let killed = std::time::Instant::now();
+    lock.rollback().await.unwrap();
+    let mut second = w.start("billing-after", extra).await;
+    let started = killed.elapsed();
+    wait_until(
+        "every held event invoiced",
+        Duration::from_secs(60),
+        || async { w.scalar("select count(*) from invoices").await == EVENTS as i64 },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", w.log_tail("billing-after")));
+    let handled = killed.elapsed();
+    println!(
+        "held events after a kill -9 ({extra:?}): ack wait {ack_wait:?}, the new billing ready \
+         after {started:?}, every event invoiced after {handled:?}"
+    );
+    assert!(
+        handled <= HELD_BACK_WITHIN,
+        "every held event handled {handled:?} after the kill (ready after {started:?}); \
+         billing's log:\n{}",
+        w.log_tail("billing-after")
+    );
+    wait_until("every message settled", Duration::from_secs(30), || async {
+        w.outstanding().await == 0
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        w.scalar("select count(distinct subscription_id) from invoices")
+            .await,
+        EVENTS as i64,
+        "one invoice per subscription"
+    );
+    w.assert_running(&mut second);
+    second.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn what_a_killed_leader_held_is_handled_within_seconds() {
+    held_events_come_back_within_seconds(&[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn what_a_killed_unordered_replica_held_is_handled_within_seconds() {
+    held_events_come_back_within_seconds(&["--unordered"]).await;
 }
