@@ -166,7 +166,9 @@ impl ConsumerConfig {
 
     /// Redelivery delays after ack-wait expiries, instead of `ack_wait` each
     /// time (JetStream `backoff`; needs `max_deliver` above its length).
-    /// Default: none.
+    /// Only the messages of a process that stopped speaking for them get
+    /// there. The default [`progress_interval`](Self::progress_interval) is a
+    /// third of the shortest of `ack_wait` and these steps. Default: none.
     #[must_use]
     pub fn backoff(mut self, backoff: Vec<Duration>) -> Self {
         self.backoff = backoff;
@@ -213,7 +215,8 @@ impl ConsumerConfig {
 
     /// How often every held message (running or waiting) gets an in-progress
     /// ack (`+WPI`, which restarts its `ack_wait`). Default: a third of
-    /// `ack_wait` (1 s with the default ack wait), which leaves two periods
+    /// `ack_wait`, or of the shortest [`backoff`](Self::backoff) step if
+    /// shorter (1 s with the defaults), which leaves two periods
     /// of slack for an ack delayed by a busy process or network before a
     /// live process's message could be redelivered. Keep it well under
     /// `ack_wait`.
@@ -372,9 +375,18 @@ impl ConsumerConfig {
         self.takeover_scan
     }
 
+    /// How often each held message gets an in-progress ack: the setting, or
+    /// a third of the shortest wait JetStream may apply to a message (the
+    /// ack wait, or a `backoff` step, which replaces it on later deliveries).
     pub(crate) fn progress_every(&self) -> Duration {
+        let shortest = self
+            .backoff
+            .iter()
+            .copied()
+            .filter(|step| !step.is_zero())
+            .fold(self.ack_wait, Duration::min);
         self.progress_interval
-            .unwrap_or(self.ack_wait / 3)
+            .unwrap_or(shortest / 3)
             .max(Duration::from_millis(10))
     }
 
@@ -397,5 +409,39 @@ impl ConsumerConfig {
             many => config.filter_subjects = many.to_vec(),
         }
         config
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_acks_come_three_times_per_shortest_wait() {
+        let config = ConsumerConfig::new("S", "d");
+        assert_eq!(config.ack_wait, DEFAULT_ACK_WAIT);
+        assert_eq!(config.progress_every(), Duration::from_secs(1));
+        let backoff = config
+            .clone()
+            .backoff(vec![Duration::from_millis(1_500), Duration::from_secs(60)]);
+        assert_eq!(backoff.progress_every(), Duration::from_millis(500));
+        let longer = config.clone().backoff(vec![Duration::from_secs(60)]);
+        assert_eq!(longer.progress_every(), Duration::from_secs(1));
+        let set = config.progress_interval(Duration::from_millis(250));
+        assert_eq!(set.progress_every(), Duration::from_millis(250));
+    }
+
+    #[test]
+    fn the_durable_gets_the_ack_wait() {
+        let config = ConsumerConfig::new("S", "d");
+        assert_eq!(
+            config.pull_config(DeliverPolicy::All).ack_wait,
+            Duration::from_secs(3)
+        );
+        let longer = config.ack_wait(Duration::from_secs(30));
+        assert_eq!(
+            longer.pull_config(DeliverPolicy::All).ack_wait,
+            Duration::from_secs(30)
+        );
     }
 }
