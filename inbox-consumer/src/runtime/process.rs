@@ -8,6 +8,7 @@ use async_nats::jetstream::{self, AckKind};
 use outbox_pg::EventId;
 use sqlx::PgPool;
 use tokio::sync::watch;
+use tokio::time::Instant;
 use tower::{Service, ServiceExt};
 
 use super::ack::{self, Decision};
@@ -351,10 +352,10 @@ async fn keep_while<F: Future>(
     warn_every: Option<Duration>,
 ) -> F::Output {
     let every = config.progress_every();
-    let started = tokio::time::Instant::now();
+    let started = Instant::now();
     let mut ticks = tokio::time::interval_at(started + every, every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut warn_at = warn_every.map(|after| started + after);
+    let mut overdue = warn_every.map(|after| Overdue::new(started, after));
     let mut fut = std::pin::pin!(fut);
     loop {
         tokio::select! {
@@ -365,14 +366,40 @@ async fn keep_while<F: Future>(
                         tracing::debug!(error = %e, "in-progress ack failed");
                     }
                 }
-                if let (Some(at), Some(after)) = (warn_at, warn_every)
-                    && tokio::time::Instant::now() >= at
-                {
+                if overdue.as_mut().is_some_and(|o| o.due(Instant::now())) {
                     still_running(messages, config, started.elapsed());
-                    warn_at = Some(at + after);
                 }
             }
         }
+    }
+}
+
+/// When a running call is next reported as still running: once it has run
+/// `after`, then each time it has run as long again.
+#[derive(Debug)]
+struct Overdue {
+    after: Duration,
+    next: Instant,
+}
+
+impl Overdue {
+    fn new(started: Instant, after: Duration) -> Self {
+        Self {
+            after,
+            next: started + after,
+        }
+    }
+
+    /// Whether a report is due at `now`; if so, the next is one `after` on
+    /// (never two at once after a long stall).
+    fn due(&mut self, now: Instant) -> bool {
+        if now < self.next {
+            return false;
+        }
+        while self.next <= now {
+            self.next += self.after.max(Duration::from_millis(1));
+        }
+        true
     }
 }
 
@@ -514,6 +541,23 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_call_is_reported_after_a_minute_then_every_minute() {
+        let started = Instant::now();
+        let at = |secs: u64| started + Duration::from_secs(secs);
+        let mut overdue = Overdue::new(started, STILL_RUNNING_AFTER);
+        assert!(!overdue.due(at(1)));
+        assert!(!overdue.due(at(59)));
+        assert!(overdue.due(at(60)));
+        assert!(!overdue.due(at(61)));
+        assert!(!overdue.due(at(119)));
+        assert!(overdue.due(at(120)));
+        // After a stall of several minutes, one report, then a minute on.
+        assert!(overdue.due(at(400)));
+        assert!(!overdue.due(at(401)));
+        assert!(overdue.due(at(420)));
+    }
 
     #[tokio::test]
     async fn a_failure_is_told_apart_as_a_panic_or_an_error() {
