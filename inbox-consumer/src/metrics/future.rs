@@ -3,12 +3,13 @@
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::Instant;
 
 use pin_project_lite::pin_project;
 
-use super::{Labels, record};
+use super::{Keys, record};
 use crate::delivery::Deliveries;
 
 pin_project! {
@@ -19,17 +20,17 @@ pin_project! {
         #[pin]
         inner: F,
         start: Instant,
-        labels: Vec<Labels>,
+        keys: Vec<Arc<Keys>>,
         request: PhantomData<fn() -> R>,
     }
 }
 
 impl<F, R> ResponseFuture<F, R> {
-    pub(crate) fn new(inner: F, start: Instant, labels: Vec<Labels>) -> Self {
+    pub(crate) fn new(inner: F, start: Instant, keys: Vec<Arc<Keys>>) -> Self {
         Self {
             inner,
             start,
-            labels,
+            keys,
             request: PhantomData,
         }
     }
@@ -48,13 +49,13 @@ where
         let seconds = this.start.elapsed().as_secs_f64();
         match &out {
             Ok(response) => {
-                for (labels, result) in this.labels.iter().zip(R::results(response)) {
-                    record(labels, result.ok().as_ref(), seconds);
+                for (keys, result) in this.keys.iter().zip(R::results(response)) {
+                    record(keys, result.ok().as_ref(), seconds);
                 }
             }
             Err(_) => {
-                for labels in this.labels.iter() {
-                    record(labels, None, seconds);
+                for keys in this.keys.iter() {
+                    record(keys, None, seconds);
                 }
             }
         }

@@ -42,6 +42,7 @@
 pub mod future;
 mod layer;
 
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
@@ -148,33 +149,89 @@ pub fn describe() {
     );
 }
 
-/// Counts one delivery's result (`None`: failed) and, unless it was a
-/// duplicate, its latency.
-/// The labels of one delivery's metrics: its consumer and event type.
-type Labels = [(&'static str, String); 2];
+/// The metadata of every series recorded here, as `metrics::counter!` in
+/// this module would give it.
+const METADATA: metrics::Metadata<'static> =
+    metrics::Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
 
-fn record(labels: &Labels, outcome: Option<&Outcome>, seconds: f64) {
+/// Most (consumer, event type) pairs whose keys one [`Metrics`] keeps; past
+/// that, keys are built per delivery.
+const KEPT: usize = 64;
+
+/// The keys of one consumer's and event type's series, built once: a
+/// [`metrics::Key`] hashes its name and labels when it is made, so recording
+/// through it is one lookup, without building labels per delivery.
+#[derive(Debug)]
+pub(crate) struct Keys {
+    consumer: String,
+    event_type: String,
+    handled: metrics::Key,
+    stale: metrics::Key,
+    failed: metrics::Key,
+    duration: metrics::Key,
+}
+
+impl Keys {
+    /// The keys of `delivery`'s series, labelled `consumer` and `event_type`.
+    fn new(delivery: &Delivery) -> Self {
+        let (consumer, event_type) = (delivery.consumer(), delivery.event_type().as_str());
+        let key = |name: &'static str| {
+            metrics::Key::from_parts(
+                name,
+                vec![
+                    metrics::Label::new("consumer", consumer.to_owned()),
+                    metrics::Label::new("event_type", event_type.to_owned()),
+                ],
+            )
+        };
+        Self {
+            consumer: consumer.to_owned(),
+            event_type: event_type.to_owned(),
+            handled: key(names::HANDLED),
+            stale: key(names::STALE),
+            failed: key(names::FAILED),
+            duration: key(names::HANDLER_DURATION),
+        }
+    }
+
+    fn fits(&self, delivery: &Delivery) -> bool {
+        self.event_type == delivery.event_type().as_str() && self.consumer == delivery.consumer()
+    }
+}
+
+/// Counts one delivery's result (`None`: failed) and, unless it was a
+/// duplicate, its latency, with the recorder installed when it is called
+/// (as `metrics::counter!` would).
+fn record(keys: &Keys, outcome: Option<&Outcome>, seconds: f64) {
     let counter = match outcome {
-        Some(Outcome::Handled) => names::HANDLED,
-        Some(Outcome::Stale) => names::STALE,
+        Some(Outcome::Handled) => &keys.handled,
+        Some(Outcome::Stale) => &keys.stale,
         Some(Outcome::Duplicate) => return,
-        None => names::FAILED,
+        None => &keys.failed,
     };
-    let labels = labels.as_slice();
-    metrics::counter!(counter, labels).increment(1);
-    metrics::histogram!(names::HANDLER_DURATION, labels).record(seconds);
+    metrics::with_recorder(|recorder| {
+        recorder.register_counter(counter, &METADATA).increment(1);
+        recorder
+            .register_histogram(&keys.duration, &METADATA)
+            .record(seconds);
+    });
 }
 
 /// Records counts and latency of the inner service. See the [module docs](self).
 #[derive(Debug, Clone)]
 pub struct Metrics<S> {
     inner: S,
+    /// The keys of the (consumer, event type) pairs seen, at most [`KEPT`].
+    keys: Vec<Arc<Keys>>,
 }
 
 impl<S> Metrics<S> {
     /// Wraps `inner`.
     pub const fn new(inner: S) -> Self {
-        Self { inner }
+        Self {
+            inner,
+            keys: Vec::new(),
+        }
     }
 
     /// The inner service.
@@ -190,6 +247,19 @@ impl<S> Metrics<S> {
     /// Unwraps the inner service.
     pub fn into_inner(self) -> S {
         self.inner
+    }
+
+    /// The keys of `delivery`'s series, kept for the next delivery of its
+    /// consumer and event type.
+    fn keys(&mut self, delivery: &Delivery) -> Arc<Keys> {
+        if let Some(keys) = self.keys.iter().find(|k| k.fits(delivery)) {
+            return Arc::clone(keys);
+        }
+        let keys = Arc::new(Keys::new(delivery));
+        if self.keys.len() < KEPT {
+            self.keys.push(Arc::clone(&keys));
+        }
+        keys
     }
 }
 
@@ -207,17 +277,13 @@ where
     }
 
     fn call(&mut self, request: R) -> Self::Future {
-        let labels = request.deliveries().iter().map(labels).collect();
-        future::ResponseFuture::new(self.inner.call(request), Instant::now(), labels)
+        let keys = request
+            .deliveries()
+            .iter()
+            .map(|delivery| self.keys(delivery))
+            .collect();
+        future::ResponseFuture::new(self.inner.call(request), Instant::now(), keys)
     }
-}
-
-/// The labels of `delivery`'s metrics.
-fn labels(delivery: &Delivery) -> Labels {
-    [
-        ("consumer", delivery.consumer().to_owned()),
-        ("event_type", delivery.event_type().as_str().to_owned()),
-    ]
 }
 
 #[cfg(test)]

@@ -126,6 +126,11 @@ impl<S> Trace<S> {
 /// The span of one delivery (with the `opentelemetry` feature, a child of
 /// the writer's span; see the [module docs](self)).
 pub fn delivery_span(delivery: &Delivery) -> tracing::Span {
+    // Every field known at the start is given here, none recorded after:
+    // each later `record` is another lookup of the span and another pass of
+    // every layer. `None` records nothing, as an `Empty` field never recorded.
+    let traceparent = delivery.traceparent();
+    let parsed = traceparent.and_then(TraceParent::parse);
     let span = tracing::info_span!(
         "inbox.delivery",
         consumer = delivery.consumer(),
@@ -134,23 +139,13 @@ pub fn delivery_span(delivery: &Delivery) -> tracing::Span {
         subject = delivery.subject(),
         stream_sequence = delivery.info().stream_sequence,
         delivered = delivery.info().delivered,
-        traceparent = Empty,
-        tracestate = Empty,
-        trace_id = Empty,
-        parent_span_id = Empty,
+        traceparent = traceparent,
+        trace_id = parsed.map(|p| p.trace_id),
+        parent_span_id = parsed.map(|p| p.parent_span_id),
+        tracestate = delivery.tracestate(),
         outcome = Empty,
         error = Empty,
     );
-    if let Some(tp) = delivery.traceparent() {
-        span.record("traceparent", tp);
-        if let Some(parsed) = TraceParent::parse(tp) {
-            span.record("trace_id", parsed.trace_id);
-            span.record("parent_span_id", parsed.parent_span_id);
-        }
-    }
-    if let Some(ts) = delivery.tracestate() {
-        span.record("tracestate", ts);
-    }
     #[cfg(feature = "opentelemetry")]
     if let Some(parent) = writer_context(delivery) {
         // Fails only without an OpenTelemetry layer, or for a disabled span:
