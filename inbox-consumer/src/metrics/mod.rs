@@ -393,4 +393,55 @@ mod tests {
         assert_eq!(count(names::STALE), 1);
         assert_eq!(count(names::FAILED), 3);
     }
+
+    #[test]
+    fn each_consumer_and_event_type_keeps_its_own_series() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let of = |event_type: &str, consumer: &str| {
+            let env = Envelope::new(event_type, "svc", "s1", serde_json::json!({})).unwrap();
+            Delivery::new(env, DeliveryInfo::new(consumer))
+        };
+        metrics::with_local_recorder(&recorder, || {
+            futures::executor::block_on(async {
+                let (inner, mut handle) = mock::pair::<Vec<Delivery>, BatchResults>();
+                let mut svc = MetricsLayer::new().layer(inner);
+                handle.allow(2);
+                for _ in 0..2 {
+                    std::future::poll_fn(|cx| svc.poll_ready(cx)).await.unwrap();
+                    let batch = vec![of("a.b", "c1"), of("a.c", "c1"), of("a.b", "c2")];
+                    let fut = svc.call(batch);
+                    let (_, send) = handle.next_request().await.unwrap();
+                    send.send_response((0..3).map(|_| Ok(Outcome::Handled)).collect());
+                    fut.await.unwrap();
+                }
+            });
+        });
+        let mut handled: Vec<(String, u64)> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(key, ..)| key.key().name() == names::HANDLED)
+            .map(|(key, _, _, value)| {
+                let labels: Vec<String> = key
+                    .key()
+                    .labels()
+                    .map(|l| format!("{}={}", l.key(), l.value()))
+                    .collect();
+                let DebugValue::Counter(n) = value else {
+                    panic!("{key:?} is not a counter")
+                };
+                (labels.join(","), n)
+            })
+            .collect();
+        handled.sort();
+        assert_eq!(
+            handled,
+            [
+                ("consumer=c1,event_type=a.b".to_owned(), 2),
+                ("consumer=c1,event_type=a.c".to_owned(), 2),
+                ("consumer=c2,event_type=a.b".to_owned(), 2),
+            ]
+        );
+    }
 }
