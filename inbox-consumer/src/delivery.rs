@@ -16,6 +16,7 @@ use serde_json::Value;
 use sqlx::PgTransaction;
 
 use crate::error::{Error, ErrorKind};
+use crate::fence::FenceKey;
 use crate::poison::{Poison, Reason};
 
 /// Header carrying the W3C trace parent of the publisher.
@@ -86,6 +87,8 @@ pub struct Delivery {
     traceparent: Option<Arc<str>>,
     tracestate: Option<Arc<str>>,
     leader_epoch: Option<i64>,
+    /// The keys of the leader's fence, when the runtime marked the delivery.
+    fence_key: Option<FenceKey>,
     /// The span to handle the delivery in, when it is not the current one
     /// (batch mode: see [`crate::trace`]).
     span: Option<tracing::Span>,
@@ -100,6 +103,7 @@ impl Delivery {
             traceparent: None,
             tracestate: None,
             leader_epoch: None,
+            fence_key: None,
             span: None,
         }
     }
@@ -150,6 +154,7 @@ impl Delivery {
             envelope: Arc::new(envelope),
             info: Arc::new(info),
             leader_epoch: None,
+            fence_key: None,
             span: None,
         }
     }
@@ -167,6 +172,22 @@ impl Delivery {
     /// The leader epoch this delivery is fenced by, if any.
     pub fn leader_epoch(&self) -> Option<i64> {
         self.leader_epoch
+    }
+
+    /// Marks the delivery as the leader's in `epoch`, with the keys of its
+    /// fence (read once per tenure), so the check before the commit needs
+    /// no catalog lookup.
+    #[must_use]
+    pub(crate) fn with_fence(mut self, epoch: i64, key: FenceKey) -> Self {
+        self.leader_epoch = Some(epoch);
+        self.fence_key = Some(key);
+        self
+    }
+
+    /// The epoch the delivery is fenced by and, when the runtime marked it,
+    /// the fence's keys.
+    pub(crate) fn fence(&self) -> Option<(i64, Option<FenceKey>)> {
+        self.leader_epoch.map(|epoch| (epoch, self.fence_key))
     }
 
     /// Names the span the delivery's handler runs in (the batch

@@ -81,7 +81,7 @@ where
         mut duplicates,
         mut results,
     } = sort_out(&deliveries);
-    let epoch = deliveries.iter().find_map(Delivery::leader_epoch);
+    let fence = deliveries.iter().find_map(Delivery::fence);
     while !rows.is_empty() {
         let mut tx = begin_tx(&pool, begin.clone()).await?;
         let fresh = insert(&mut tx, &consumer, &deliveries, &rows).await?;
@@ -97,7 +97,7 @@ where
                 results[index] = Some(Err(error));
             }
             Passed::Handled(tx, handled) => {
-                commit(tx, &consumer, epoch).await?;
+                commit(tx, &consumer, fence).await?;
                 for (index, outcome) in handled {
                     if outcome == Outcome::Duplicate {
                         duplicates.push(index);

@@ -52,7 +52,7 @@ use tower::Service;
 
 use crate::delivery::{Delivery, InTx, Outcome};
 use crate::error::{BoxError, Error, ErrorKind};
-use crate::fence::check_fence;
+use crate::fence::{FenceKey, check_fence};
 use crate::metrics::names;
 
 pub use layer::DedupeLayer;
@@ -168,13 +168,13 @@ where
                 note_duplicate(&delivery);
                 return Ok(Outcome::Duplicate);
             }
-            let (consumer, epoch) = (delivery.consumer().to_owned(), delivery.leader_epoch());
+            let (consumer, fence) = (delivery.consumer().to_owned(), delivery.fence());
             let (tx, outcome) = inner
                 .call(InTx::new(tx, delivery))
                 .await
                 .map_err(Into::into)?
                 .into_parts();
-            commit(tx, &consumer, epoch).await?;
+            commit(tx, &consumer, fence).await?;
             Ok(outcome)
         })
     }
@@ -224,21 +224,23 @@ const ABORTED: &str = "the handler returned Ok but its transaction is aborted (a
 async fn commit(
     mut tx: PgTransaction<'static>,
     consumer: &str,
-    epoch: Option<i64>,
+    fence: Option<(i64, Option<FenceKey>)>,
 ) -> Result<(), Error> {
     // A handler that swallowed a failed statement returns Ok on an aborted
     // transaction, whose COMMIT silently rolls back: acking it would lose the
     // event. Refuse to commit it instead. A leader's fence check is the first
     // statement after the handler's and fails there (SQLSTATE 25P02) exactly
     // as the check would, so it stands for it: one round trip fewer.
-    match epoch {
-        Some(epoch) => check_fence(&mut tx, consumer, epoch).await.map_err(|e| {
-            if in_failed_transaction(&e) {
-                Error::new(ErrorKind::Database, format!("{ABORTED}: {e}")).with_source(e)
-            } else {
-                e
-            }
-        })?,
+    match fence {
+        Some((epoch, key)) => check_fence(&mut tx, consumer, epoch, key)
+            .await
+            .map_err(|e| {
+                if in_failed_transaction(&e) {
+                    Error::new(ErrorKind::Database, format!("{ABORTED}: {e}")).with_source(e)
+                } else {
+                    e
+                }
+            })?,
         None => {
             sqlx::query_file!("queries/check_tx.sql")
                 .fetch_one(&mut *tx)

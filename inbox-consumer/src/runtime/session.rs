@@ -404,8 +404,8 @@ impl<'a, R: Runner> Session<'a, R> {
         match crate::delivery::decode_envelope(&message.payload) {
             Ok(envelope) => {
                 let delivery = Delivery::from_decoded(&message.message, envelope, info);
-                let delivery = match self.tenure.as_ref().map(Tenure::epoch) {
-                    Some(epoch) => delivery.with_leader_epoch(epoch),
+                let delivery = match self.tenure.as_ref() {
+                    Some(tenure) => delivery.with_fence(tenure.epoch(), tenure.fence_key()),
                     None => delivery,
                 };
                 let job = match &mut self.gaps {

@@ -43,6 +43,7 @@ use tokio::time::Instant;
 
 use super::lock_holder::Watch;
 use crate::error::Error;
+use crate::fence::FenceKey;
 
 /// How recently a leader's session must have been confirmed for it to pull.
 pub(crate) const CONFIRM_WINDOW: Duration = Duration::from_secs(1);
@@ -69,6 +70,8 @@ pub(crate) fn takeover_wait() -> Duration {
 #[derive(Debug)]
 pub(crate) struct Tenure {
     epoch: i64,
+    /// The keys of the fence, for the tenure's commits.
+    fence_key: FenceKey,
     /// Whether the previous leader let go cleanly, or there was none (nothing
     /// of it can still arrive).
     clean_handover: bool,
@@ -82,6 +85,11 @@ impl Tenure {
     /// The fencing epoch of this tenure.
     pub(crate) fn epoch(&self) -> i64 {
         self.epoch
+    }
+
+    /// The keys of the fence the tenure's commits take.
+    pub(crate) fn fence_key(&self) -> FenceKey {
+        self.fence_key
     }
 
     /// Whether the previous leader let go cleanly.
@@ -137,7 +145,7 @@ pub(crate) async fn acquire(pool: &PgPool, consumer: &str, timeout: Duration) ->
     let mut watch = Watch::default();
     loop {
         match try_lead(pool, &mut conn, consumer, &holder, timeout).await {
-            Ok(Some((epoch, clean_handover))) => {
+            Ok(Some((epoch, clean_handover, fence_key))) => {
                 let Some(conn) = conn.take() else {
                     continue;
                 };
@@ -153,6 +161,7 @@ pub(crate) async fn acquire(pool: &PgPool, consumer: &str, timeout: Duration) ->
                 ));
                 return Tenure {
                     epoch,
+                    fence_key,
                     clean_handover,
                     confirmed,
                     release: Some(release),
@@ -187,7 +196,7 @@ async fn try_lead(
     consumer: &str,
     holder: &str,
     timeout: Duration,
-) -> Result<Option<(i64, bool)>, Error> {
+) -> Result<Option<(i64, bool, FenceKey)>, Error> {
     let conn = match conn {
         Some(conn) => conn,
         None => {
@@ -219,10 +228,8 @@ async fn try_lead(
         .begin()
         .await
         .map_err(|e| Error::database("beginning the epoch bump", e))?;
-    sqlx::query_file!("queries/lease_fence_exclusive.sql", consumer)
-        .execute(&mut *tx)
-        .await
-        .map_err(|e| Error::database("taking the leadership fence", e))?;
+    let fence_key = FenceKey::read(&mut tx, consumer).await?;
+    fence_key.lock_exclusive(&mut tx).await?;
     let previous: Option<bool> = sqlx::query_file_scalar!("queries/lease_previous.sql", consumer)
         .fetch_optional(&mut *tx)
         .await
@@ -235,7 +242,7 @@ async fn try_lead(
         .await
         .map_err(|e| Error::database("committing the leader epoch", e))?;
     // No row: no ordered leader ever ran, so none can have a pull open.
-    Ok(Some((epoch, previous != Some(false))))
+    Ok(Some((epoch, previous != Some(false), fence_key)))
 }
 
 /// Keeps the leadership session alive, and says when it cannot.
