@@ -164,6 +164,28 @@ pub(crate) async fn send(
     }
 }
 
+/// Acks `messages` (a committed batch's) at once, each waiting for the
+/// server's confirmation, all under one `timeout`: one timer for the batch,
+/// not one per message. The errors, one per message that failed, or one for
+/// the batch if the time ran out.
+pub(crate) async fn ack_all(messages: &[jetstream::Message], timeout: Duration) -> Vec<Error> {
+    let acks = futures::future::join_all(messages.iter().map(jetstream::Message::double_ack));
+    match tokio::time::timeout(timeout, acks).await {
+        Ok(results) => results
+            .into_iter()
+            .filter_map(Result::err)
+            .map(|e| Error::caused(ErrorKind::Nats, "sending Ack", e))
+            .collect(),
+        Err(elapsed) => vec![
+            Error::new(
+                ErrorKind::Nats,
+                format!("acking {} messages timed out", messages.len()),
+            )
+            .with_source(elapsed),
+        ],
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

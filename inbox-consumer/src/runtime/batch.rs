@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use async_nats::jetstream::{self, AckKind};
+use async_nats::jetstream;
 use futures::future::{BoxFuture, join_all};
 use tokio::sync::watch;
 use tower::{Service, ServiceExt};
@@ -230,15 +230,12 @@ where
         }
     }
     // The transaction has committed: only now are its messages acked.
-    let acks = committed.iter().map(|message| async move {
-        if let Err(e) = ack::send(message, AckKind::Ack, config.ack_timeout).await {
-            tracing::warn!(
-                consumer = %config.durable, error = %e,
-                "ack failed after commit; the redelivery will be a duplicate",
-            );
-        }
-    });
-    join_all(acks).await;
+    for e in ack::ack_all(&committed, config.ack_timeout).await {
+        tracing::warn!(
+            consumer = %config.durable, error = %e,
+            "ack failed after commit; the redelivery will be a duplicate",
+        );
+    }
     for (index, (message, delivery)) in failed {
         let one = One(service.clone());
         finished[index] =
