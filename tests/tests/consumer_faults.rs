@@ -27,7 +27,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
-use async_nats::jetstream::{self, stream};
+use async_nats::jetstream;
 use outbox_testkit::{NatsServer, PgServer, Program, TestDb, wait_until};
 use serde_json::json;
 use uuid::Uuid;
@@ -48,14 +48,7 @@ async fn world() -> World {
     let pg = blocking(PgServer::start).unwrap();
     let db = TestDb::on(&pg).await.unwrap();
     let nats = blocking(NatsServer::start).unwrap();
-    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
-    js.create_stream(stream::Config {
-        name: STREAM.into(),
-        subjects: vec!["subscription.>".into(), "invoice.>".into()],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let js = support::billing_stream(&nats.url(), STREAM).await;
     let log_dir = std::env::temp_dir()
         .join("outbox-consumer-faults")
         .join(db.name());

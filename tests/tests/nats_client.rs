@@ -16,7 +16,7 @@ mod support;
 
 use std::time::Duration;
 
-use async_nats::jetstream::{self, stream};
+use async_nats::jetstream;
 use inbox_consumer::HandlerService;
 use inbox_consumer::prelude::*;
 use outbox_publisher::{Relay, RelayConfig, StreamSpec};
@@ -341,14 +341,7 @@ async fn outbox_relay_builds_a_new_client_when_its_client_is_closed_and_loses_no
 async fn billing_builds_a_new_client_when_its_client_is_closed_and_invoices_each_subscription_once()
 {
     let world = world("billing").await;
-    let js = jetstream::new(async_nats::connect(world.nats.url()).await.unwrap());
-    js.create_stream(stream::Config {
-        name: "OUTBOX".into(),
-        subjects: vec!["subscription.>".into(), "invoice.>".into()],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let js = support::billing_stream(&world.nats.url(), "OUTBOX").await;
     let mut billing = world
         .program("billing", "billing")
         .args(["--stream", "OUTBOX", "--consumer", "billing"])

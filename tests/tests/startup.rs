@@ -22,6 +22,7 @@ use std::time::Duration;
 use outbox_pg::{ErrorKind, MIGRATION_LOCK};
 use outbox_testkit::{NatsServer, Program, TestDb, create_database, wait_until};
 use sqlx::PgPool;
+use support::relation_exists as exists;
 use uuid::Uuid;
 
 /// Rounds per binary, each on a fresh database.
@@ -70,14 +71,6 @@ impl Databases {
         );
         (url, pool)
     }
-}
-
-async fn exists(pool: &PgPool, relation: &str) -> bool {
-    sqlx::query_scalar::<_, bool>("select to_regclass($1) is not null")
-        .bind(relation)
-        .fetch_one(pool)
-        .await
-        .unwrap()
 }
 
 /// Every embedded migration applied exactly once and successfully, and every

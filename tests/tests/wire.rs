@@ -18,7 +18,7 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use async_nats::jetstream::{self, stream};
+use async_nats::jetstream;
 use outbox_pg::Envelope;
 use outbox_testkit::{NatsServer, Program, TestDb, wait_until};
 use serde_json::Value;
@@ -142,6 +142,16 @@ async fn publish_with_python(url: &str, example: &Example, dir: &Path) -> String
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// The first message `STREAM` stored, as the server holds it.
+async fn first_stored(js: &jetstream::Context) -> jetstream::message::StreamMessage {
+    js.get_stream(STREAM)
+        .await
+        .unwrap()
+        .get_raw_message(1)
+        .await
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_page_s_example_published_with_nats_py_is_handled_by_billing() {
     let example = example();
@@ -162,14 +172,7 @@ async fn the_page_s_example_published_with_nats_py_is_handled_by_billing() {
 
     let db = TestDb::new().await.unwrap();
     let nats: NatsServer = blocking(NatsServer::start).unwrap();
-    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
-    js.create_stream(stream::Config {
-        name: STREAM.into(),
-        subjects: vec!["subscription.>".into(), "invoice.>".into()],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let js = support::billing_stream(&nats.url(), STREAM).await;
     let dir = tempfile::Builder::new()
         .prefix("outbox-wire-")
         .tempdir()
@@ -234,13 +237,7 @@ async fn the_page_s_example_published_with_nats_py_is_handled_by_billing() {
     support::wait_acked(&js, STREAM, "billing", WAIT).await;
 
     // Stored as published: the page's headers, byte for byte the page's body.
-    let stored = js
-        .get_stream(STREAM)
-        .await
-        .unwrap()
-        .get_raw_message(1)
-        .await
-        .unwrap();
+    let stored = first_stored(&js).await;
     assert_eq!(stored.subject.as_str(), example.subject);
     assert_eq!(stored.payload.as_ref(), example.body.as_bytes());
     for (name, value) in &example.headers {
@@ -315,13 +312,7 @@ async fn the_relay_publishes_the_page_s_example_as_the_page_says() {
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", log()));
     let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
-    let stored = js
-        .get_stream(STREAM)
-        .await
-        .unwrap()
-        .get_raw_message(1)
-        .await
-        .unwrap();
+    let stored = first_stored(&js).await;
 
     assert_eq!(stored.subject.as_str(), example.subject);
     let mut sent: Vec<(String, String)> = stored

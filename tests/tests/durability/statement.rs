@@ -17,7 +17,6 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::{self, stream};
 use outbox_testkit::{Program, TestDb, wait_until};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -233,14 +232,7 @@ async fn a_duplicate_window_inside_the_republish_horizon_is_refused_and_named() 
 async fn the_consumer_states_retention_against_redelivery_and_the_streams_replicas() {
     let db = TestDb::new().await.unwrap();
     let nats = outbox_testkit::nats().unwrap();
-    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
-    js.create_stream(stream::Config {
-        name: "OUTBOX".into(),
-        subjects: vec!["subscription.>".into(), "invoice.>".into()],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    crate::support::billing_stream(nats.url(), "OUTBOX").await;
     let dir = log_dir(&db);
     let mut billing = Program::new("billing", super::support::bin_dir().join("billing"), &dir)
         .env("DATABASE_URL", db.url())

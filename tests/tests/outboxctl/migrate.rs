@@ -12,14 +12,7 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 use super::outbox::ctl;
-
-async fn exists(pool: &PgPool, relation: &str) -> bool {
-    sqlx::query_scalar::<_, bool>("select to_regclass($1) is not null")
-        .bind(relation)
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
+use crate::support::relation_exists as exists;
 
 fn write(dir: &Path, name: &str, sql: &str) {
     std::fs::write(dir.join(name), sql).unwrap();

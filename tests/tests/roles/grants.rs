@@ -139,6 +139,29 @@ pub(super) fn log_of(dir: &Path, name: &str) -> String {
     std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap_or_default()
 }
 
+/// `subscriptions --no-relay` on a free loopback port, its logs in `dir`,
+/// connected as `database_url` says; the process and its address.
+pub(super) async fn start_subscriptions(dir: &Path, database_url: &str) -> (Program, String) {
+    let mut subscriptions = Program::new(
+        "subscriptions",
+        super::support::bin_dir().join("subscriptions"),
+        dir,
+    )
+    .env("DATABASE_URL", database_url)
+    .args(["--listen", "127.0.0.1:0", "--no-relay"])
+    .ready_when("listening on");
+    let line = subscriptions
+        .start()
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", log_of(dir, "subscriptions")))
+        .unwrap();
+    let addr = line
+        .trim()
+        .trim_start_matches("listening on http://")
+        .to_owned();
+    (subscriptions, addr)
+}
+
 /// One HTTP/1.1 request to `addr`; returns the status and the JSON body.
 pub(super) async fn http(
     addr: &str,
@@ -222,23 +245,8 @@ async fn the_binaries_run_under_least_privilege_roles_and_a_missing_right_is_nam
     .env("NATS_URL", nats.url())
     .args(["--poll-interval", "100ms", "--subjects", SUBJECTS]);
     relay.start().await.unwrap();
-    let mut subscriptions = Program::new(
-        "subscriptions",
-        super::support::bin_dir().join("subscriptions"),
-        &dir,
-    )
-    .env("DATABASE_URL", as_user(db.url(), &logins.writer))
-    .args(["--listen", "127.0.0.1:0", "--no-relay"])
-    .ready_when("listening on");
-    let line = subscriptions
-        .start()
-        .await
-        .unwrap_or_else(|e| panic!("{e}\n{}", log_of(&dir, "subscriptions")))
-        .unwrap();
-    let addr = line
-        .trim()
-        .trim_start_matches("listening on http://")
-        .to_owned();
+    let (mut subscriptions, addr) =
+        start_subscriptions(&dir, &as_user(db.url(), &logins.writer)).await;
     let mut billing = Program::new("billing", super::support::bin_dir().join("billing"), &dir)
         .env("DATABASE_URL", as_user(db.url(), &logins.billing))
         .env("NATS_URL", nats.url())

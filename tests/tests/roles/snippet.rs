@@ -16,7 +16,7 @@ use std::time::Duration;
 use outbox_testkit::{NatsServer, Program, TestDb, create_database, wait_until};
 use sqlx::PgPool;
 
-use super::grants::{as_user, count, http, log_dir, log_of};
+use super::grants::{as_user, count, http, log_dir, log_of, start_subscriptions};
 
 const SECURITY_MD: &str = include_str!("../../../docs/security.md");
 
@@ -151,23 +151,8 @@ async fn the_roles_snippet_of_the_security_page_runs_as_written() {
         "subscription.>,invoice.>",
     ]);
     relay.start().await.unwrap();
-    let mut subscriptions = Program::new(
-        "subscriptions",
-        super::support::bin_dir().join("subscriptions"),
-        &dir,
-    )
-    .env("DATABASE_URL", as_user(&url, "subscriptions_login"))
-    .args(["--listen", "127.0.0.1:0", "--no-relay"])
-    .ready_when("listening on");
-    let line = subscriptions
-        .start()
-        .await
-        .unwrap_or_else(|e| panic!("{e}\n{}", log_of(&dir, "subscriptions")))
-        .unwrap();
-    let addr = line
-        .trim()
-        .trim_start_matches("listening on http://")
-        .to_owned();
+    let (mut subscriptions, addr) =
+        start_subscriptions(&dir, &as_user(&url, "subscriptions_login")).await;
     let mut billing = Program::new("billing", super::support::bin_dir().join("billing"), &dir)
         .env("DATABASE_URL", as_user(&url, "billing_login"))
         .env("NATS_URL", nats.url())

@@ -78,6 +78,29 @@ pub(crate) async fn jetstream_client(url: &str) -> async_nats::jetstream::Contex
     async_nats::jetstream::new(client)
 }
 
+/// A JetStream context on `url` with `stream` made as billing's relay would
+/// make it (subjects `subscription.>` and `invoice.>`, defaults otherwise).
+pub(crate) async fn billing_stream(url: &str, stream: &str) -> async_nats::jetstream::Context {
+    let js = async_nats::jetstream::new(async_nats::connect(url).await.unwrap());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: stream.into(),
+        subjects: vec!["subscription.>".into(), "invoice.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    js
+}
+
+/// Whether `relation` resolves through `pool`'s `search_path`.
+pub(crate) async fn relation_exists(pool: &sqlx::PgPool, relation: &str) -> bool {
+    sqlx::query_scalar::<_, bool>("select to_regclass($1) is not null")
+        .bind(relation)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 /// Messages in `stream` at `url`, 0 if it does not exist (yet).
 pub(crate) async fn stream_count(url: &str, stream: &str) -> u64 {
     let js = jetstream_client(url).await;
