@@ -692,6 +692,71 @@ async fn a_transaction_of_a_deposed_leader_rolls_back_and_is_left_unacked() {
 }
 
 #[tokio::test]
+async fn a_commit_waits_for_a_new_leader_holding_the_fence_on_the_keys_earlier_versions_use() {
+    // A new leader of any version takes the fence exclusive on these keys,
+    // computed in SQL as every version has (the schema part is '' in
+    // `public`); a commit of the old epoch must wait for it, then roll back.
+    let db = TestDb::new().await.unwrap();
+    sqlx::query(EFFECTS).execute(&db.pool).await.unwrap();
+    sqlx::query(
+        "insert into inbox_leases (consumer, epoch, holder) values ('fenced', 1, 'the old leader')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut leader = db.pool.begin().await.unwrap();
+    sqlx::query(
+        "select pg_advisory_xact_lock(hashtext('inbox_consumer.fence' || ''), hashtext('fenced'))",
+    )
+    .execute(&mut *leader)
+    .await
+    .unwrap();
+    let stack = ServiceBuilder::new()
+        .layer(DedupeLayer::new(db.pool.clone()))
+        .service(Router::new().route("o.step", HandlerService::new(Append::default())));
+    let event = Envelope::new("o.step", "tests", "s", json!({"seq": 0})).unwrap();
+    let delivery =
+        Delivery::new(event, inbox_consumer::DeliveryInfo::new("fenced")).with_leader_epoch(1);
+    let commit = tokio::spawn(stack.oneshot(delivery));
+    let pool = db.pool.clone();
+    wait_until(
+        "the commit waits on the fence",
+        Duration::from_secs(10),
+        || {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_scalar::<_, i64>(
+                    "select count(*) from pg_locks where locktype = 'advisory' and not granted \
+                     and database = (select oid from pg_database where datname = current_database())",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                    == 1
+            }
+        },
+    )
+    .await
+    .unwrap();
+    assert!(!commit.is_finished());
+    sqlx::query(
+        "update inbox_leases set epoch = 2, holder = 'the new leader' where consumer = 'fenced'",
+    )
+    .execute(&mut *leader)
+    .await
+    .unwrap();
+    leader.commit().await.unwrap();
+    let err = commit.await.unwrap().unwrap_err();
+    let err = err.downcast_ref::<inbox_consumer::Error>().unwrap();
+    assert_eq!(err.kind(), inbox_consumer::ErrorKind::LeaseLost, "{err}");
+    let effects: i64 = sqlx::query_scalar("select count(*) from effects")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(effects, 0);
+}
+
+#[tokio::test]
 async fn a_leader_that_loses_its_database_session_steps_down_and_the_standby_goes_on_in_order() {
     let w = world_with_effects("ORDERED_SESSION").await;
     let tracker = InFlight::default();
