@@ -652,25 +652,39 @@ async fn a_failing_event_holds_back_its_subject_only_and_poison_holds_back_nothi
     replica.shutdown().await;
 }
 
-#[tokio::test]
-async fn a_transaction_of_a_deposed_leader_rolls_back_and_is_left_unacked() {
-    // The fence, directly: a delivery stamped with an old epoch cannot commit.
+/// A database whose consumer `fenced` has a lease of `epoch`, and the dedupe
+/// stack over [`Append`] a fenced delivery goes through.
+async fn fenced(
+    epoch: i64,
+) -> (
+    TestDb,
+    impl Service<Delivery, Response = Outcome, Error = tower::BoxError, Future: Send> + Clone + Send,
+) {
     let db = TestDb::new().await.unwrap();
     sqlx::query(EFFECTS).execute(&db.pool).await.unwrap();
     sqlx::query(
-        "insert into inbox_leases (consumer, epoch, holder) values ('fenced', 2, 'the new leader')",
+        "insert into inbox_leases (consumer, epoch, holder) values ('fenced', $1, 'a leader')",
     )
+    .bind(epoch)
     .execute(&db.pool)
     .await
     .unwrap();
     let stack = ServiceBuilder::new()
         .layer(DedupeLayer::new(db.pool.clone()))
         .service(Router::new().route("o.step", HandlerService::new(Append::default())));
+    (db, stack)
+}
+
+/// A delivery to `fenced`, stamped with `epoch`.
+fn delivery(epoch: i64) -> Delivery {
     let event = Envelope::new("o.step", "tests", "s", json!({"seq": 0})).unwrap();
-    let delivery = |epoch| {
-        Delivery::new(event.clone(), inbox_consumer::DeliveryInfo::new("fenced"))
-            .with_leader_epoch(epoch)
-    };
+    Delivery::new(event, inbox_consumer::DeliveryInfo::new("fenced")).with_leader_epoch(epoch)
+}
+
+#[tokio::test]
+async fn a_transaction_of_a_deposed_leader_rolls_back_and_is_left_unacked() {
+    // The fence, directly: a delivery stamped with an old epoch cannot commit.
+    let (db, stack) = fenced(2).await;
 
     let err = stack.clone().oneshot(delivery(1)).await.unwrap_err();
     let err = err.downcast_ref::<inbox_consumer::Error>().unwrap();
@@ -696,14 +710,7 @@ async fn a_commit_waits_for_a_new_leader_holding_the_fence_on_the_keys_earlier_v
     // A new leader of any version takes the fence exclusive on these keys,
     // computed in SQL as every version has (the schema part is '' in
     // `public`); a commit of the old epoch must wait for it, then roll back.
-    let db = TestDb::new().await.unwrap();
-    sqlx::query(EFFECTS).execute(&db.pool).await.unwrap();
-    sqlx::query(
-        "insert into inbox_leases (consumer, epoch, holder) values ('fenced', 1, 'the old leader')",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    let (db, stack) = fenced(1).await;
     let mut leader = db.pool.begin().await.unwrap();
     sqlx::query(
         "select pg_advisory_xact_lock(hashtext('inbox_consumer.fence' || ''), hashtext('fenced'))",
@@ -711,13 +718,7 @@ async fn a_commit_waits_for_a_new_leader_holding_the_fence_on_the_keys_earlier_v
     .execute(&mut *leader)
     .await
     .unwrap();
-    let stack = ServiceBuilder::new()
-        .layer(DedupeLayer::new(db.pool.clone()))
-        .service(Router::new().route("o.step", HandlerService::new(Append::default())));
-    let event = Envelope::new("o.step", "tests", "s", json!({"seq": 0})).unwrap();
-    let delivery =
-        Delivery::new(event, inbox_consumer::DeliveryInfo::new("fenced")).with_leader_epoch(1);
-    let commit = tokio::spawn(stack.oneshot(delivery));
+    let commit = tokio::spawn(stack.oneshot(delivery(1)));
     let pool = db.pool.clone();
     wait_until(
         "the commit waits on the fence",
